@@ -1,0 +1,10 @@
+"""prepfuse: fused attention-input preparation for LLM inference engines on PyTorch.
+
+``import prepfuse`` registers the ``torch.ops.prepfuse`` ops. It changes no global
+compiler setting.
+"""
+
+from prepfuse import ops
+
+__version__ = "0.1.0"
+__all__ = ["ops", "__version__"]

@@ -1,0 +1,21 @@
+"""prepfuse's fused custom ops (``torch.ops.prepfuse.*``).
+
+Importing this package registers every op once per process. Each op's module holds its
+math, kernel, reference implementation, checks and registration; the overload
+constants below are what passes and tests refer to.
+"""
+
+from prepfuse.ops._library import NAMESPACE, registered_ops
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
+    DSV4_QNORM_ROPE_KV_INSERT,
+    dsv4_qnorm_rope_kv_insert_reference,
+    dsv4_qnorm_rope_kv_insert_triton,
+)
+
+__all__ = [
+    "NAMESPACE",
+    "registered_ops",
+    "DSV4_QNORM_ROPE_KV_INSERT",
+    "dsv4_qnorm_rope_kv_insert_reference",
+    "dsv4_qnorm_rope_kv_insert_triton",
+]

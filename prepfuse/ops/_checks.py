@@ -1,0 +1,54 @@
+"""Input checks shared by the ops' eager paths and fake impls.
+
+Every failure is a ``ValueError`` whose message starts with the argument's name, so an
+engine author reading a traceback knows which tensor to look at. Under fake tensors,
+sizes may be symbolic: a check only fails when the sizes are *known* to disagree, and
+it never adds a guard (that would specialise a dynamic ``T``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+def known_false(cond) -> bool:
+    """True when ``cond`` (a bool or SymBool) is certainly false, without guarding."""
+    if isinstance(cond, bool):
+        return not cond
+    return statically_known_true(torch.sym_not(cond))
+
+
+def require(cond, message: str) -> None:
+    if known_false(cond):
+        raise ValueError(message)
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    ndim: int,
+    device: torch.device,
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+
+
+def check_size(name: str, t: torch.Tensor, dim: int, size, what: str) -> None:
+    require(t.shape[dim] == size, f"{name}: dimension {dim} must be {what} ({size}), got shape {tuple(t.shape)}")
+
+
+def check_unit_last_stride(name: str, t: torch.Tensor) -> None:
+    """Rows are read with wide vector loads, so the last dimension must be dense."""
+    require(
+        t.shape[-1] <= 1 or t.stride(-1) == 1,
+        f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}",
+    )

@@ -1,0 +1,436 @@
+"""DeepSeek-V4 attention-input preparation as one fused, mutating out-variant op.
+
+Schema (the contract; ``tests/golden/schemas.txt`` holds it verbatim)::
+
+    prepfuse::dsv4_qnorm_rope_kv_insert(Tensor q, Tensor kv, Tensor(a!) q_out,
+        Tensor(b!) k_cache, Tensor slot_mapping, Tensor positions,
+        Tensor cos_sin_cache, float eps, int block_size) -> ()
+
+Inputs (``T`` tokens, ``H`` local query heads, ``HP >= H`` padded heads)::
+
+    q              [T, H, 512]   bf16   rows dense (stride 1 on the last dim)
+    kv             [T, 512]      bf16   one latent head, already RMS-normed upstream
+    q_out          [T, HP, 512]  bf16   written: heads < H as below, heads >= H zero
+    k_cache        [NB, S]       uint8  written: fp8_ds_mla layout, S >= block_size*584
+    slot_mapping   [T']          int64  T' <= T; row t goes to slot slot_mapping[t];
+                                        a negative slot skips the row
+    positions      [T]           int64  row of cos_sin_cache for each token
+    cos_sin_cache  [P, 64]       fp32   per position: 32 cos, then 32 sin
+
+Q path, per token and head, all in fp32 with one rounding to bf16 at the store::
+
+    y = x * 1/sqrt(mean(x^2) + eps)                         (RMSNorm over 512, no weight)
+    for p in 0..31 (GPT-J, interleaved, dims 448..511):
+        e, o = y[448+2p], y[449+2p]
+        y[448+2p], y[449+2p] = e*cos[p] - o*sin[p], e*sin[p] + o*cos[p]
+
+KV path, per inserted row::
+
+    rope dims 448..511 as above (no norm), rounded to bf16
+    7 blocks of 64 NoPE values: amax = max(max|x|, 1e-4); e = ceil(log2(amax/448))
+        fp8 = e4m3(clamp(x * 2^-e, -448, 448))  (round to nearest even)
+        scale byte = clamp(e + 127, 0, 255)      (UE8M0: value = fp8 * 2^(byte-127))
+
+Cache layout ``fp8_ds_mla``: slot s is block b = s // block_size, row i = s % block_size;
+bytes [b*S + i*576, +448) hold the fp8 NoPE values, [+448, +576) the 64 roped values
+as little-endian bf16; bytes [b*S + block_size*576 + i*8, +8) hold the 7 scale bytes
+and one zero byte. Bytes of other slots, and of skipped rows, are never written.
+
+Traffic per token: reads 1024*H + 1024 + 256 bytes (q, kv, cos/sin row), writes
+1024*HP + 584 bytes (q_out, cache row and scales). The op is bandwidth bound for
+every T >= a few hundred, latency bound below.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from prepfuse._compat import has_triton, triton_interpret_mode
+from prepfuse.ops._checks import check_size, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._library import define_op, log
+
+HEAD_DIM = 512
+ROPE_DIM = 64
+NOPE_DIM = HEAD_DIM - ROPE_DIM  # 448
+QUANT_BLOCK = 64
+N_QUANT_BLOCKS = NOPE_DIM // QUANT_BLOCK  # 7
+CACHE_ROW_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576: fp8 NoPE + bf16 RoPE
+SCALE_BYTES = 8  # 7 UE8M0 scales and one zero byte
+SLOT_BYTES = CACHE_ROW_BYTES + SCALE_BYTES  # 584: the least a slot takes in a block
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+SCHEMA = (
+    "dsv4_qnorm_rope_kv_insert(Tensor q, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, "
+    "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, float eps, int block_size) -> ()"
+)
+
+# Index values (slots, positions) can only be checked by reading them, which on CUDA
+# is a host sync. The check runs in eager use and is skipped during CUDA-graph capture;
+# serving engines that have validated their scheduler can turn it off with this variable.
+_CHECK_INDEX_VALUES = os.environ.get("PREPFUSE_CHECK_INDEX_VALUES", "1") != "0"
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------
+if has_triton():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _to_bf16(x, SOFT_ROUNDING: tl.constexpr):
+        """fp32 -> bf16, round to nearest even.
+
+        The GPU's convert instruction already rounds to nearest even; triton's CPU
+        interpreter truncates, so under it the rounding is done on the bits.
+        """
+        if SOFT_ROUNDING:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(tl.bfloat16)
+
+    @triton.jit
+    def _to_e4m3_bits(v, SOFT_ROUNDING: tl.constexpr):
+        """fp32 in [-448, 448] -> e4m3fn code byte, round to nearest even.
+
+        Under the interpreter (whose fp8 cast rounds half up and drops the carry into
+        the exponent) the value is first rounded onto the e4m3 grid exactly with
+        integer arithmetic on its significand; the cast of an on-grid value is exact.
+        """
+        if SOFT_ROUNDING:
+            bits = v.to(tl.uint32, bitcast=True)
+            sign = bits & 0x80000000
+            mag = bits & 0x7FFFFFFF
+            exp = (mag >> 23).to(tl.int32) - 127
+            signif = ((mag & 0x7FFFFF) | 0x800000).to(tl.int32)
+            # keep 3 mantissa bits; below 2^-6 (e4m3 subnormals) the quantum is 2^-9
+            shift = tl.minimum(20 + tl.maximum(-6 - exp, 0), 30)
+            units = (signif + (1 << (shift - 1)) - 1 + ((signif >> shift) & 1)) >> shift
+            quantum = ((tl.maximum(exp, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+            rounded = units.to(tl.float32) * quantum
+            v = (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+    @triton.jit
+    def _dsv4_qnorm_rope_kv_insert_kernel(
+        q_ptr,  # [T, H, 512] bf16
+        kv_ptr,  # [T, 512] bf16
+        q_out_ptr,  # [T, HP, 512] bf16
+        cache_ptr,  # [NB, S] uint8
+        slot_ptr,  # [T'] int64
+        pos_ptr,  # [T] int64
+        cos_sin_ptr,  # [P, 64] fp32
+        H,  # real query heads
+        HP,  # padded query heads (q_out.size(1))
+        n_insert,  # T': rows of kv inserted into the cache
+        n_slots,  # NB * block_size: slots the cache holds
+        max_pos,  # P: rows of cos_sin_cache
+        stride_qt,  # elements between tokens of q
+        stride_qh,  # elements between heads of q
+        stride_kvt,  # elements between tokens of kv
+        stride_ot,  # elements between tokens of q_out
+        stride_oh,  # elements between heads of q_out
+        stride_cache_block,  # bytes between cache blocks (S)
+        stride_cs,  # elements between positions of cos_sin_cache
+        eps,  # RMSNorm epsilon
+        block_size,  # tokens per cache block
+        BLOCK_H: tl.constexpr,  # query heads per program
+        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+    ):
+        # Grid (T, 1 + cdiv(HP, BLOCK_H)): column 0 inserts token t's kv row, the
+        # other columns each normalise, rotate and store BLOCK_H heads of q_out.
+        t = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1)
+        # Out-of-range positions are rejected on the host when it can read them; here
+        # they are clamped only so that no read leaves cos_sin_cache.
+        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
+        cs_row = cos_sin_ptr + pos * stride_cs
+
+        if col == 0:
+            slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
+            if (slot >= 0) & (slot < n_slots):
+                blk = slot // block_size
+                row = slot % block_size
+                data = cache_ptr + blk * stride_cache_block + row * 576
+                scales = cache_ptr + blk * stride_cache_block + block_size * 576 + row * 8
+                kv_row = kv_ptr + t * stride_kvt
+
+                # NoPE: 7 blocks of 64 (an 8th, masked row keeps the shape a power of 2)
+                r = tl.arange(0, 8)
+                c = tl.arange(0, 64)
+                in_nope = (r < 7)[:, None]
+                x = tl.load(kv_row + r[:, None] * 64 + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+                # e = ceil(log2(amax / 448)) read exactly off amax's bits: with
+                # amax = m * 2^E (1 <= m < 2) and 448 = 1.75 * 2^8, e is E - 8, or
+                # E - 7 when m > 1.75. No division or log2 whose rounding could flip
+                # the ceiling at the (common) exact powers of two.
+                amax_bits = amax.to(tl.int32, bitcast=True)
+                e = ((amax_bits >> 23) & 0xFF) - 127 - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+                inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+                scaled = tl.minimum(tl.maximum(x * inv_scale[:, None], -448.0), 448.0)
+                codes = _to_e4m3_bits(scaled, SOFT_ROUNDING)
+                tl.store(data + r[:, None] * 64 + c[None, :], codes, mask=in_nope)
+                scale_byte = tl.minimum(tl.maximum(e + 127, 0), 255)
+                tl.store(scales + r, tl.where(r < 7, scale_byte, 0).to(tl.uint8))
+
+                # RoPE: 32 (even, odd) pairs of dims 448..511, stored as bf16 bytes
+                # (byte stores need no 2-byte alignment of the cache row stride)
+                p = tl.arange(0, 32)
+                ev = tl.load(kv_row + 448 + 2 * p).to(tl.float32)
+                od = tl.load(kv_row + 449 + 2 * p).to(tl.float32)
+                cos = tl.load(cs_row + p)
+                sin = tl.load(cs_row + 32 + p)
+                ev_bits = _to_bf16(ev * cos - od * sin, SOFT_ROUNDING).to(tl.uint16, bitcast=True)
+                od_bits = _to_bf16(ev * sin + od * cos, SOFT_ROUNDING).to(tl.uint16, bitcast=True)
+                tl.store(data + 448 + 4 * p, (ev_bits & 0xFF).to(tl.uint8))
+                tl.store(data + 449 + 4 * p, (ev_bits >> 8).to(tl.uint8))
+                tl.store(data + 450 + 4 * p, (od_bits & 0xFF).to(tl.uint8))
+                tl.store(data + 451 + 4 * p, (od_bits >> 8).to(tl.uint8))
+        else:
+            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            d = tl.arange(0, 512)
+            # padded heads (H <= h < HP) load zeros and so store exact zeros
+            x = tl.load(
+                q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=(heads < H)[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
+            # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+            y = x * rstd[:, None]
+            ye, yo = tl.split(tl.reshape(y, (BLOCK_H, 256, 2)))
+            # pairs 0..223 are NoPE: cos 1, sin 0 leaves them bit-exact
+            rp = tl.arange(0, 256) - 224
+            in_rope = rp >= 0
+            cos = tl.load(cs_row + rp, mask=in_rope, other=1.0)[None, :]
+            sin = tl.load(cs_row + 32 + rp, mask=in_rope, other=0.0)[None, :]
+            out = tl.reshape(tl.join(ye * cos - yo * sin, ye * sin + yo * cos), (BLOCK_H, 512))
+            tl.store(
+                q_out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                _to_bf16(out, SOFT_ROUNDING),
+                mask=(heads < HP)[:, None],
+            )
+
+
+def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
+    """(heads per program, warps per program).
+
+    Two heads (2 KiB of bf16 in, 2 KiB out) per 4-warp program gives each thread
+    16-byte loads and stores; at small T that still spreads one token's q over
+    HP/2 programs, so the whole op is one wave.
+    """
+    block_h = min(2, triton.next_power_of_2(padded_heads))
+    return block_h, 4
+
+
+def dsv4_qnorm_rope_kv_insert_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    eps: float,
+    block_size: int,
+) -> None:
+    """Launch the fused kernel once (q and kv sides together). Inputs are not checked here."""
+    num_tokens, num_heads, _ = q.shape
+    padded_heads = q_out.shape[1]
+    if num_tokens == 0:
+        return
+    block_h, num_warps = _launch_config(num_tokens, padded_heads)
+    grid = (num_tokens, 1 + triton.cdiv(padded_heads, block_h))
+    _dsv4_qnorm_rope_kv_insert_kernel[grid](
+        q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
+        num_heads, padded_heads, slot_mapping.shape[0],
+        k_cache.shape[0] * block_size, cos_sin_cache.shape[0],
+        q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), cos_sin_cache.stride(0),
+        eps, block_size,
+        BLOCK_H=block_h,
+        SOFT_ROUNDING=triton_interpret_mode(),
+        num_warps=num_warps,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Reference implementation: plain PyTorch, any device, the spec's text step by step
+# --------------------------------------------------------------------------------------
+def rope_gptj(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved (GPT-J) rotation of the last dim of ``y`` by pairs (2p, 2p+1)."""
+    e, o = y[..., 0::2], y[..., 1::2]
+    return torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2)
+
+
+def q_prep_reference(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised and rotated q in fp32, [T, H, 512] (the caller rounds once to bf16)."""
+    x = q.float()
+    y = x * torch.sqrt(x.square().mean(dim=-1, keepdim=True) + eps).reciprocal()
+    cs = cos_sin_cache[positions].unsqueeze(1)  # [T, 1, 64]
+    rope = rope_gptj(y[..., NOPE_DIM:], cs[..., : ROPE_DIM // 2], cs[..., ROPE_DIM // 2 :])
+    return torch.cat((y[..., :NOPE_DIM], rope), dim=-1)
+
+
+def ue8m0_fp8_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-64 UE8M0 e4m3 quantisation of ``x [..., 448]`` fp32.
+
+    Returns (fp8 codes [..., 448] uint8, scale bytes [..., 7] uint8).
+    """
+    blocks = x.unflatten(-1, (N_QUANT_BLOCKS, QUANT_BLOCK))
+    amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    e = torch.ceil(torch.log2(amax / FP8_MAX))
+    scaled = (blocks * torch.exp2(-e).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)
+    return codes, (e + 127).clamp(0, 255).to(torch.uint8)
+
+
+def kv_cache_rows_reference(
+    kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes one kv row becomes: (data [T, 576] uint8, scales [T, 8] uint8)."""
+    x = kv.float()
+    cs = cos_sin_cache[positions]
+    rope = rope_gptj(x[:, NOPE_DIM:], cs[:, : ROPE_DIM // 2], cs[:, ROPE_DIM // 2 :]).to(torch.bfloat16)
+    codes, scale_bytes = ue8m0_fp8_quant_reference(x[:, :NOPE_DIM])
+    data = torch.cat((codes, rope.contiguous().view(torch.uint8)), dim=-1)
+    scales = torch.cat((scale_bytes, scale_bytes.new_zeros(scale_bytes.shape[0], 1)), dim=-1)
+    return data, scales
+
+
+def insert_rows_reference(
+    k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int
+) -> None:
+    """Write rows into their slots of the fp8_ds_mla cache; negative slots are skipped."""
+    keep = slots >= 0
+    slots, data, scales = slots[keep], data[keep], scales[keep]
+    blk, row = (slots // block_size).unsqueeze(1), (slots % block_size).unsqueeze(1)
+    data_cols = row * CACHE_ROW_BYTES + torch.arange(CACHE_ROW_BYTES, device=slots.device)
+    scale_cols = block_size * CACHE_ROW_BYTES + row * SCALE_BYTES + torch.arange(SCALE_BYTES, device=slots.device)
+    k_cache[blk, data_cols] = data
+    k_cache[blk, scale_cols] = scales
+
+
+def dsv4_qnorm_rope_kv_insert_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    eps: float,
+    block_size: int,
+) -> None:
+    """The op in plain PyTorch; validates its inputs like the fused path."""
+    check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
+    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size)
+    num_heads = q.shape[1]
+    q_out[:, :num_heads] = q_prep_reference(q, positions, cos_sin_cache, eps).to(torch.bfloat16)
+    q_out[:, num_heads:] = 0
+    n_insert = slot_mapping.shape[0]
+    data, scales = kv_cache_rows_reference(kv[:n_insert], positions[:n_insert], cos_sin_cache)
+    insert_rows_reference(k_cache, data, scales, slot_mapping, block_size)
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------
+def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size) -> None:
+    """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
+
+    Runs in the eager paths and in the fake impl (where sizes may be symbolic).
+    """
+    device = q.device
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=device)
+    check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, device=device)
+    check_tensor("q_out", q_out, dtype=torch.bfloat16, ndim=3, device=device)
+    check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
+    check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=device)
+    check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
+    check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    check_size("q", q, 2, HEAD_DIM, "the head dim")
+    check_size("kv", kv, 0, num_tokens, "T, q's token count")
+    check_size("kv", kv, 1, HEAD_DIM, "the head dim")
+    check_size("q_out", q_out, 0, num_tokens, "T, q's token count")
+    check_size("q_out", q_out, 2, HEAD_DIM, "the head dim")
+    require(
+        q_out.shape[1] >= num_heads,
+        f"q_out: needs at least as many (padded) heads as q, got q_out.size(1)={q_out.shape[1]} < H={num_heads}",
+    )
+    check_size("positions", positions, 0, num_tokens, "T, q's token count")
+    require(
+        slot_mapping.shape[0] <= num_tokens,
+        f"slot_mapping: has {slot_mapping.shape[0]} rows, more than T={num_tokens} tokens",
+    )
+    check_size("cos_sin_cache", cos_sin_cache, 1, ROPE_DIM, "32 cos + 32 sin values")
+    for name, t in (("q", q), ("kv", kv), ("q_out", q_out), ("k_cache", k_cache), ("cos_sin_cache", cos_sin_cache)):
+        check_unit_last_stride(name, t)
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+    require(
+        k_cache.stride(0) >= block_size * SLOT_BYTES and k_cache.shape[1] >= block_size * SLOT_BYTES,
+        f"k_cache: a block of {block_size} slots needs {block_size * SLOT_BYTES} bytes "
+        f"(576 data + 8 scale bytes per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
+    )
+    if not (eps >= 0.0):
+        raise ValueError(f"eps: must be >= 0, got {eps!r}")
+
+
+def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size) -> None:
+    """Slot and position values in range; reads them, so skipped while capturing a graph."""
+    if not _CHECK_INDEX_VALUES or (slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    n_slots = k_cache.shape[0] * block_size
+    if slot_mapping.numel() and int(slot_mapping.max()) >= n_slots:
+        raise ValueError(
+            f"slot_mapping: slot {int(slot_mapping.max())} is beyond the cache's {n_slots} slots "
+            f"({k_cache.shape[0]} blocks of {block_size})"
+        )
+    if positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise ValueError(
+                f"positions: values must lie in [0, {cos_sin_cache.shape[0]}) (rows of cos_sin_cache), got [{lo}, {hi}]"
+            )
+
+
+# --------------------------------------------------------------------------------------
+# Registration
+# --------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _warn_fallback_once(reason: str) -> None:
+    log.warning("prepfuse::dsv4_qnorm_rope_kv_insert falls back to the PyTorch reference on CUDA: %s", reason)
+
+
+def _cuda_impl(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size) -> None:
+    if not has_triton():
+        _warn_fallback_once("triton is not installed")
+        return dsv4_qnorm_rope_kv_insert_reference(
+            q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size
+        )
+    check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
+    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size)
+    dsv4_qnorm_rope_kv_insert_triton(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
+
+
+def _fake_impl(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size) -> None:
+    check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
+
+
+dsv4_qnorm_rope_kv_insert = define_op(
+    SCHEMA,
+    reference=dsv4_qnorm_rope_kv_insert_reference,
+    fake=_fake_impl,
+    cuda=_cuda_impl,
+)
+DSV4_QNORM_ROPE_KV_INSERT = dsv4_qnorm_rope_kv_insert.default

@@ -1,0 +1,179 @@
+"""Inputs and comparisons shared by the tests, the benchmark and the demo.
+
+Checks follow one rule: fresh random data every run, outputs poisoned before the call
+(q_out with -123.0, the cache with 0xA5), so a byte that should have been written and
+was not shows up, and a byte that should not have been written shows up too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import HEAD_DIM, ROPE_DIM, SLOT_BYTES
+
+Q_POISON = -123.0
+CACHE_POISON = 0xA5
+
+
+@dataclass
+class Dsv4Inputs:
+    """One call's arguments of ``prepfuse::dsv4_qnorm_rope_kv_insert``."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    q_out: torch.Tensor
+    k_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    eps: float
+    block_size: int
+
+    def args(self) -> tuple:
+        return (
+            self.q, self.kv, self.q_out, self.k_cache, self.slot_mapping,
+            self.positions, self.cos_sin_cache, self.eps, self.block_size,
+        )
+
+    def fresh_outputs(self) -> "Dsv4Inputs":
+        """The same inputs with newly poisoned q_out and k_cache (same shapes and strides)."""
+        q_out = torch.empty_strided(self.q_out.shape, self.q_out.stride(), dtype=self.q_out.dtype, device=self.q_out.device)
+        k_cache = torch.empty_strided(
+            self.k_cache.shape, self.k_cache.stride(), dtype=self.k_cache.dtype, device=self.k_cache.device
+        )
+        q_out.fill_(Q_POISON)
+        k_cache.fill_(CACHE_POISON)
+        return Dsv4Inputs(self.q, self.kv, q_out, k_cache, self.slot_mapping, self.positions,
+                          self.cos_sin_cache, self.eps, self.block_size)
+
+
+def rope_cos_sin_cache(max_pos: int, device, base: float = 10000.0) -> torch.Tensor:
+    """A real RoPE table [max_pos, 64] fp32: 32 cos then 32 sin per position."""
+    inv_freq = base ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float64) / ROPE_DIM)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(torch.float32).to(device)
+
+
+def make_dsv4_inputs(
+    num_tokens: int,
+    num_heads: int,
+    padded_heads: int,
+    block_size: int,
+    device,
+    *,
+    generator: torch.Generator | None = None,
+    num_inserted: int | None = None,
+    skip_fraction: float = 0.1,
+    spare_slots: int = 64,
+    max_pos: int = 8192,
+    eps: float = 1e-6,
+) -> Dsv4Inputs:
+    """Fresh random inputs with poisoned outputs.
+
+    The first ``num_inserted`` rows (default all) get distinct random slots in a cache
+    with ``spare_slots`` more slots than rows; about ``skip_fraction`` of them are -1.
+    q has a wide per-row dynamic range and kv per-block ranges from 1e-6 to 1e3 so that
+    the norm, the UE8M0 exponents and the fp8 subnormals are all exercised. The cache
+    rows are padded past 584 bytes per slot, as engines pad to a multiple of 576.
+    """
+    if generator is None:
+        generator = torch.Generator()
+        generator.seed()  # fresh, nondeterministic data; the global RNG is left alone
+    gen = generator
+    num_inserted = num_tokens if num_inserted is None else num_inserted
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    q = randn(num_tokens, num_heads, HEAD_DIM) * torch.exp(randn(num_tokens, num_heads, 1) * 2)
+    kv_scale = torch.exp(randn(num_tokens, 8, 1) * 4).clamp(1e-6, 1e3)
+    kv = (randn(num_tokens, 8, 64) * kv_scale).reshape(num_tokens, HEAD_DIM)
+
+    n_slots_needed = num_inserted + spare_slots
+    num_blocks = -(-n_slots_needed // block_size)
+    row_stride = -(-block_size * SLOT_BYTES // 576) * 576  # padded to a multiple of 576
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_inserted]
+    skip = torch.rand(num_inserted, generator=gen) < skip_fraction
+    slots = torch.where(skip, torch.full_like(slots, -1), slots)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+
+    inputs = Dsv4Inputs(
+        q=q.to(torch.bfloat16).to(device),
+        kv=kv.to(torch.bfloat16).to(device),
+        q_out=torch.empty(num_tokens, padded_heads, HEAD_DIM, dtype=torch.bfloat16, device=device),
+        k_cache=torch.empty(num_blocks, row_stride, dtype=torch.uint8, device=device),
+        slot_mapping=slots.to(device),
+        positions=positions.to(device),
+        cos_sin_cache=rope_cos_sin_cache(max_pos, device),
+        eps=eps,
+        block_size=block_size,
+    )
+    return inputs.fresh_outputs()
+
+
+def bf16_ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in bf16 units in the last place (int32), for same-shape bf16 tensors."""
+    ia = a.view(torch.int16).to(torch.int32)
+    ib = b.view(torch.int16).to(torch.int32)
+    # sign-magnitude bit patterns onto a monotone integer line (+0 and -0 coincide)
+    ia = torch.where(ia < 0, -32768 - ia, ia)
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return (ia - ib).abs()
+
+
+def e4m3_code_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in e4m3 codes (int32), for uint8 tensors holding e4m3fn bytes."""
+    ia, ib = a.to(torch.int32), b.to(torch.int32)
+    ia = torch.where(ia >= 128, 128 - ia, ia)
+    ib = torch.where(ib >= 128, 128 - ib, ib)
+    return (ia - ib).abs()
+
+
+@dataclass
+class Dsv4Comparison:
+    """How two runs of the op on the same inputs differ."""
+
+    q_elements: int
+    q_mismatches: int  # elements of q_out that differ at all
+    q_max_ulp: int  # largest difference, bf16 ULPs
+    cache_bytes: int
+    cache_mismatches: int  # bytes of k_cache that differ at all
+    cache_max_code_diff: int  # largest difference among fp8 data bytes, e4m3 codes
+    cache_non_fp8_mismatches: int  # differing bytes outside fp8 data (bf16 rope, scales, untouched)
+
+    def within_spec(self, per_million: float = 10.0) -> bool:
+        """SPEC section 1: at most 1 bf16 ULP on a few q values per million, one fp8 code
+        on a few cache bytes per million, everything else identical."""
+        q_ok = self.q_max_ulp <= 1 and self.q_mismatches <= max(1, self.q_elements * per_million / 1e6)
+        c_ok = (
+            self.cache_max_code_diff <= 1
+            and self.cache_non_fp8_mismatches <= max(1, self.cache_bytes * per_million / 1e6)
+            and self.cache_mismatches <= max(1, self.cache_bytes * per_million / 1e6)
+        )
+        return q_ok and c_ok
+
+
+def fp8_data_byte_mask(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """True for the cache bytes that hold fp8 NoPE codes (bytes [0, 448) of each slot row)."""
+    cols = torch.arange(k_cache.shape[1], device=k_cache.device)
+    in_data = cols < block_size * 576
+    return (in_data & (cols % 576 < 448)).expand_as(k_cache)
+
+
+def compare_dsv4(a: Dsv4Inputs, b: Dsv4Inputs) -> Dsv4Comparison:
+    """Compare the outputs of two runs (q_out and the whole cache, untouched bytes included)."""
+    ulp = bf16_ulp_diff(a.q_out, b.q_out)
+    cache_diff = a.k_cache != b.k_cache
+    fp8_mask = fp8_data_byte_mask(a.k_cache, a.block_size)
+    code_diff = torch.where(fp8_mask, e4m3_code_diff(a.k_cache, b.k_cache), 0)
+    return Dsv4Comparison(
+        q_elements=a.q_out.numel(),
+        q_mismatches=int((ulp != 0).sum()),
+        q_max_ulp=int(ulp.max()) if ulp.numel() else 0,
+        cache_bytes=a.k_cache.numel(),
+        cache_mismatches=int(cache_diff.sum()),
+        cache_max_code_diff=int(code_diff.max()) if code_diff.numel() else 0,
+        cache_non_fp8_mismatches=int((cache_diff & ~fp8_mask).sum()),
+    )
