@@ -180,19 +180,18 @@ if has_triton():
                 scale_byte = tl.minimum(tl.maximum(e + 127, 0), 255)
                 tl.store(scales + r, tl.where(r < 7, scale_byte, 0).to(tl.uint8))
 
-                # RoPE: 32 (even, odd) pairs of dims 448..511, stored as bf16 bytes
-                # (byte stores need no 2-byte alignment of the cache row stride)
-                p = tl.arange(0, 32)
-                ev = tl.load(kv_row + 448 + 2 * p).to(tl.float32)
-                od = tl.load(kv_row + 449 + 2 * p).to(tl.float32)
-                cos = tl.load(cs_row + p)
-                sin = tl.load(cs_row + 32 + p)
-                ev_bits = _to_bf16(ev * cos - od * sin, SOFT_ROUNDING).to(tl.uint16, bitcast=True)
-                od_bits = _to_bf16(ev * sin + od * cos, SOFT_ROUNDING).to(tl.uint16, bitcast=True)
-                tl.store(data + 448 + 4 * p, (ev_bits & 0xFF).to(tl.uint8))
-                tl.store(data + 449 + 4 * p, (ev_bits >> 8).to(tl.uint8))
-                tl.store(data + 450 + 4 * p, (od_bits & 0xFF).to(tl.uint8))
-                tl.store(data + 451 + 4 * p, (od_bits >> 8).to(tl.uint8))
+                # RoPE on dims 448..511: each dim j is rotated with its pair partner j^1,
+                # y_j' = y_j*cos - y_(j^1)*sin (j even) or y_j*cos + y_(j^1)*sin (j odd).
+                # Stored as bf16 bytes (byte stores need no 2-byte alignment of S).
+                j = tl.arange(0, 64)
+                own = tl.load(kv_row + 448 + j).to(tl.float32)
+                partner = tl.load(kv_row + 448 + (j ^ 1)).to(tl.float32)
+                cos = tl.load(cs_row + j // 2)
+                sin = tl.load(cs_row + 32 + j // 2)
+                signed_sin = tl.where((j & 1) == 0, -sin, sin)
+                bits = _to_bf16(own * cos + partner * signed_sin, SOFT_ROUNDING).to(tl.uint16, bitcast=True)
+                tl.store(data + 448 + 2 * j, (bits & 0xFF).to(tl.uint8))
+                tl.store(data + 449 + 2 * j, (bits >> 8).to(tl.uint8))
         else:
             heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
             d = tl.arange(0, 512)
@@ -206,13 +205,19 @@ if has_triton():
             # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx
             rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
             y = x * rstd[:, None]
-            ye, yo = tl.split(tl.reshape(y, (BLOCK_H, 256, 2)))
-            # pairs 0..223 are NoPE: cos 1, sin 0 leaves them bit-exact
-            rp = tl.arange(0, 256) - 224
-            in_rope = rp >= 0
-            cos = tl.load(cs_row + rp, mask=in_rope, other=1.0)[None, :]
-            sin = tl.load(cs_row + 32 + rp, mask=in_rope, other=0.0)[None, :]
-            out = tl.reshape(tl.join(ye * cos - yo * sin, ye * sin + yo * cos), (BLOCK_H, 512))
+            # RoPE as on the kv side, with the partner dim loaded again (an L1 hit) only
+            # for the 64 rotated dims; NoPE dims get cos 1 and sin 0, which is exact.
+            in_rope = d >= 448
+            partner = tl.load(
+                q_ptr + t * stride_qt + heads[:, None] * stride_qh + (d ^ 1)[None, :],
+                mask=(heads < H)[:, None] & in_rope[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            pair = tl.where(in_rope, (d - 448) // 2, 0)
+            cos = tl.load(cs_row + pair, mask=in_rope, other=1.0)
+            sin = tl.load(cs_row + 32 + pair, mask=in_rope, other=0.0)
+            signed_sin = tl.where((d & 1) == 0, -sin, sin)
+            out = y * cos[None, :] + (partner * rstd[:, None]) * signed_sin[None, :]
             tl.store(
                 q_out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
                 _to_bf16(out, SOFT_ROUNDING),
