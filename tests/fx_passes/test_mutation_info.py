@@ -1,0 +1,336 @@
+"""The schema-derived mutation metadata against what functionalization really produces.
+
+Each op is traced through aot_autograd with auto_functionalized v1 and v2. In the
+traced graph, the metadata of ``prepfuse.fx_passes.mutation_info`` must name, for every
+mutated argument, the ``auto_functionalized`` output that holds its new value (v1) or its
+base's new value (v2), and the graph input it writes. That is checked two ways: in the
+graph (the named getitem feeds the graph output of that input) and by value (running
+the graph, the named output equals what the eager op wrote).
+
+Besides every registered prepfuse op, synthetic ops in a throwaway namespace cover the
+corners: a return value, mutated args out of alias-letter order, two mutated views of
+one base, and an optional mutable arg passed ``None``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.fx
+from functorch.compile import aot_function, make_boxed_func
+
+from prepfuse._compat import auto_functionalized_ops
+from prepfuse.fx_passes.mutation_info import (
+    MutatedArg,
+    functionalized_op,
+    mutated_args,
+    mutated_inputs,
+    num_leading_outputs,
+    output_indices,
+    v1_output_indices,
+    v2_output_indices,
+)
+from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, registered_ops
+from prepfuse.testing import make_dsv4_inputs
+
+AF_V1, AF_V2 = auto_functionalized_ops()
+VERSIONS = ["v1", "v2"]
+
+
+# --------------------------------------------------------------------------------------
+# Tracing and checking
+# --------------------------------------------------------------------------------------
+def clone_inputs(inputs: tuple) -> tuple:
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def trace(fn: Callable, inputs: tuple, version: str) -> torch.fx.GraphModule:
+    """aot_autograd's forward graph of ``fn`` with auto_functionalized ``version``."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=version == "v2"):
+        aot_function(fn, fw_compiler=capture)(*clone_inputs(inputs))
+    (gm,) = graphs
+    return gm
+
+
+class Recorder(torch.fx.Interpreter):
+    """Runs a graph and keeps every node's value."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm)
+        self.values: dict[torch.fx.Node, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.values[n] = super().run_node(n)
+        return self.values[n]
+
+
+def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        for inp in todo.pop().all_input_nodes:
+            if inp not in seen:
+                seen.add(inp)
+                todo.append(inp)
+    return seen
+
+
+def root_placeholder(node: torch.fx.Node) -> torch.fx.Node:
+    """The graph input a (chain of) view node(s) is taken from."""
+    while node.op != "placeholder":
+        node = node.args[0]
+    return node
+
+
+def getitem_of(node: torch.fx.Node, index: int) -> torch.fx.Node:
+    found = [u for u in node.users if u.target is operator.getitem and u.args[1] == index]
+    assert len(found) == 1, f"expected one getitem [{index}] of {node.format_node()}, found {found}"
+    return found[0]
+
+
+
+def check_metadata_against_graph(fn: Callable, inputs: tuple, version: str) -> torch.fx.Node:
+    """Trace ``fn`` and check the metadata of its one auto_functionalized node; returns it."""
+    eager = clone_inputs(inputs)
+    fn(*eager)
+    mutated_positions = [
+        i for i, (before, after) in enumerate(zip(inputs, eager))
+        if isinstance(before, torch.Tensor) and not torch.equal(before, after)
+    ]
+    assert mutated_positions, "the sample inputs must make the op write something"
+
+    gm = trace(fn, inputs, version)
+    graph_inputs = clone_inputs(inputs)
+    recorder = Recorder(gm)
+    outputs = recorder.run(*graph_inputs)
+    values = recorder.values
+    for before, after in zip(inputs, graph_inputs):
+        if isinstance(before, torch.Tensor):
+            assert torch.equal(before, after), "the functional graph wrote into its inputs"
+
+    # aot_autograd returns the new values of the mutated inputs first, in input order:
+    # checked here, not assumed, since the structural checks below rely on it.
+    for j, p in enumerate(mutated_positions):
+        assert torch.equal(outputs[j], eager[p]), f"graph output {j} is not the new value of input {p}"
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output_nodes = list(gm.graph.output_node().args[0])
+    af_nodes = [n for n in gm.graph.nodes if functionalized_op(n) is not None]
+    assert len(af_nodes) == 1, gm.code
+    (node,) = af_nodes
+    assert node.target is (AF_V1 if version == "v1" else AF_V2), gm.code
+    op = functionalized_op(node)
+    indices, targets = output_indices(node), mutated_inputs(node)
+    assert list(indices) == list(targets) == [a.name for a in mutated_args(op)]
+    result = values[node]
+    assert len(result) == num_leading_outputs(op) + (
+        len(mutated_args(op)) if version == "v1" else len(node.kwargs["_all_bases"])
+    )
+
+    written = set()
+    for arg in mutated_args(op):
+        index, target = indices[arg.name], targets[arg.name]
+        if target is None:  # an optional mutable argument passed None
+            if version == "v1":
+                assert node.kwargs[arg.name] is None and result[index] is None
+            else:
+                assert index is None and node.kwargs[f"_{arg.name}_base_index"] is None
+            continue
+        base = root_placeholder(target)
+        if version == "v2":
+            assert target.op == "placeholder", f"{arg.name}: v2 bases are graph values, not views"
+        p = placeholders.index(base)
+        assert p in mutated_positions, f"{arg.name}: names input {p}, which the op does not write"
+        written.add(p)
+        out_node = output_nodes[mutated_positions.index(p)]
+        item = getitem_of(node, index)
+        if target is base:
+            assert item is out_node, f"{arg.name}: output [{index}] is not what input {p} becomes\n{gm.code}"
+        else:  # v1, a view: its new value is scattered back into the base
+            assert item in ancestors(out_node), f"{arg.name}: output [{index}] never reaches input {p}\n{gm.code}"
+        # by value: the named output is the argument's (v1) or its base's (v2) new value
+        before = values[target]
+        expected = eager[p].as_strided(before.size(), before.stride(), before.storage_offset())
+        assert torch.equal(result[index], expected), f"{arg.name}: output [{index}] holds another value"
+    assert written == set(mutated_positions), "some written input is named by no argument"
+    return node
+
+
+# --------------------------------------------------------------------------------------
+# Every registered prepfuse op
+# --------------------------------------------------------------------------------------
+REGISTERED_OP_INPUTS: dict[torch._ops.OpOverload, Callable[[], tuple]] = {
+    DSV4_QNORM_ROPE_KV_INSERT: lambda: make_dsv4_inputs(7, 3, 8, 16, "cpu", num_inserted=5).args(),
+}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("op", registered_ops(), ids=str)
+def test_registered_op_metadata_matches_functionalization(op, version):
+    if op not in REGISTERED_OP_INPUTS:
+        pytest.fail(f"add sample inputs for {op} to REGISTERED_OP_INPUTS in {__file__}")
+    node = check_metadata_against_graph(lambda *args: op(*args), REGISTERED_OP_INPUTS[op](), version)
+    if version == "v1":
+        assert output_indices(node) == v1_output_indices(op)
+
+
+def test_dsv4_mutated_args_are_q_out_then_k_cache():
+    op = DSV4_QNORM_ROPE_KV_INSERT
+    assert mutated_args(op) == (MutatedArg(2, "q_out", "a"), MutatedArg(3, "k_cache", "b"))
+    # the production mapping of v1 outputs: {1: q_out, 2: k_cache}
+    assert {i: name for name, i in v1_output_indices(op).items()} == {1: "q_out", 2: "k_cache"}
+    node = check_metadata_against_graph(lambda *a: op(*a), make_dsv4_inputs(7, 3, 8, 16, "cpu").args(), "v1")
+    assert output_indices(node) == {"q_out": 1, "k_cache": 2}
+
+
+# --------------------------------------------------------------------------------------
+# Synthetic ops for the corners
+# --------------------------------------------------------------------------------------
+NAMESPACE = "prepfuse_mutation_info_test"
+
+
+def _with_return(x, y):
+    y.add_(1)
+    return x * 2
+
+
+def _unordered(x, w, z):
+    x.add_(1)
+    z.add_(2)
+    return w + 1, w * 2
+
+
+def _shared_base(x, y, w):
+    x.add_(1)
+    y.add_(2)
+    w.add_(3)
+
+
+def _optional(x, y):
+    x.add_(1)
+    if y is not None:
+        y.add_(2)
+
+
+@dataclass(frozen=True)
+class SyntheticCase:
+    schema: str
+    impl: Callable
+    fake: Callable
+    make_inputs: Callable[[], tuple]
+    call: Callable  # call(op, *inputs): the traced function
+    expected_v1: dict
+    expected_v2: dict
+
+    @property
+    def name(self) -> str:
+        return self.schema.split("(", 1)[0]
+
+
+SYNTHETIC = {
+    c.name: c
+    for c in [
+        SyntheticCase(
+            "with_return(Tensor x, Tensor(a!) y) -> Tensor",
+            _with_return,
+            lambda x, y: torch.empty_like(x),
+            lambda: (torch.randn(4), torch.randn(4)),
+            lambda op, x, y: op(x, y) + 1,
+            expected_v1={"y": 1},
+            expected_v2={"y": 1},
+        ),
+        # alias sets b before a, two returns, and the graph takes z before x
+        SyntheticCase(
+            "unordered(Tensor(b!) x, Tensor w, Tensor(a!) z) -> (Tensor, Tensor)",
+            _unordered,
+            lambda x, w, z: (torch.empty_like(w), torch.empty_like(w)),
+            lambda: (torch.randn(3), torch.randn(3), torch.randn(3)),
+            lambda op, z, w, x: op(x, w, z),
+            expected_v1={"x": 2, "z": 3},
+            expected_v2={"x": 2, "z": 3},
+        ),
+        # x and y are views of one base (passed in reverse row order), w its own tensor
+        SyntheticCase(
+            "shared_base(Tensor(a!) x, Tensor(b!) y, Tensor(c!) w) -> ()",
+            _shared_base,
+            lambda x, y, w: None,
+            lambda: (torch.randn(2, 3), torch.randn(3)),
+            lambda op, b, w: op(b[1], b[0], w),
+            expected_v1={"x": 1, "y": 2, "w": 3},
+            expected_v2={"x": 1, "y": 1, "w": 2},
+        ),
+        SyntheticCase(
+            "optional(Tensor(a!) x, Tensor(b!)? y) -> ()",
+            _optional,
+            lambda x, y: None,
+            lambda: (torch.randn(3),),
+            lambda op, x: op(x, None),
+            expected_v1={"x": 1, "y": 2},
+            expected_v2={"x": 1, "y": None},
+        ),
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def synthetic_ops():
+    lib = torch.library.Library(NAMESPACE, "DEF")
+    try:
+        for case in SYNTHETIC.values():
+            lib.define(case.schema)
+            lib.impl(case.name, case.impl, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{NAMESPACE}::{case.name}", case.fake, lib=lib)
+        yield {name: getattr(getattr(torch.ops, NAMESPACE), name).default for name in SYNTHETIC}
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name", sorted(SYNTHETIC))
+def test_synthetic_op_metadata_matches_functionalization(synthetic_ops, name, version):
+    case, op = SYNTHETIC[name], synthetic_ops[name]
+    node = check_metadata_against_graph(lambda *inputs: case.call(op, *inputs), case.make_inputs(), version)
+    assert output_indices(node) == (case.expected_v1 if version == "v1" else case.expected_v2)
+
+
+def test_unordered_alias_sets_follow_schema_order(synthetic_ops):
+    assert mutated_args(synthetic_ops["unordered"]) == (MutatedArg(0, "x", "b"), MutatedArg(2, "z", "a"))
+    assert v1_output_indices(synthetic_ops["unordered"]) == {"x": 2, "z": 3}
+
+
+def test_shared_base_views_share_one_v2_output(synthetic_ops):
+    case, op = SYNTHETIC["shared_base"], synthetic_ops["shared_base"]
+    node = check_metadata_against_graph(lambda *inputs: case.call(op, *inputs), case.make_inputs(), "v2")
+    targets = mutated_inputs(node)
+    assert targets["x"] is targets["y"] is not targets["w"]
+    assert [n.op for n in (targets["x"], targets["w"])] == ["placeholder", "placeholder"]
+    indices = v2_output_indices(op, node.kwargs)
+    assert indices["x"] == indices["y"] != indices["w"]
+    assert len(node.kwargs["_all_bases"]) == 2
+
+
+def test_optional_none_has_no_v2_base(synthetic_ops):
+    case, op = SYNTHETIC["optional"], synthetic_ops["optional"]
+    node = check_metadata_against_graph(lambda *inputs: case.call(op, *inputs), case.make_inputs(), "v2")
+    assert mutated_inputs(node)["y"] is None
+    assert node.kwargs["_y_base_index"] is None
+
+
+def test_non_functionalized_node_is_rejected():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten.relu.default, (x,))
+    assert functionalized_op(node) is None
+    with pytest.raises(ValueError, match="not an auto_functionalized call"):
+        output_indices(node)
+    with pytest.raises(ValueError, match="not an auto_functionalized call"):
+        mutated_inputs(node)

@@ -1,0 +1,211 @@
+"""The schema contract of every ``prepfuse`` op.
+
+- Drift: ``str(op._schema)`` of every registered op against the committed snapshot
+  ``tests/golden/schemas.txt``; a difference fails with a unified diff. A stale schema
+  went untested in production (SPEC section 2, lesson 3), so a test shows the check
+  catches the forms seen there.
+- ``torch.library.opcheck`` on every op, with samples kept per op: a new op without
+  samples fails here instead of going unchecked.
+- Every op's fake impl rejects bad shapes (it runs under torch.compile, where the eager
+  checks never do).
+
+Regenerate the snapshot after an intended schema change with::
+
+    EXPECTTEST_ACCEPT=1 python -m pytest tests/ops/test_schemas.py
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
+
+from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, NAMESPACE, registered_ops
+from prepfuse.testing import make_dsv4_inputs
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "schemas.txt"
+GOLDEN_HEADER = (
+    "# str(op._schema) of every prepfuse op, sorted; "
+    "regenerate: EXPECTTEST_ACCEPT=1 python -m pytest tests/ops/test_schemas.py\n"
+)
+
+
+def accept_mode() -> bool:
+    """Whether to rewrite the snapshot instead of failing (expecttest's convention)."""
+    return os.environ.get("EXPECTTEST_ACCEPT", "0") not in ("", "0")
+
+
+def registered_schemas() -> list[str]:
+    return sorted(str(op._schema) for op in registered_ops())
+
+
+def read_golden(path: Path = GOLDEN) -> list[str]:
+    """The snapshot's schema lines (comments and blank lines dropped)."""
+    lines = path.read_text().splitlines()
+    return [line for line in lines if line.strip() and not line.startswith("#")]
+
+
+def write_golden(schemas: list[str], path: Path = GOLDEN) -> None:
+    path.write_text(GOLDEN_HEADER + "".join(f"{s}\n" for s in sorted(schemas)))
+
+
+def schema_drift(registered: list[str], golden: list[str]) -> str:
+    """A unified diff from the snapshot to the registered schemas; empty when they agree."""
+    diff = difflib.unified_diff(
+        sorted(golden),
+        sorted(registered),
+        fromfile="tests/golden/schemas.txt",
+        tofile=f"registered {NAMESPACE} ops",
+        lineterm="",
+    )
+    return "\n".join(diff)
+
+
+# --------------------------------------------------------------------------------------
+# Drift against the snapshot
+# --------------------------------------------------------------------------------------
+def test_registered_schemas_match_golden():
+    registered = registered_schemas()
+    drift = schema_drift(registered, read_golden())
+    if drift and accept_mode():
+        write_golden(registered)
+        return
+    if drift:
+        pytest.fail(
+            f"the {NAMESPACE} op schemas differ from the committed snapshot. If the change is "
+            "intended, update every caller and pattern that reads the schema, then run\n"
+            "    EXPECTTEST_ACCEPT=1 python -m pytest tests/ops/test_schemas.py\n\n" + drift,
+            pytrace=False,
+        )
+
+
+def test_golden_is_sorted_and_has_its_header():
+    text = GOLDEN.read_text()
+    assert text.startswith(GOLDEN_HEADER)
+    golden = read_golden()
+    assert golden == sorted(golden)
+    assert len(golden) == len(set(golden))
+
+
+def test_schema_drift_is_empty_only_when_equal():
+    a = "prepfuse::a(Tensor x) -> Tensor"
+    b = "prepfuse::b(Tensor(a!) x) -> ()"
+    assert schema_drift([a, b], [b, a]) == ""
+    added = schema_drift([a, b], [a])
+    assert f"\n+{b}" in added and "\n-" not in added.split("@@", 1)[1]
+    removed = schema_drift([a], [a, b])
+    assert f"\n-{b}" in removed and "\n+" not in removed.split("@@", 1)[1]
+
+
+# Schema forms of the same op seen in production (SPEC section 1). Each is registered in
+# a throwaway namespace, rendered as if it were prepfuse's, and must fail the check.
+STALE_DSV4_FORMS = {
+    "in_place": (
+        "dsv4_qnorm_rope_kv_insert(Tensor(a!) q, Tensor kv, Tensor(b!) k_cache, Tensor slot_mapping, "
+        "Tensor positions, Tensor cos_sin_cache, float eps, int block_size) -> ()"
+    ),
+    "allocating": (
+        "dsv4_qnorm_rope_kv_insert(Tensor q_in, Tensor kv, Tensor(a!) k_cache, Tensor slot_mapping, "
+        "Tensor position_ids, Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size) -> Tensor"
+    ),
+    # the out variant itself, with the argument names of another engine
+    "out_renamed": (
+        "dsv4_qnorm_rope_kv_insert(Tensor q_in, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, "
+        "Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, float eps, int cache_block_size) -> ()"
+    ),
+}
+
+
+@pytest.fixture(params=sorted(STALE_DSV4_FORMS))
+def stale_dsv4_op(request):
+    """A stale form of the op, defined in its own namespace for the test's duration."""
+    namespace = f"prepfuse_stale_test_{request.param}"
+    lib = torch.library.Library(namespace, "DEF")
+    try:
+        lib.define(STALE_DSV4_FORMS[request.param])
+        yield namespace, getattr(torch.ops, namespace).dsv4_qnorm_rope_kv_insert.default
+    finally:
+        lib._destroy()
+
+
+def test_stale_schema_fails_the_drift_check(stale_dsv4_op):
+    namespace, op = stale_dsv4_op
+    stale = str(op._schema).replace(f"{namespace}::", f"{NAMESPACE}::", 1)
+    current = str(DSV4_QNORM_ROPE_KV_INSERT._schema)
+    assert stale != current
+    # the process as it would look had the stale form been registered instead
+    registered = [stale if s == current else s for s in registered_schemas()]
+
+    drift = schema_drift(registered, read_golden())
+
+    assert drift
+    assert f"\n-{current}" in drift
+    assert f"\n+{stale}" in drift
+    assert f"{NAMESPACE}::dsv4_qnorm_rope_kv_insert(" in drift
+    # the throwaway namespace never leaks into the real check
+    assert all(str(op._schema).startswith(f"{NAMESPACE}::") for op in registered_ops())
+    assert schema_drift(registered_schemas(), read_golden()) == ""
+
+
+# --------------------------------------------------------------------------------------
+# opcheck, with samples per op
+# --------------------------------------------------------------------------------------
+def _dsv4_opcheck_samples() -> list[tuple]:
+    # irregular shapes: 7 tokens, 3 heads padded to 8, block size 16
+    full = make_dsv4_inputs(7, 3, 8, 16, "cpu")
+    # data-parallel padding: only T' = 5 of 7 rows inserted, two of them skipped
+    partial = make_dsv4_inputs(7, 3, 8, 16, "cpu", num_inserted=5)
+    partial.slot_mapping[[0, 3]] = -1
+    # one token, no padded heads, a larger block
+    single = make_dsv4_inputs(1, 3, 3, 64, "cpu", skip_fraction=0.0)
+    return [full.args(), partial.args(), single.args()]
+
+
+OPCHECK_SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[tuple]]] = {
+    DSV4_QNORM_ROPE_KV_INSERT: _dsv4_opcheck_samples,
+}
+
+
+@pytest.mark.parametrize("op", registered_ops(), ids=str)
+def test_opcheck(op):
+    if op not in OPCHECK_SAMPLES:
+        pytest.fail(f"add opcheck samples for {op} to OPCHECK_SAMPLES in {__file__}")
+    samples = OPCHECK_SAMPLES[op]()
+    assert len(samples) >= 2, f"{op}: give opcheck at least two sample sets"
+    for args in samples:
+        torch.library.opcheck(op, args)
+
+
+# --------------------------------------------------------------------------------------
+# Fake impls check shapes
+# --------------------------------------------------------------------------------------
+def _dsv4_bad_shapes() -> tuple[tuple, tuple, str]:
+    """(valid args, args with q_out narrower than q, expected message)."""
+    inputs = make_dsv4_inputs(7, 3, 8, 16, "cpu")
+    good = inputs.args()
+    inputs.q_out = torch.empty(7, 2, 512, dtype=torch.bfloat16)
+    return good, inputs.args(), r"q_out: needs at least as many \(padded\) heads as q"
+
+
+FAKE_SHAPE_CHECKS: dict[torch._ops.OpOverload, Callable[[], tuple[tuple, tuple, str]]] = {
+    DSV4_QNORM_ROPE_KV_INSERT: _dsv4_bad_shapes,
+}
+
+
+@pytest.mark.parametrize("op", registered_ops(), ids=str)
+def test_fake_impl_rejects_bad_shapes(op):
+    if op not in FAKE_SHAPE_CHECKS:
+        pytest.fail(f"add a bad-shape sample for {op} to FAKE_SHAPE_CHECKS in {__file__}")
+    good, bad, message = FAKE_SHAPE_CHECKS[op]()
+    mode = FakeTensorMode()
+    good, bad = tree_map_only(torch.Tensor, mode.from_tensor, (good, bad))
+    with mode:
+        op(*good)  # the valid call passes, so the error below is the shape check's
+        with pytest.raises(ValueError, match=message):
+            op(*bad)
