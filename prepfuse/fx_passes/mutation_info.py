@@ -35,7 +35,15 @@ class MutatedArg:
 
 
 def mutated_args(op: torch._ops.OpOverload) -> tuple[MutatedArg, ...]:
-    """The arguments ``op`` writes, in schema order, from the alias annotations."""
+    """The arguments ``op`` writes, in schema order, from the alias annotations.
+
+    Ops tagged ``out`` or ``inplace`` are functionalized differently (always v2, and
+    for ``out`` ops without the bases after the returns); prepfuse's ops carry neither
+    tag, and this module refuses them rather than give wrong indices.
+    """
+    tags = set(getattr(op, "tags", ()))
+    if tags & {torch.Tag.out, torch.Tag.inplace}:
+        raise NotImplementedError(f"{op}: ops tagged out/inplace are functionalized differently; not supported")
     found = []
     for position, arg in enumerate(op._schema.arguments):
         info = arg.alias_info

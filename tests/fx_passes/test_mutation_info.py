@@ -334,3 +334,12 @@ def test_non_functionalized_node_is_rejected():
         output_indices(node)
     with pytest.raises(ValueError, match="not an auto_functionalized call"):
         mutated_inputs(node)
+
+
+def test_ops_tagged_out_or_inplace_are_refused():
+    # functionalization treats these tags specially (always v2; no bases after an out
+    # op's returns), so deriving v1-style indices for them would be wrong
+    with pytest.raises(NotImplementedError, match="out/inplace"):
+        mutated_args(torch.ops.aten.add_.Tensor)
+    with pytest.raises(NotImplementedError, match="out/inplace"):
+        mutated_args(torch.ops.aten.add.out)
