@@ -1,0 +1,6 @@
+"""The unfused sequences prepfuse's ops replace, written as a model author would in plain
+PyTorch. They are the baselines the benchmarks time (eager and under ``torch.compile``)."""
+
+from prepfuse.unfused.dsv4 import dsv4_prep_unfused
+
+__all__ = ["dsv4_prep_unfused"]
