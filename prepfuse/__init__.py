@@ -5,6 +5,7 @@ compiler setting.
 """
 
 from prepfuse import ops
+from prepfuse import backend  # registers torch.compile(backend="prepfuse")
 
 __version__ = "0.1.0"
 __all__ = ["ops", "__version__"]

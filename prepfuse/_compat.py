@@ -40,3 +40,62 @@ def auto_functionalized_ops() -> tuple[object, object | None]:
     from torch._higher_order_ops import auto_functionalize as af
 
     return af.auto_functionalized, getattr(af, "auto_functionalized_v2", None)
+
+
+def register_dynamo_backend(name: str, compiler_fn) -> None:
+    """Make ``torch.compile(backend=name)`` find ``compiler_fn``; safe to call repeatedly.
+
+    prepfuse also declares the backend as a ``torch_dynamo_backends`` entry point. When
+    Dynamo has already read the entry points, it loads the backend from there (and
+    registers it itself: registering it here too would be a duplicate name), so this only
+    registers when no entry point is known, e.g. from a source tree that is not installed.
+    """
+    from importlib.metadata import EntryPoint
+
+    from torch._dynamo.backends import registry
+
+    if registry._COMPILER_FNS.get(name) is compiler_fn:
+        return
+    if name in registry._COMPILER_FNS:  # a reloaded module: replace the stale function
+        registry._COMPILER_FNS[name] = compiler_fn
+        compiler_fn._tags = ()
+        return
+    if isinstance(registry._BACKENDS.get(name), EntryPoint):
+        return
+    registry.register_backend(compiler_fn=compiler_fn, name=name)
+
+
+def current_compile_id() -> str | None:
+    """Dynamo's id of the frame being compiled ("0/0"), or None outside a Dynamo compile."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - a missing id only costs a label
+        return None
+    return None if compile_id is None else str(compile_id)
+
+
+def inductor_mode_options(mode: str | None) -> dict:
+    """Inductor config patches of a ``torch.compile`` mode ("max-autotune" ...)."""
+    if mode is None or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def inductor_config_keys() -> frozenset[str]:
+    """Every Inductor config name, dotted for nested ones ("triton.cudagraphs")."""
+    import torch._inductor.config as inductor_config
+
+    return frozenset(inductor_config.get_config_copy())
+
+
+def functionalization_special_tags() -> frozenset:
+    """Op tags that make functionalization use its special out/inplace handling.
+
+    ``torch.Tag.out`` and ``torch.Tag.inplace`` are absent from torch 2.11's Tag enum;
+    only the ones this torch has are returned.
+    """
+    return frozenset(tag for tag in (getattr(torch.Tag, "out", None), getattr(torch.Tag, "inplace", None)) if tag is not None)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from prepfuse._compat import auto_functionalized_ops
+from prepfuse._compat import auto_functionalized_ops, functionalization_special_tags
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def mutated_args(op: torch._ops.OpOverload) -> tuple[MutatedArg, ...]:
     tag, and this module refuses them rather than give wrong indices.
     """
     tags = set(getattr(op, "tags", ()))
-    if tags & {torch.Tag.out, torch.Tag.inplace}:
+    if tags & functionalization_special_tags():
         raise NotImplementedError(f"{op}: ops tagged out/inplace are functionalized differently; not supported")
     found = []
     for position, arg in enumerate(op._schema.arguments):

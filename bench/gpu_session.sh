@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Everything one device-tool call does on the GPU machine, in order, logging under $OUT:
+#   env  - GPU, driver, torch and triton versions
+#   tests - the whole pytest suite on CUDA (GPU-marked tests run, interpreter ones skip)
+#   sanitize - compute-sanitizer memcheck and racecheck on small shapes of the fused op
+#   sweep - the launch-configuration sweep of the fused kernel
+#   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
+#   demo  - the README's main command's python part
+# Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
+# No pip there: pure-python wheels carried in .whl/ are unpacked to /tmp/site.
+set -uo pipefail
+OUT=${OUT:-/tmp/prepfuse_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+log="$OUT/session.log"
+status=0
+step() { echo "=== $1 ($(date +%T))" | tee -a "$log"; }
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(env tests sanitize bench)
+for what in "${steps[@]}"; do
+    case "$what" in
+    env)
+        step env
+        nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$log"
+        python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
+        ;;
+    tests)
+        step tests
+        python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 | tail -n 60 | tee -a "$log" || status=1
+        ;;
+    sanitize)
+        for tool in memcheck racecheck; do
+            step "sanitize $tool"
+            compute-sanitizer --tool "$tool" --error-exitcode 3 python3 bench/sanitize_dsv4_qnorm_rope_kv_insert.py 2>&1 \
+                | tail -n 15 | tee -a "$log" || status=1
+        done
+        ;;
+    sweep)
+        step sweep
+        python3 bench/bench_dsv4_qnorm_rope_kv_insert.py --sweep-config --out-dir "$OUT" 2>&1 | tail -n 40 | tee -a "$log" || status=1
+        ;;
+    smoke)
+        step smoke
+        python3 bench/bench_dsv4_qnorm_rope_kv_insert.py --tokens 1,512,16384 --heads 64 --block-sizes 64 \
+            --no-docs --name-suffix _smoke --out-dir "$OUT" 2>&1 | tail -n 30 | tee -a "$log" || status=1
+        ;;
+    bench)
+        step bench
+        python3 bench/bench_dsv4_qnorm_rope_kv_insert.py --out-dir "$OUT" 2>&1 | tail -n 60 | tee -a "$log" || status=1
+        ;;
+    demo)
+        step demo
+        python3 -m prepfuse.demo 2>&1 | tail -n 40 | tee -a "$log" || status=1
+        ;;
+    *)
+        echo "unknown step $what" | tee -a "$log"; status=2
+        ;;
+    esac
+done
+exit $status

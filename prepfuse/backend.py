@@ -1,0 +1,231 @@
+"""``torch.compile(model, backend="prepfuse", options={...})``: Inductor plus prepfuse's passes.
+
+The backend is Inductor's ``compile_fx`` with a ``PrepfusePassManager`` installed as
+``post_grad_custom_post_pass`` through ``config_patches``, i.e. for this compile only;
+no global compiler setting is touched. It is registered under the name ``prepfuse``
+when prepfuse is imported, and declared as a ``torch_dynamo_backends`` entry point so
+that ``backend="prepfuse"`` works in a process that never imported prepfuse.
+
+Options (``PrepfuseOptions``; unknown keys are an error)::
+
+    passes                  names of the passes to run, in order (default: every
+                            registered pass: the pattern passes, then "defunctionalize")
+    debug_dir               write each graph before/after every pass, and its report,
+                            under this folder (turns the FX graph cache off)
+    auto_functionalized_v2  None: torch's default; True/False: force v2 / v1
+    inductor_config         more Inductor config patches for this compile
+    strict                  fail the compile if a prepfuse op is still
+                            auto_functionalized after the passes
+    record_graphs           keep the normalized post-pass graph in each report (turns
+                            the FX graph cache off)
+
+What was fused, and where: ``last_reports()`` (the graphs of the latest compile),
+``reports()`` (every graph since ``clear_reports()``), both ``Reports`` with ``format()``;
+or build a ``PrepfuseBackend(options)`` and read its own ``.reports``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from prepfuse._compat import inductor_config_keys, inductor_mode_options, register_dynamo_backend
+from prepfuse.fx_passes.pass_manager import PrepfusePassManager
+from prepfuse.fx_passes.registry import get_pass, registered_passes
+from prepfuse.fx_passes.report import GraphReport, Reports
+
+__all__ = [
+    "PrepfuseOptions",
+    "PrepfuseBackend",
+    "prepfuse_backend",
+    "reports",
+    "last_reports",
+    "clear_reports",
+]
+
+BACKEND_NAME = "prepfuse"
+# Inductor settings the backend owns; each has its own option instead.
+_RESERVED_CONFIG = {
+    "post_grad_custom_post_pass": "prepfuse installs its pass manager there; add passes with register_pass",
+    "enable_auto_functionalized_v2": "use the auto_functionalized_v2 option",
+}
+_MAX_KEPT_REPORTS = 4096
+
+
+@dataclass(frozen=True)
+class PrepfuseOptions:
+    """Validated backend options; see the module docstring for what each one does."""
+
+    passes: tuple[str, ...] | None = None
+    debug_dir: str | None = None
+    auto_functionalized_v2: bool | None = None
+    inductor_config: Mapping[str, Any] = field(default_factory=dict)
+    strict: bool = False
+    record_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        available = registered_passes()
+        passes = tuple(available) if self.passes is None else self.passes
+        if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
+            raise ValueError(f"passes: expected a sequence of pass names, got {self.passes!r}")
+        passes = tuple(passes)
+        for name in passes:
+            get_pass(name)  # ValueError naming the available passes
+        if len(set(passes)) != len(passes):
+            raise ValueError(f"passes: a pass is named twice in {passes}")
+        object.__setattr__(self, "passes", passes)
+
+        if self.debug_dir is not None:
+            if not isinstance(self.debug_dir, (str, os.PathLike)):
+                raise ValueError(f"debug_dir: expected a path, got {self.debug_dir!r}")
+            object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
+        for name in ("strict", "record_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.auto_functionalized_v2 is not None and not isinstance(self.auto_functionalized_v2, bool):
+            raise ValueError(f"auto_functionalized_v2: expected None, True or False, got {self.auto_functionalized_v2!r}")
+
+        if not isinstance(self.inductor_config, Mapping):
+            raise ValueError(f"inductor_config: expected a mapping of Inductor config names, got {self.inductor_config!r}")
+        known = inductor_config_keys()
+        for key in self.inductor_config:
+            if key in _RESERVED_CONFIG:
+                raise ValueError(f"inductor_config: {key!r} is set by the backend: {_RESERVED_CONFIG[key]}")
+            if key not in known:
+                raise ValueError(f"inductor_config: {key!r} is not an Inductor config name (torch._inductor.config)")
+        object.__setattr__(self, "inductor_config", MappingProxyType(dict(self.inductor_config)))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | PrepfuseOptions | None) -> PrepfuseOptions:
+        """Options as ``torch.compile(options=...)`` hands them over; unknown keys raise."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, Mapping):
+            raise ValueError(f"prepfuse options must be a dict, got {type(options).__name__}")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown prepfuse option(s) {', '.join(map(repr, unknown))}; valid options: {', '.join(valid)}")
+        return cls(**options)
+
+    @property
+    def needs_passes_to_run(self) -> bool:
+        """Dumps and recorded graphs only exist when the passes run, i.e. on a cache miss."""
+        return self.debug_dir is not None or self.record_graphs
+
+    def config_patches(self) -> dict[str, Any]:
+        """Inductor config for this compile, the pass manager aside."""
+        patches = dict(self.inductor_config)
+        if self.auto_functionalized_v2 is not None:
+            patches["enable_auto_functionalized_v2"] = self.auto_functionalized_v2
+        if self.needs_passes_to_run:
+            patches["fx_graph_cache"] = False  # also bypasses the AOTAutograd cache
+        return patches
+
+    def cache_key(self) -> tuple:
+        """What, besides the passes, makes compiled code differ (enters the uuid)."""
+        return (self.passes, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict)
+
+
+class _ReportLog:
+    """Reports of every graph compiled, grouped by backend call."""
+
+    def __init__(self) -> None:
+        self.calls: collections.deque[list[GraphReport]] = collections.deque(maxlen=_MAX_KEPT_REPORTS)
+
+    def new_call(self) -> list[GraphReport]:
+        call: list[GraphReport] = []
+        self.calls.append(call)
+        return call
+
+    def all(self) -> Reports:
+        return Reports([rep for call in self.calls for rep in call])
+
+    def last(self) -> Reports:
+        return Reports(self.calls[-1] if self.calls else [])
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+_LOG = _ReportLog()
+
+
+class PrepfuseBackend:
+    """A ``torch.compile`` backend with fixed options and its own report log.
+
+    ``torch.compile(model, backend=PrepfuseBackend({"strict": True}))``; afterwards
+    ``backend.reports`` holds the reports of exactly the graphs it compiled (they also go
+    to the module-wide log read by ``reports()``).
+    """
+
+    def __init__(self, options: Mapping[str, Any] | PrepfuseOptions | None = None) -> None:
+        self.options = PrepfuseOptions.from_mapping(options)
+        self._log = _ReportLog()
+
+    @property
+    def reports(self) -> Reports:
+        return self._log.all()
+
+    def pass_manager(self, on_report=None) -> PrepfusePassManager:
+        """A fresh manager with fresh pass instances, as one compile uses."""
+        opts = self.options
+        return PrepfusePassManager(
+            [get_pass(name)() for name in opts.passes],
+            debug_dir=opts.debug_dir,
+            record_graphs=opts.record_graphs,
+            strict=opts.strict,
+            settings=opts.cache_key(),
+            on_report=on_report,
+        )
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
+        from torch._inductor.compile_fx import compile_fx
+
+        if options:
+            raise ValueError("this PrepfuseBackend holds its options already; give them to its constructor")
+
+        mine, everyone = self._log.new_call(), _LOG.new_call()
+
+        def on_report(report: GraphReport) -> None:
+            mine.append(report)
+            everyone.append(report)
+
+        manager = self.pass_manager(on_report)
+        patches = inductor_mode_options(mode)
+        patches.update(self.options.config_patches())
+        patches["post_grad_custom_post_pass"] = manager
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        if not manager.reports:  # served from the FX graph / AOTAutograd cache: no pass ran
+            on_report(GraphReport(graph_id="cached", passes=manager.pass_names, cached=True))
+        return compiled
+
+
+def prepfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode: str | None = None):
+    """The registered ``prepfuse`` backend: ``torch.compile`` passes ``options`` / ``mode``."""
+    return PrepfuseBackend(options)(gm, example_inputs, mode=mode)
+
+
+def reports() -> Reports:
+    """Reports of every graph the prepfuse backend compiled since ``clear_reports()``."""
+    return _LOG.all()
+
+
+def last_reports() -> Reports:
+    """Reports of the graphs of the latest backend call (one Dynamo graph: its inference
+    graph, or its forward and, once backward ran, backward graph)."""
+    return _LOG.last()
+
+
+def clear_reports() -> None:
+    _LOG.clear()
+
+
+register_dynamo_backend(BACKEND_NAME, prepfuse_backend)

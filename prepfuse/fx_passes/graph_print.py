@@ -1,0 +1,107 @@
+"""A stable, one-line-per-node print of an FX graph, for golden tests and debug dumps.
+
+``str(graph)`` carries ``num_users`` counts, and Inductor's node names drift between torch
+versions (``arg0_1`` / ``primals_1``, ``auto_functionalized`` / ``auto_functionalized_v2``);
+neither belongs in a golden file. This print renames nodes by their role and order and
+writes each node as ``name = target(args)``::
+
+    arg2 = placeholder()
+    dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg0, arg1, arg2, ...)
+    return ()
+
+Placeholders become ``arg0, arg1 ...`` in graph order; every other node is named after
+its target (``getitem``, ``getitem_1`` ... the way FX numbers duplicates). Nothing in
+the output depends on memory addresses or on the names the graph had before.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+__all__ = ["normalized_graph", "target_name"]
+
+
+def target_name(target) -> str:
+    """A short, version-stable spelling of a node target.
+
+    ``aten.slice.Tensor``, ``prepfuse.dsv4_qnorm_rope_kv_insert.default``,
+    ``auto_functionalized_v2`` for higher-order ops, ``getitem`` for Python builtins.
+    """
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)  # namespace.name.overload
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return target.name()
+    if isinstance(target, str):
+        return target
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", repr(target))
+
+
+def _base_name(node: torch.fx.Node) -> str:
+    if node.op == "call_function" or node.op == "call_method":
+        name = target_name(node.target)
+        # "prepfuse.dsv4_qnorm_rope_kv_insert.default" -> "dsv4_qnorm_rope_kv_insert"
+        parts = name.split(".")
+        return parts[1] if isinstance(node.target, torch._ops.OpOverload) and len(parts) >= 2 else parts[-1]
+    if node.op == "get_attr":
+        return "const"
+    return node.op
+
+
+def _format_arg(arg, names: dict[torch.fx.Node, str]) -> str:
+    if isinstance(arg, torch.fx.Node):
+        return names[arg]
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_format_arg(a, names) for a in arg)
+        if isinstance(arg, tuple):
+            return f"({inner},)" if len(arg) == 1 else f"({inner})"
+        return f"[{inner}]"
+    if isinstance(arg, dict):
+        return "{" + ", ".join(f"{k!r}: {_format_arg(v, names)}" for k, v in arg.items()) + "}"
+    if isinstance(arg, torch._ops.OpOverload) or isinstance(arg, torch._ops.HigherOrderOperator):
+        return target_name(arg)
+    if isinstance(arg, torch.dtype):
+        return str(arg).replace("torch.", "")
+    if isinstance(arg, torch.device):
+        return repr(str(arg))
+    if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(arg)
+    return repr(arg)
+
+
+def normalized_graph(graph: torch.fx.Graph | torch.fx.GraphModule) -> str:
+    """One line per node, ``name = target(args, key=value)``, with stable names.
+
+    Accepts a graph or a graph module. Keyword arguments keep the order the node holds
+    them in, which is the schema's order for functionalized calls.
+    """
+    if isinstance(graph, torch.fx.GraphModule):
+        graph = graph.graph
+    names: dict[torch.fx.Node, str] = {}
+    seen: dict[str, int] = {}
+    lines = []
+    n_inputs = 0
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            names[node] = f"arg{n_inputs}"
+            n_inputs += 1
+            lines.append(f"{names[node]} = placeholder()")
+            continue
+        if node.op == "output":
+            lines.append(f"return {_format_arg(node.args[0], names)}")
+            continue
+        base = _base_name(node)
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        names[node] = base if k == 0 else f"{base}_{k}"
+        if node.op == "get_attr":
+            lines.append(f"{names[node]} = get_attr({node.target!r})")
+            continue
+        parts = [_format_arg(a, names) for a in node.args]
+        parts += [f"{key}={_format_arg(v, names)}" for key, v in node.kwargs.items()]
+        lines.append(f"{names[node]} = {target_name(node.target)}({', '.join(parts)})")
+    return "\n".join(lines)

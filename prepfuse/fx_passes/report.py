@@ -1,0 +1,198 @@
+"""What the passes did to one compiled graph: which pattern matched how often and where.
+
+The pass manager fills one ``GraphReport`` per post-grad graph (an inference graph, or a
+forward and a backward graph under autograd) from the passes' logs; the backend keeps
+them (``prepfuse.backend.reports()``, ``last_reports()``, or ``PrepfuseBackend.reports``)::
+
+    compiled = torch.compile(model, backend="prepfuse")
+    compiled(*inputs)
+    print(prepfuse.backend.last_reports().format())
+
+``format()`` prints a table of matches with their anchor node and, where the graph
+recorded one, the line of model code it came from; near misses (candidates a pass
+declined, with why) are added with ``verbose=True`` or when the ``prepfuse`` logger is at
+DEBUG. A graph served from Inductor's cache ran no pass and says so (``cached``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch.fx
+
+from prepfuse.fx_passes.base import PassEvent, PrepfusePass
+from prepfuse.fx_passes.graph_print import target_name
+from prepfuse.fx_passes.mutation_info import functionalized_op
+from prepfuse.ops import NAMESPACE
+
+log = logging.getLogger("prepfuse.report")
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One matched rewrite or one near miss, with where it happened."""
+
+    pass_name: str
+    kind: str  # "matched" | "declined"
+    pattern: str
+    anchor: str  # name of the anchor node in the post-grad graph
+    node: str  # the anchor node as FX prints it
+    source: str = ""  # "model.py:42  q = self.norm(q)", from the node's stack trace
+    why: str = ""  # near misses only
+
+
+def _anchor_name(where: str) -> str:
+    # PassEvent.where is Node.format_node(): "%name : [num_users=..] = call_function[...]"
+    return where[1:].split(" ", 1)[0] if where.startswith("%") else where
+
+
+def short_source(stack_trace: str | None) -> str:
+    """``file.py:LINE  code`` for the innermost frame of an FX node's stack trace."""
+    if not stack_trace:
+        return ""
+    lines = [ln for ln in stack_trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "') :].partition('", line ')
+            lineno = rest.split(",", 1)[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{os.path.basename(path)}:{lineno}  {code}".rstrip()
+    return lines[-1].strip()
+
+
+@dataclass
+class GraphReport:
+    """The passes' work on one post-grad graph."""
+
+    graph_id: str  # "<dynamo compile id>#<graph index>", e.g. "0/0#0"
+    passes: tuple[str, ...]
+    matched_counts: dict[str, int] = field(default_factory=dict)  # pass name -> rewrites
+    rewrites: list[Rewrite] = field(default_factory=list)
+    ops_after: dict[str, int] = field(default_factory=dict)  # prepfuse op -> calls left in the graph
+    functionalized_left: list[str] = field(default_factory=list)  # auto_functionalized prepfuse nodes left
+    cached: bool = False  # served from Inductor's cache: no pass ran, nothing below is known
+    graph: str | None = None  # normalized post-pass graph, when the backend records graphs
+
+    # -- filling ------------------------------------------------------------------
+    def add_pass(self, p: PrepfusePass, stack_traces: dict[str, str]) -> None:
+        self.matched_counts[p.name] = self.matched_counts.get(p.name, 0) + p.matched_count
+        for event in p.log.events:
+            self.rewrites.append(_rewrite_from_event(event, stack_traces))
+
+    def finish(self, graph: torch.fx.Graph) -> None:
+        ops: Counter[str] = Counter()
+        for node in graph.nodes:
+            op = functionalized_op(node)
+            if op is not None and op.namespace == NAMESPACE:
+                self.functionalized_left.append(f"{node.name} ({op})")
+            elif isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == NAMESPACE:
+                ops[target_name(node.target)] += 1
+        self.ops_after = dict(ops)
+
+    # -- reading ------------------------------------------------------------------
+    def matches(self, pattern: str | None = None) -> list[Rewrite]:
+        """Matched rewrites, all or those of one pattern (or one pass, by its name)."""
+        return [r for r in self.rewrites if r.kind == "matched" and pattern in (None, r.pattern, r.pass_name)]
+
+    def near_misses(self) -> list[Rewrite]:
+        return [r for r in self.rewrites if r.kind == "declined"]
+
+    def count(self, pattern: str) -> int:
+        """How often ``pattern`` (or every pattern of the pass of that name) matched."""
+        return len(self.matches(pattern))
+
+    def pattern_counts(self) -> dict[str, int]:
+        return dict(Counter(r.pattern for r in self.matches()))
+
+    def format(self, verbose: bool | None = None) -> str:
+        if verbose is None:
+            verbose = logging.getLogger("prepfuse").isEnabledFor(logging.DEBUG)
+        head = f"prepfuse graph {self.graph_id}: passes {', '.join(self.passes) or '(none)'}"
+        if self.cached:
+            return head + "\n  served from Inductor's cache: no pass ran (compile with fx_graph_cache=False to see matches)"
+        lines = [head]
+        rows = [("pass", "pattern", "matched")]
+        rows += [(p, pat, str(n)) for (p, pat), n in Counter((r.pass_name, r.pattern) for r in self.matches()).items()]
+        for name in self.passes:
+            if not any(r.pass_name == name for r in self.matches()):
+                rows.append((name, "-", str(self.matched_counts.get(name, 0))))
+        lines += _table(rows)
+        if self.matches():
+            lines.append("  where:")
+            lines += _table([("pass", "pattern", "anchor", "source")] + [
+                (r.pass_name, r.pattern, r.anchor, r.source or "-") for r in self.matches()
+            ], indent=4)
+        misses = self.near_misses()
+        if verbose and misses:
+            lines.append(f"  near misses ({len(misses)}):")
+            lines += _table([("pass", "pattern", "anchor", "why")] + [
+                (r.pass_name, r.pattern, r.anchor, r.why) for r in misses
+            ], indent=4)
+        elif misses:
+            lines.append(f"  near misses: {len(misses)} (format(verbose=True) or DEBUG logging lists them)")
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(self.ops_after.items())) or "none"
+        lines.append(f"  prepfuse ops in the compiled graph: {ops}")
+        lines.append(f"  auto_functionalized prepfuse calls left: {', '.join(self.functionalized_left) or 'none'}")
+        return "\n".join(lines)
+
+
+class Reports(Sequence[GraphReport]):
+    """The reports of several graphs, with totals; what the backend hands out."""
+
+    def __init__(self, reports: Sequence[GraphReport] = ()) -> None:
+        self._reports = list(reports)
+
+    def __getitem__(self, i):
+        return self._reports[i]
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+    def __iter__(self) -> Iterator[GraphReport]:
+        return iter(self._reports)
+
+    def __repr__(self) -> str:
+        return f"Reports({len(self)} graphs, {self.pattern_counts()})"
+
+    def matches(self, pattern: str | None = None) -> list[Rewrite]:
+        return [r for rep in self for r in rep.matches(pattern)]
+
+    def near_misses(self) -> list[Rewrite]:
+        return [r for rep in self for r in rep.near_misses()]
+
+    def count(self, pattern: str) -> int:
+        return sum(rep.count(pattern) for rep in self)
+
+    def pattern_counts(self) -> dict[str, int]:
+        total: Counter[str] = Counter()
+        for rep in self:
+            total.update(rep.pattern_counts())
+        return dict(total)
+
+    def format(self, verbose: bool | None = None) -> str:
+        if not self._reports:
+            return "prepfuse: no graph compiled"
+        return "\n".join(rep.format(verbose) for rep in self)
+
+
+def _rewrite_from_event(event: PassEvent, stack_traces: dict[str, str]) -> Rewrite:
+    anchor = _anchor_name(event.where)
+    return Rewrite(
+        pass_name=event.pass_name,
+        kind=event.kind,
+        pattern=event.pattern,
+        anchor=anchor,
+        node=event.where,
+        source=short_source(stack_traces.get(anchor)),
+        why=event.why,
+    )
+
+
+def _table(rows: list[tuple[str, ...]], indent: int = 2) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [" " * indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -1,0 +1,300 @@
+"""The ``prepfuse`` torch.compile backend: registration, options, uuid, reports, dumps.
+
+Compiles run on the CPU on a module that calls the fused op directly (no kernels for
+Inductor to build, so each compile takes well under a second), with the FX graph cache
+off unless a test is about the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._inductor.utils import fresh_inductor_cache
+
+import prepfuse
+from prepfuse.backend import (
+    PrepfuseBackend,
+    PrepfuseOptions,
+    clear_reports,
+    last_reports,
+    prepfuse_backend,
+    reports,
+)
+from prepfuse.fx_passes import registry
+from prepfuse.fx_passes.base import PrepfusePass
+from prepfuse.fx_passes.defunctionalize import DefunctionalizePass
+from prepfuse.fx_passes.pass_manager import PrepfusePassManager
+from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT
+from prepfuse.testing import make_dsv4_inputs
+
+PYPROJECT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    clear_reports()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+class DirectCall(torch.nn.Module):
+    def forward(self, q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache):
+        DSV4_QNORM_ROPE_KV_INSERT(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 1e-6, 16)
+
+
+def run_compiled(backend="prepfuse", **compile_kwargs):
+    inputs = make_dsv4_inputs(7, 3, 8, 16, "cpu")
+    torch.compile(DirectCall(), backend=backend, fullgraph=True, **compile_kwargs)(*inputs.args()[:7])
+
+
+# --------------------------------------------------------------------------------------
+# Registration
+# --------------------------------------------------------------------------------------
+def test_registered_by_name():
+    assert "prepfuse" in torch._dynamo.list_backends()
+    assert torch._dynamo.lookup_backend("prepfuse") is prepfuse_backend
+    assert prepfuse.backend.prepfuse_backend is prepfuse_backend
+
+
+def test_entry_point_declared_and_installed():
+    tomllib = pytest.importorskip("tomllib")
+    with open(PYPROJECT, "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["torch_dynamo_backends"]
+    assert declared == {"prepfuse": "prepfuse.backend:prepfuse_backend"}
+    try:
+        importlib.metadata.distribution("prepfuse")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("prepfuse runs from a source tree, not installed: no entry points to read")
+    installed = {ep.name: ep for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")}
+    assert "prepfuse" in installed, "installed metadata predates the entry point: pip install -e ."
+    assert installed["prepfuse"].value == declared["prepfuse"]
+    assert installed["prepfuse"].load() is prepfuse_backend
+
+
+def test_entry_point_works_without_importing_prepfuse():
+    try:
+        importlib.metadata.distribution("prepfuse")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("prepfuse runs from a source tree, not installed: no entry points to read")
+    script = (
+        "import sys, torch\n"
+        "assert 'prepfuse' not in sys.modules\n"
+        "backend = torch._dynamo.lookup_backend('prepfuse')\n"
+        "assert 'prepfuse' in sys.modules and backend.__module__ == 'prepfuse.backend', backend\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=os.path.dirname(PYPROJECT), timeout=120)
+
+
+def test_reregistering_is_harmless():
+    from prepfuse._compat import register_dynamo_backend
+
+    register_dynamo_backend("prepfuse", prepfuse_backend)
+    assert torch._dynamo.lookup_backend("prepfuse") is prepfuse_backend
+
+
+# --------------------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------------------
+def test_default_options_run_every_registered_pass_defunctionalize_last():
+    opts = PrepfuseOptions()
+    assert opts.passes == tuple(registry.registered_passes())
+    assert opts.passes[-1] == "defunctionalize"
+    if "fuse_dsv4_prep" in opts.passes:
+        assert opts.passes[0] == "fuse_dsv4_prep"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"bogus": 1}, r"unknown prepfuse option\(s\) 'bogus'; valid options: passes, debug_dir, auto_functionalized_v2"),
+        ({"passes": ("no_such_pass",)}, r"unknown prepfuse pass 'no_such_pass'; available: .*defunctionalize"),
+        ({"passes": "defunctionalize"}, r"passes: expected a sequence of pass names"),
+        ({"passes": ("defunctionalize", "defunctionalize")}, r"named twice"),
+        ({"auto_functionalized_v2": "yes"}, r"auto_functionalized_v2: expected None, True or False"),
+        ({"strict": 1}, r"strict: expected True or False"),
+        ({"inductor_config": {"no_such_knob": 1}}, r"'no_such_knob' is not an Inductor config name"),
+        ({"inductor_config": {"post_grad_custom_post_pass": None}}, r"is set by the backend"),
+        ({"inductor_config": {"enable_auto_functionalized_v2": False}}, r"use the auto_functionalized_v2 option"),
+        ({"debug_dir": 3}, r"debug_dir: expected a path"),
+    ],
+)
+def test_options_validated(options, message):
+    with pytest.raises(ValueError, match=message):
+        PrepfuseOptions.from_mapping(options)
+
+
+def test_options_are_frozen_and_normalized(tmp_path):
+    opts = PrepfuseOptions.from_mapping(
+        {"passes": ["defunctionalize"], "debug_dir": tmp_path, "inductor_config": {"triton.cudagraphs": False}}
+    )
+    assert opts.passes == ("defunctionalize",) and opts.debug_dir == str(tmp_path)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.strict = True
+    with pytest.raises(TypeError):
+        opts.inductor_config["max_autotune"] = True
+    assert opts.config_patches() == {"triton.cudagraphs": False, "fx_graph_cache": False}
+
+
+def test_bad_options_fail_the_compile():
+    with pytest.raises(Exception, match="unknown prepfuse option"):
+        run_compiled(options={"bogus": 1})
+
+
+def test_missing_builtin_pass_module_is_skipped(monkeypatch):
+    monkeypatch.setattr(registry, "_builtins_loaded", False)
+    monkeypatch.setitem(registry.BUILTIN_PASSES, "not_written_yet", ("prepfuse.fx_passes._not_written_yet", "Nope"))
+    assert "not_written_yet" not in registry.registered_passes()
+    assert "defunctionalize" in registry.registered_passes()
+
+
+# --------------------------------------------------------------------------------------
+# Config stays local; options take effect
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("v2", [pytest.param(False, id="v1"), pytest.param(True, id="v2")])
+def test_options_apply_to_this_compile_only(v2):
+    default_v2 = torch._inductor.config.enable_auto_functionalized_v2
+    run_compiled(options={"auto_functionalized_v2": v2})
+    (report,) = last_reports()
+    assert report.pattern_counts() == {f"{DSV4_QNORM_ROPE_KV_INSERT}/{'v2' if v2 else 'v1'}": 1}
+    assert torch._inductor.config.post_grad_custom_post_pass is None
+    assert torch._inductor.config.enable_auto_functionalized_v2 == default_v2
+
+
+def test_strict_fails_when_auto_functionalized_survives():
+    with pytest.raises(Exception, match=r"prepfuse \(strict\): auto_functionalized calls of prepfuse ops survived"):
+        run_compiled(options={"passes": (), "strict": True})
+
+
+# --------------------------------------------------------------------------------------
+# uuid
+# --------------------------------------------------------------------------------------
+def manager_uuid(**options) -> str:
+    return PrepfuseBackend(options).pass_manager().uuid()
+
+
+def test_uuid_is_stable():
+    assert manager_uuid() == manager_uuid()
+    assert manager_uuid(debug_dir="/tmp/x", record_graphs=True) == manager_uuid()  # dumps change no code
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"passes": ()},
+        {"auto_functionalized_v2": True},
+        {"auto_functionalized_v2": False},
+        {"inductor_config": {"max_autotune": True}},
+        {"strict": True},
+    ],
+)
+def test_uuid_changes_with_options(options):
+    assert manager_uuid(**options) != manager_uuid()
+
+
+def test_uuid_changes_with_pass_settings_and_source():
+    base = PrepfusePassManager([DefunctionalizePass()]).uuid()
+    assert PrepfusePassManager([DefunctionalizePass()]).uuid() == base
+    assert PrepfusePassManager([DefunctionalizePass(namespaces=("prepfuse", "mine"))]).uuid() != base
+
+    class PatternA(PrepfusePass):
+        name = "pattern"
+
+        def run(self, graph):
+            return 0
+
+    class PatternB(PrepfusePass):  # same name, different code: a changed pattern
+        name = "pattern"
+
+        def run(self, graph):
+            return len(graph.nodes) * 0
+
+    a = PrepfusePassManager([PatternA(), DefunctionalizePass()]).uuid()
+    b = PrepfusePassManager([PatternB(), DefunctionalizePass()]).uuid()
+    assert len({a, b, base}) == 3
+    assert PrepfusePassManager([DefunctionalizePass(), PatternA()]).uuid() != a  # order matters
+
+
+# --------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------
+def test_report_says_what_matched_and_where():
+    run_compiled(options={"passes": ("defunctionalize",)})
+    (report,) = last_reports()
+    assert list(reports()) == [report]
+    assert report.passes == ("defunctionalize",) and not report.cached
+    assert report.matched_counts == {"defunctionalize": 1} and report.count("defunctionalize") == 1
+    (match,) = report.matches()
+    assert match.anchor.startswith("auto_functionalized")
+    assert match.source.startswith("test_backend.py:") and "DSV4_QNORM_ROPE_KV_INSERT(q, kv, q_out" in match.source
+    assert report.ops_after == {str(DSV4_QNORM_ROPE_KV_INSERT): 1}
+    assert report.functionalized_left == []
+    text = report.format()
+    assert text.splitlines()[0].endswith("passes defunctionalize")
+    assert "pass             pattern" in text and match.anchor in text and match.source in text
+    assert "auto_functionalized prepfuse calls left: none" in text
+    assert last_reports().pattern_counts() == report.pattern_counts()
+    clear_reports()
+    assert len(reports()) == 0 and last_reports().format() == "prepfuse: no graph compiled"
+
+
+class DecliningPass(PrepfusePass):
+    """Declines every placeholder, to put near misses in a report."""
+
+    name = "declining_for_test"
+
+    def run(self, graph):
+        for node in graph.find_nodes(op="placeholder")[:2]:
+            self.log.declined(self.name, "toy_pattern", node, "eps is 1e-5, the pattern wants 1e-6")
+        return 0
+
+
+def test_near_misses_at_debug():
+    registry.register_pass(DecliningPass)
+    try:
+        backend = PrepfuseBackend({"passes": ("declining_for_test", "defunctionalize")})
+        run_compiled(backend=backend)
+    finally:
+        registry.unregister_pass(DecliningPass.name)
+    (report,) = backend.reports
+    assert [r.why for r in report.near_misses()] == ["eps is 1e-5, the pattern wants 1e-6"] * 2
+    assert "near misses: 2 (format(verbose=True)" in report.format(verbose=False)
+    assert "eps is 1e-5" in report.format(verbose=True)
+    logger = logging.getLogger("prepfuse")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        assert "eps is 1e-5" in report.format()
+    finally:
+        logger.setLevel(level)
+    assert list(reports()) == [report]  # a backend object's graphs also reach the module log
+
+
+def test_debug_dir_dumps_every_pass(tmp_path):
+    run_compiled(options={"passes": ("defunctionalize",), "debug_dir": str(tmp_path)})
+    (folder,) = tmp_path.iterdir()
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["00_defunctionalize.after.py", "00_defunctionalize.before.py", "report.txt"]
+    before = (folder / "00_defunctionalize.before.py").read_text()
+    after = (folder / "00_defunctionalize.after.py").read_text()
+    assert "auto_functionalized" in before and "copy_" in before
+    assert "auto_functionalized" not in after and "torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert.default(" in after
+    assert "defunctionalize" in (folder / "report.txt").read_text()
+
+
+def test_cache_hit_is_reported():
+    with torch._inductor.config.patch(fx_graph_cache=True), fresh_inductor_cache():
+        run_compiled(options={"passes": ("defunctionalize",)})
+        torch._dynamo.reset()
+        run_compiled(options={"passes": ("defunctionalize",)})
+    first, second = reports()
+    assert not first.cached and first.count("defunctionalize") == 1
+    assert second.cached and "served from Inductor's cache" in second.format()
