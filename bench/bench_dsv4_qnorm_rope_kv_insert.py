@@ -323,8 +323,27 @@ class _IndexChecksOff:
 # --------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------
-def capture_graphs(fn, copies: list, warmup: int) -> list:
-    """Warm ``fn`` up on a side stream (compiling it), then capture one graph per copy."""
+CALLS_PER_GRAPH = 20  # calls captured back to back in one graph; times are per call
+
+
+class GraphBatch:
+    """One captured graph holding ``calls`` back-to-back calls, round-robin over copies.
+
+    SPEC section 5 times a kernel as one node among others in a replayed graph (its
+    "one tiny kernel in a graph: 1.09 us" is a per-kernel figure): timing a graph of
+    one call would add the graph's own launch latency (about 2 us) to every row.
+    """
+
+    def __init__(self, graph, calls: int):
+        self.graph, self.calls = graph, calls
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def capture_graphs(fn, copies: list, warmup: int, calls: int = CALLS_PER_GRAPH) -> list:
+    """Warm ``fn`` up on a side stream (compiling it), then capture one graph of
+    ``calls`` calls (rounded up to a multiple of the copies) cycling over ``copies``."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -334,18 +353,17 @@ def capture_graphs(fn, copies: list, warmup: int) -> list:
             fn(c)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graphs = []
-    for c in copies:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(c)
-        graphs.append(g)
+    n_calls = len(copies) * max(1, -(-calls // len(copies)))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_calls):
+            fn(copies[i % len(copies)])
     torch.cuda.synchronize()
-    return graphs
+    return [GraphBatch(g, n_calls)]
 
 
 def replay_times_us(graphs: list, n: int) -> list[float]:
-    """Per-replay GPU times (us) of ``n`` replays, round-robin over ``graphs``.
+    """Per-call GPU times (us) from ``n`` replays, round-robin over ``graphs``.
 
     Each batch is queued behind a GPU sleep long enough for the host to enqueue it, so
     the GPU never waits for the host between the events it is timing.
@@ -356,14 +374,15 @@ def replay_times_us(graphs: list, n: int) -> list[float]:
         b = min(REPLAY_BATCH, n - len(times))
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(b)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(b)]
+        batch = [graphs[(i + j) % len(graphs)] for j in range(b)]
         torch.cuda._sleep(int(b * SLEEP_US_PER_REPLAY * 2000))  # cycles at ~2 GHz
         for j in range(b):
             starts[j].record()
-            graphs[i % len(graphs)].replay()
+            batch[j].replay()
             ends[j].record()
-            i += 1
+        i += b
         torch.cuda.synchronize()
-        times.extend(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends))
+        times.extend(s.elapsed_time(e) * 1000.0 / g.calls for s, e, g in zip(starts, ends, batch))
     return times
 
 
@@ -373,22 +392,51 @@ def time_graphs(graphs: list, target_ms: float, min_replays: int, max_replays: i
         g.replay()
     torch.cuda.synchronize()
     probe = sorted(replay_times_us(graphs, max(5, len(graphs))))
-    estimate = probe[len(probe) // 2]
+    estimate = probe[len(probe) // 2] * graphs[0].calls  # us per replay
     n = int(min(max_replays, max(min_replays, target_ms * 1000.0 / max(estimate, 1e-3))))
     return summarize_times(replay_times_us(graphs, n))
 
 
+def spin_up_clocks(seconds: float = 0.5) -> None:
+    """Keep the GPU busy long enough to leave its idle clocks (345 MHz seen at start)."""
+    a = torch.empty(1 << 28, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty_like(a)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(20):
+            b.copy_(a)
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > seconds * 1000:
+            break
+
+
 def measure_copy_bandwidth(nbytes: int) -> dict:
-    """Device-to-device copy bandwidth (read + write bytes), CUDA-graph replay median."""
+    """Device-to-device copy bandwidth (read + write bytes), CUDA-graph replay median.
+
+    Two copies are timed and the faster one is the ceiling: ``copy_`` of uint8 (a
+    memcpy node in the graph, which on the first H200 run reached only 2.7 TB/s) and an
+    SM copy kernel (``torch.neg`` on fp32, 16-byte vectors), which is what a fused
+    kernel competes with. Both are kept in the JSON.
+    """
     free, _ = torch.cuda.mem_get_info()
     while 2 * nbytes > 0.8 * free and nbytes > (256 << 20):
         nbytes //= 2
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 256)  # not zeros
     dst = torch.empty_like(src)
-    graphs = capture_graphs(lambda _: dst.copy_(src), [None], warmup=2)
-    stats = time_graphs(graphs, target_ms=100, min_replays=20, max_replays=50)
-    gbps = 2 * nbytes / (stats["us_median"] * 1e-6) / 1e9
-    return {"bytes_per_copy": nbytes, "bytes_counted": 2 * nbytes, **stats, "GBps": gbps}
+    src_f, dst_f = src.view(torch.float32), dst.view(torch.float32)
+    spin_up_clocks()
+    variants = {"memcpy": lambda _: dst.copy_(src), "sm_kernel": lambda _: torch.neg(src_f, out=dst_f)}
+    results = {}
+    for name, fn in variants.items():
+        graphs = capture_graphs(fn, [None], warmup=2, calls=4)
+        stats = time_graphs(graphs, target_ms=100, min_replays=10, max_replays=30)
+        del graphs
+        results[name] = {**stats, "GBps": 2 * nbytes / (stats["us_median"] * 1e-6) / 1e9}
+    best = max(results, key=lambda k: results[k]["GBps"])
+    return {"bytes_per_copy": nbytes, "bytes_counted": 2 * nbytes, "method": best, **results[best], "variants": results}
 
 
 def measure_tiny_graph() -> dict:
@@ -662,7 +710,7 @@ def _count_all_launches(data: dict, impls: dict, gen, cos_sin) -> None:
             if row["T"] == min(r["T"] for r in data["rows"]):
                 row["launch_names"] = names
             if row["T"] <= 512:
-                graphs = capture_graphs(fn, [inp], warmup=1)
+                graphs = capture_graphs(fn, [inp], warmup=1, calls=1)
                 row["launches_graph"] = classify_gpu_activities(count_launches(graphs[0].replay))["launches"]
         except Exception as err:  # noqa: BLE001
             row["launches_error"] = f"{type(err).__name__}: {err}"
@@ -673,35 +721,14 @@ def _count_all_launches(data: dict, impls: dict, gen, cos_sin) -> None:
 # Launch-configuration sweep of the fused kernel
 # --------------------------------------------------------------------------------------
 def launch_fused_kernel(inp, block_h: int, num_warps: int) -> None:
-    """A copy of ``dsv4_qnorm_rope_kv_insert_triton``'s launch with a chosen config.
+    """The op's own launcher with a chosen (BLOCK_H, num_warps); ``run_sweep`` still
+    checks each configuration against the reference before timing it."""
+    from prepfuse.ops import dsv4_qnorm_rope_kv_insert_triton
 
-    Kept argument for argument equal to the op's launcher; ``run_sweep`` checks it against
-    the op byte for byte before timing anything.
-    """
-    import triton
-
-    from prepfuse._compat import triton_interpret_mode
-    from prepfuse.ops.dsv4_qnorm_rope_kv_insert import _dsv4_qnorm_rope_kv_insert_kernel
-
-    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size = inp.args()
-    num_tokens, num_heads, _ = q.shape
-    padded = q_out.shape[1]
-    grid = (num_tokens, 1 + triton.cdiv(padded, block_h))
-    _dsv4_qnorm_rope_kv_insert_kernel[grid](
-        q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
-        num_heads, padded, slot_mapping.shape[0],
-        k_cache.shape[0] * block_size, cos_sin_cache.shape[0],
-        q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1),
-        k_cache.stride(0), cos_sin_cache.stride(0),
-        eps, block_size,
-        BLOCK_H=block_h,
-        SOFT_ROUNDING=triton_interpret_mode(),
-        num_warps=num_warps,
-    )
+    dsv4_qnorm_rope_kv_insert_triton(*inp.args(), launch_config=(block_h, num_warps))
 
 
 def run_sweep(args) -> dict:
-    from prepfuse.ops import dsv4_qnorm_rope_kv_insert_triton
     from prepfuse.ops.dsv4_qnorm_rope_kv_insert import _launch_config
     from prepfuse.testing import rope_cos_sin_cache
 
@@ -725,15 +752,6 @@ def run_sweep(args) -> dict:
             nbytes = bytes_moved(t, h, hp, t)
             heuristic = _launch_config(t, hp)
             gate = gate_inputs(t, h, hp, bs, DEVICE, gen, cos_sin)
-            # the local launcher must be the op's launcher: same bytes with the op's own config
-            via_op, via_local = gate.fresh_outputs(), gate.fresh_outputs()
-            dsv4_qnorm_rope_kv_insert_triton(*via_op.args())
-            launch_fused_kernel(via_local, *heuristic)
-            if not (torch.equal(via_op.q_out.view(torch.int16), via_local.q_out.view(torch.int16))
-                    and torch.equal(via_op.k_cache, via_local.k_cache)):
-                _loud("the sweep's local launcher no longer matches the op's launch; update launch_fused_kernel")
-                raise SystemExit(2)
-            del via_op, via_local
             references: dict = {}
             k = rotation_copies(nbytes, info["l2_bytes"], args.warm_below_l2)
             copies = [random_inputs(t, h, hp, bs, DEVICE, gen, cos_sin, slots="blocks") for _ in range(k)]
@@ -1098,7 +1116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after this many seconds, remaining eager/compile rows are skipped (recorded in the JSON); "
                         "fused rows always run (default %(default)s)")
     p.add_argument("--target-ms", type=float, default=100.0, help="GPU time of timed replays per row (default %(default)s)")
-    p.add_argument("--min-replays", type=int, default=20)
+    p.add_argument("--min-replays", type=int, default=10)
     p.add_argument("--max-replays", type=int, default=200)
     p.add_argument("--warm-below-l2", type=float, default=0.25,
                    help="rows moving less than this fraction of L2 per call are timed warm, larger ones rotate "

@@ -30,7 +30,7 @@ for what in "${steps[@]}"; do
         ;;
     tests)
         step tests
-        python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 | tail -n 60 | tee -a "$log" || status=1
+        python3 -m pytest -q -rs -p no:cacheprovider ${PREPFUSE_TEST_PATHS:-tests} 2>&1 | tail -n 60 | tee -a "$log" || status=1
         ;;
     sanitize)
         for tool in memcheck racecheck; do

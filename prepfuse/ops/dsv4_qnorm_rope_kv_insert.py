@@ -118,6 +118,22 @@ if has_triton():
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
     @triton.jit
+    def _mul_rn(a, b, SOFT_ROUNDING: tl.constexpr):
+        """a * b rounded on its own, never contracted into an FMA with a later add.
+
+        RoPE's e*cos - o*sin cancels badly when the two products are close; PyTorch
+        eager rounds each product, an FMA would not, and the results then differ by
+        thousands of ULPs of the (tiny) difference. PTX ``mul.rn`` is exempt from
+        contraction. The interpreter (numpy) never contracts.
+        """
+        if SOFT_ROUNDING:
+            return a * b
+        else:
+            return tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+            )
+
+    @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
         q_ptr,  # [T, H, 512] bf16
         kv_ptr,  # [T, 512] bf16
@@ -141,12 +157,16 @@ if has_triton():
         eps,  # RMSNorm epsilon
         block_size,  # tokens per cache block
         BLOCK_H: tl.constexpr,  # query heads per program
+        N_COLS: tl.constexpr,  # programs per token: 1 (kv) + cdiv(HP, BLOCK_H) (q)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
-        # Grid (T, 1 + cdiv(HP, BLOCK_H)): column 0 inserts token t's kv row, the
-        # other columns each normalise, rotate and store BLOCK_H heads of q_out.
-        t = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1)
+        # A 1-D grid of T * N_COLS programs, N_COLS = 1 + cdiv(HP, BLOCK_H): column 0
+        # inserts token t's kv row, the others each normalise, rotate and store BLOCK_H
+        # heads of q_out. Columns vary fastest, so programs running together stream
+        # through q and q_out in address order (and T is not capped at 65535).
+        pid = tl.program_id(0).to(tl.int64)
+        t = pid // N_COLS
+        col = pid % N_COLS
         # Out-of-range positions are rejected on the host when it can read them; here
         # they are clamped only so that no read leaves cos_sin_cache.
         pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
@@ -189,7 +209,8 @@ if has_triton():
                 cos = tl.load(cs_row + j // 2)
                 sin = tl.load(cs_row + 32 + j // 2)
                 signed_sin = tl.where((j & 1) == 0, -sin, sin)
-                bits = _to_bf16(own * cos + partner * signed_sin, SOFT_ROUNDING).to(tl.uint16, bitcast=True)
+                rotated = _mul_rn(own, cos, SOFT_ROUNDING) + _mul_rn(partner, signed_sin, SOFT_ROUNDING)
+                bits = _to_bf16(rotated, SOFT_ROUNDING).to(tl.uint16, bitcast=True)
                 tl.store(data + 448 + 2 * j, (bits & 0xFF).to(tl.uint8))
                 tl.store(data + 449 + 2 * j, (bits >> 8).to(tl.uint8))
         else:
@@ -217,7 +238,9 @@ if has_triton():
             cos = tl.load(cs_row + pair, mask=in_rope, other=1.0)
             sin = tl.load(cs_row + 32 + pair, mask=in_rope, other=0.0)
             signed_sin = tl.where((d & 1) == 0, -sin, sin)
-            out = y * cos[None, :] + (partner * rstd[:, None]) * signed_sin[None, :]
+            out = _mul_rn(y, cos[None, :], SOFT_ROUNDING) + _mul_rn(
+                partner * rstd[:, None], signed_sin[None, :], SOFT_ROUNDING
+            )
             tl.store(
                 q_out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
                 _to_bf16(out, SOFT_ROUNDING),
@@ -226,14 +249,20 @@ if has_triton():
 
 
 def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
-    """(heads per program, warps per program).
+    """(heads per program, warps per program), from the H200 sweep (bench/README.md).
 
-    Two heads (2 KiB of bf16 in, 2 KiB out) per 4-warp program gives each thread
-    16-byte loads and stores; at small T that still spreads one token's q over
-    HP/2 programs, so the whole op is one wave.
+    Two warps throughout: each thread then moves several 16-byte vectors, so more bytes
+    are in flight per thread (at T=4096, H=16: 125 us with 4 heads x 2 warps against
+    144 us with 4 x 4). Few heads per program at small T spread one token over more
+    programs (latency bound); four at large T (bandwidth bound).
     """
-    block_h = min(2, triton.next_power_of_2(padded_heads))
-    return block_h, 4
+    if num_tokens <= 4:
+        block_h = 1
+    elif num_tokens <= 128:
+        block_h = 2
+    else:
+        block_h = 4
+    return min(block_h, triton.next_power_of_2(padded_heads)), 2
 
 
 def dsv4_qnorm_rope_kv_insert_triton(
@@ -246,14 +275,21 @@ def dsv4_qnorm_rope_kv_insert_triton(
     cos_sin_cache: torch.Tensor,
     eps: float,
     block_size: int,
+    *,
+    launch_config: tuple[int, int] | None = None,
 ) -> None:
-    """Launch the fused kernel once (q and kv sides together). Inputs are not checked here."""
+    """Launch the fused kernel once (q and kv sides together). Inputs are not checked here.
+
+    ``launch_config`` overrides ``(BLOCK_H, num_warps)``; the benchmark's sweep uses it
+    to choose ``_launch_config``'s table.
+    """
     num_tokens, num_heads, _ = q.shape
     padded_heads = q_out.shape[1]
     if num_tokens == 0:
         return
-    block_h, num_warps = _launch_config(num_tokens, padded_heads)
-    grid = (num_tokens, 1 + triton.cdiv(padded_heads, block_h))
+    block_h, num_warps = launch_config or _launch_config(num_tokens, padded_heads)
+    n_cols = 1 + triton.cdiv(padded_heads, block_h)
+    grid = (num_tokens * n_cols,)
     _dsv4_qnorm_rope_kv_insert_kernel[grid](
         q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
         num_heads, padded_heads, slot_mapping.shape[0],
@@ -262,6 +298,7 @@ def dsv4_qnorm_rope_kv_insert_triton(
         k_cache.stride(0), cos_sin_cache.stride(0),
         eps, block_size,
         BLOCK_H=block_h,
+        N_COLS=n_cols,
         SOFT_ROUNDING=triton_interpret_mode(),
         num_warps=num_warps,
     )
