@@ -216,7 +216,6 @@ if has_triton():
         else:
             heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
             d = tl.arange(0, 512)
-            # padded heads (H <= h < HP) load zeros and so store exact zeros
             x = tl.load(
                 q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=(heads < H)[:, None],
@@ -241,6 +240,8 @@ if has_triton():
             out = _mul_rn(y, cos[None, :], SOFT_ROUNDING) + _mul_rn(
                 partner * rstd[:, None], signed_sin[None, :], SOFT_ROUNDING
             )
+            # padded heads: +0.0 exactly (0 * -sin would store -0.0; eps = 0 would give NaN)
+            out = tl.where((heads < H)[:, None], out, 0.0)
             tl.store(
                 q_out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
                 _to_bf16(out, SOFT_ROUNDING),
@@ -316,7 +317,10 @@ def rope_gptj(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def q_prep_reference(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised and rotated q in fp32, [T, H, 512] (the caller rounds once to bf16)."""
     x = q.float()
-    y = x * torch.sqrt(x.square().mean(dim=-1, keepdim=True) + eps).reciprocal()
+    # The sqrt goes through fp64 and back: that is the correctly rounded fp32 sqrt
+    # (torch's vectorised CPU fp32 sqrt is 1 ulp off for some inputs).
+    mean_sq = x.square().mean(dim=-1, keepdim=True) + eps
+    y = x * mean_sq.double().sqrt().float().reciprocal()
     cs = cos_sin_cache[positions].unsqueeze(1)  # [T, 1, 64]
     rope = rope_gptj(y[..., NOPE_DIM:], cs[..., : ROPE_DIM // 2], cs[..., ROPE_DIM // 2 :])
     return torch.cat((y[..., :NOPE_DIM], rope), dim=-1)
@@ -415,7 +419,11 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
         f"slot_mapping: has {slot_mapping.shape[0]} rows, more than T={num_tokens} tokens",
     )
     check_size("cos_sin_cache", cos_sin_cache, 1, ROPE_DIM, "32 cos + 32 sin values")
-    for name, t in (("q", q), ("kv", kv), ("q_out", q_out), ("k_cache", k_cache), ("cos_sin_cache", cos_sin_cache)):
+    named = (
+        ("q", q), ("kv", kv), ("q_out", q_out), ("k_cache", k_cache), ("cos_sin_cache", cos_sin_cache),
+        ("slot_mapping", slot_mapping), ("positions", positions),
+    )
+    for name, t in named:
         check_unit_last_stride(name, t)
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
