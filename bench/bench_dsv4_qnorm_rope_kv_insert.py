@@ -857,13 +857,15 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         f"- **Date:** {data['date']}",
         f"- **Device:** {data['device']} (sm_{data['capability'].replace('.', '')}, {data['num_sms']} SMs, "
         f"L2 {data['l2_bytes'] / 2**20:.0f} MiB); torch {data['torch']}, triton {data['triton']}, CUDA {data['cuda']}",
-        f"- **Copy bandwidth:** {bw:.0f} GB/s ({data['copy_bw']['bytes_per_copy'] / 2**30:.1f} GiB `dst.copy_(src)`, "
-        f"read + write bytes, graph replay median; SPEC section 5: {SPEC_COPY_BW_GBPS:.0f}). "
+        f"- **Copy bandwidth:** {bw:.0f} GB/s ({data['copy_bw']['bytes_per_copy'] / 2**30:.1f} GiB, the faster of "
+        + ", ".join(f"{k} {v['GBps']:.0f}" for k, v in data["copy_bw"].get("variants", {}).items())
+        + f"; read + write bytes, graph replay median; SPEC section 5: {SPEC_COPY_BW_GBPS:.0f}). "
         f"One tiny kernel in a graph: {data['tiny_graph']['us_median']:.2f} us (SPEC: 1.09 us).",
-        "- **Method:** each implementation captured in CUDA graphs and timed by replay with CUDA events "
-        "(replays queued behind a GPU sleep, so host launch cost is not timed); median of N replays (20..200), "
+        f"- **Method:** each implementation captured in one CUDA graph of {CALLS_PER_GRAPH} back-to-back calls and "
+        "timed by replay with CUDA events, per call (replays queued behind a GPU sleep, so host launch cost is not "
+        "timed); median of N replays (10..200), "
         f"p10/p90 kept in the JSON. Shapes moving >= {data['args'].get('warm_below_l2', 0.25)} x L2 per call rotate "
-        f"round-robin over K copies of all inputs and outputs (one graph each, K x bytes >= {COLD_FACTOR} x L2) so "
+        f"round-robin over K copies of all inputs and outputs (inside the graph, K x bytes >= {COLD_FACTOR} x L2) so "
         "every replay reads HBM; smaller shapes are timed warm. Bytes are the fewest the op must move "
         "(q, kv of inserted rows, positions, slots, one cos/sin row per token, q_out with padded heads, 584 cache "
         "bytes per slot). Launches: GPU activities (kernels, memsets, memcpys) in `torch.profiler` over one "
