@@ -1,0 +1,321 @@
+"""The DeepSeek-V4 preparation patterns, read back out of a post-grad graph.
+
+``match_q_side`` and ``match_kv_side`` each start from an anchor node and either return
+what the fused op needs (its inputs and constants) or raise :class:`NoMatch` naming the
+step that differs. They are built from the step recognisers of ``recognizers.py``;
+``fuse_dsv4_prep.py`` decides what to rewrite. Each pattern's docstring draws the
+unfused graph and the fused one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from prepfuse.fx_passes import recognizers
+from prepfuse.fx_passes.recognizers import (
+    NoMatch, aten, prims, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
+    rms_norm, rope_gptj, row_layout, same_shape, same_size, same_value, scatter_back, shape, split_operands, strip, val, view_chain, RESHAPES,
+)
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
+    AMAX_FLOOR, CACHE_ROW_BYTES, FP8_MAX, HEAD_DIM, N_QUANT_BLOCKS, NOPE_DIM, QUANT_BLOCK, ROPE_DIM, SCALE_BYTES,
+)
+
+__all__ = ["NoMatch", "QSide", "KvSide", "Padding", "match_q_side", "head_padding", "match_kv_side", "cache_write", "first_rows_of"]
+
+
+@dataclass
+class QSide:
+    """``out = pad(bf16(cat(y[..., :448], rope(y[..., 448:]))))``, ``y = rms_norm(q.float())``."""
+
+    prepared: torch.fx.Node  # bf16 [T, H, 512], before padding
+    q: torch.fx.Node
+    positions: torch.fx.Node
+    cos_sin_cache: torch.fx.Node
+    eps: float
+
+
+@dataclass
+class KvSide:
+    """The bytes of ``kv`` rows written at ``slots`` into ``cache_in``, giving ``cache_out``."""
+
+    anchor: torch.fx.Node  # the index_put of the 576-byte rows
+    kv: torch.fx.Node  # bf16 [n, 512]
+    positions: torch.fx.Node  # int64 [n]
+    cos_sin_cache: torch.fx.Node
+    slots: torch.fx.Node  # int64 [n]
+    block_size: int
+    cache_in: torch.fx.Node
+    cache_out: torch.fx.Node
+
+
+# --------------------------------------------------------------------------------------
+# q side
+# --------------------------------------------------------------------------------------
+def match_q_side(cat: torch.fx.Node) -> QSide:
+    """Pattern (T tokens, H heads; the padding is matched later, per user)::
+
+        x = q.float(); y = x * rsqrt(mean(x*x, -1, keepdim) + eps)
+        e, o = y[..., 448::2], y[..., 449::2]; c, s = cache[positions].split(32) (unsqueezed)
+        prepared = cat(y[..., :448], stack(e*c - o*s, e*s + o*c).flatten(-2)).to(bf16)
+        out = pad(prepared, heads H -> HP)
+      ->
+        q_out = empty(T, HP, 512)                        # prepfuse_q_out_scratch
+        af = auto_functionalized(dsv4_qnorm_rope_kv_insert, q, kv=.., q_out, k_cache=.., ..)
+        out = af[q_out]
+    """
+    if val(cat).dtype == torch.float32:
+        converts = [u for u in cat.users if convert_source(u, torch.float32) is None and is_op(u, *recognizers.CONVERTS)]
+        expect(len(converts) >= 1, "q: the prepared fp32 q is never rounded to a 16-bit type")
+        prepared = converts[0]
+        nope, pe_rot = cat.args[0]
+    else:
+        prepared = cat
+        nope, pe_rot = (convert_source(p, val(cat).dtype) for p in cat.args[0])
+        expect(nope is not None and pe_rot is not None, "q: the 16-bit halves are not casts of fp32 math")
+    dtype = val(prepared).dtype
+    expect(dtype == torch.bfloat16, f"q: the prepared q is {dtype}, the op writes bfloat16")
+    pe, cos, sin = rope_gptj(pe_rot)
+    y = columns(nope, 0, NOPE_DIM, "q NoPE")
+    expect(columns(pe, NOPE_DIM, HEAD_DIM, "q RoPE") is y, "q: NoPE and RoPE columns come from different tensors")
+    x, eps = rms_norm(y)
+    q = convert_source(x, torch.float32)
+    expect(q is not None, f"q: the norm's input {describe(x)} is not a cast to fp32 of q")
+    qv = val(q)
+    expect(qv.dtype == torch.bfloat16, f"q: q is {qv.dtype}, the op reads bfloat16")
+    expect(qv.dim() == 3 and qv.stride(2) == 1, f"q: q has shape {tuple(qv.shape)} strides {tuple(qv.stride())}")
+    table, positions = cos_sin_rows(cos, sin, qv.shape[0], rank=3)
+    return QSide(prepared, q, positions, table, eps)
+
+
+@dataclass
+class Padding:
+    """A reader of the prepared q that pads it to ``padded_heads`` with zero heads."""
+
+    node: torch.fx.Node  # the padded [T, HP, 512] value
+    padded_heads: int
+    buffer: torch.fx.Node | None  # a caller's [T, HP, 512] buffer written whole, else None
+
+
+def _heads_scatter(node, start, end) -> bool:
+    return is_op(node, aten.slice_scatter.default) and recognizers.slice_params(node.args[2:], node.kwargs) in (
+        (1, start, end, 1), (-2, start, end, 1))
+
+
+def _zeros_into(scatter, src) -> bool:
+    """``scatter`` writes zeros into heads ``H:`` of ``src`` (a broadcast ``copy`` or a zero tensor)."""
+    z = scatter.args[1]
+    if is_op(z, aten.copy.default) and is_op(z.args[0], aten.slice.Tensor) and z.args[0].args[0] is src:
+        z = z.args[1]
+    return is_op(z, aten.full.default) and z.args[1] == 0
+
+
+def head_padding(user: torch.fx.Node, prepared: torch.fx.Node) -> Padding | None:
+    """How ``user`` pads ``prepared [T, H, 512]`` with zero heads, or None.
+
+    Three forms: ``F.pad(q, (0, 0, 0, HP - H))`` is one ``constant_pad_nd``;
+    ``out = q.new_zeros(T, HP, 512); out[:, :H] = q`` is ``slice_scatter(full(0),
+    [copy(slice(full), ] q [)], 1, 0, H)``; writing a caller's buffer whole,
+    ``buf[:, :H] = q; buf[:, H:] = 0`` (either order), is the same scatter into ``buf``
+    chained with a scatter of zeros into heads ``H:``.
+    """
+    num_heads = shape(prepared)[1]
+    if is_op(user, aten.constant_pad_nd.default):
+        pad = list(user.args[1])
+        value = user.args[2] if len(user.args) > 2 else 0.0
+        if len(pad) == 4 and pad[:3] == [0, 0, 0] and value == 0 and isinstance(pad[3], int) and pad[3] >= 0:
+            return Padding(user, num_heads + pad[3], None)
+        return None
+    written = user
+    if is_op(user, aten.copy.default) and user.args[1] is prepared and len(user.users) == 1:
+        written = next(iter(user.users))
+    if not (_heads_scatter(written, 0, num_heads) and written.args[1] is (user if written is not user else prepared)):
+        return None
+    dest = written.args[0]
+    out_shape = shape(dest)
+    if (len(out_shape) != 3 or not same_size(out_shape[0], shape(prepared)[0]) or out_shape[2] != HEAD_DIM
+            or val(dest).dtype != val(prepared).dtype):
+        return None
+    if is_op(dest, aten.full.default) and dest.args[1] == 0:
+        return Padding(written, out_shape[1], None)
+    end = (out_shape[1], recognizers.INT_MAX)
+    if any(_heads_scatter(dest, num_heads, e) for e in end) and _zeros_into(dest, dest.args[0]):  # zeros first
+        return Padding(written, out_shape[1], dest.args[0])
+    zeroing = [u for u in written.users if any(_heads_scatter(u, num_heads, e) for e in end) and u.args[0] is written]
+    if len(zeroing) == 1 and _zeros_into(zeroing[0], written) and all(
+            u is zeroing[0] or is_op(u, aten.slice.Tensor) for u in written.users):  # zeros after
+        return Padding(zeroing[0], out_shape[1], dest)
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# kv side
+# --------------------------------------------------------------------------------------
+def _quant_codes(codes) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(kv, e) for ``codes [n, 448] uint8`` = e4m3 bytes of ``kv[:, :448]`` scaled by ``2^-e``::
+
+        blocks = kv.float()[:, :448].view(n, 7, 64); amax = blocks.abs().amax(-1).clamp_min(1e-4)
+        e = ceil(log2(amax / 448)); codes = (blocks * exp2(-e)[..., None]).clamp(-448, 448).to(e4m3).view(u8)
+    """
+    node = strip(codes, *RESHAPES, aten.view.dtype, aten.slice.Tensor)  # slices: checked by the shapes below
+    clamped = convert_source(node, torch.float8_e4m3fn)
+    expect(clamped is not None, f"kv quant: NoPE bytes are {describe(node)}, not an e4m3 cast")
+    blocks_shape = shape(node)
+    expect(blocks_shape[1:] == (N_QUANT_BLOCKS, QUANT_BLOCK),
+           f"kv quant: blocks of {blocks_shape[-1]} values {blocks_shape[1:]}, fp8_ds_mla uses 7 blocks of 64")
+    scaled, lo, hi = clamp_bounds(clamped)
+    expect((lo, hi) == (-FP8_MAX, FP8_MAX), f"kv quant: clamp to [{lo}, {hi}], expected [-448, 448]")
+    expect(is_op(scaled, aten.mul.Tensor), f"kv quant: {describe(scaled)} is not blocks * 2^-e")
+    blocks, inv = split_operands(scaled, lambda n: isinstance(n, torch.fx.Node) and same_shape(n, scaled))
+    expect(blocks is not None, "kv quant: no full-size operand in blocks * 2^-e")
+    inv = strip(inv, aten.unsqueeze.default, *RESHAPES)
+    if is_op(inv, aten.exp2.default):
+        neg = inv.args[0]
+    else:
+        expect(is_op(inv, aten.pow.Scalar) and inv.args[0] == 2, f"kv quant: scale is {describe(inv)}, not exp2(-e)")
+        neg = inv.args[1]
+    expect(is_op(neg, aten.neg.default), f"kv quant: exponent is {describe(neg)}, not -e")
+    e = neg.args[0]
+    expect(is_op(e, aten.ceil.default) and is_op(e.args[0], aten.log2.default), "kv quant: e is not ceil(log2(..))")
+    ratio = e.args[0].args[0]
+    expect(is_op(ratio, aten.div.Tensor) and ratio.args[1] == FP8_MAX, f"kv quant: log2 of {describe(ratio)}, not amax / 448")
+    amax, floor, none = clamp_bounds(ratio.args[0])
+    expect(floor == AMAX_FLOOR and none is None, f"kv quant: amax floor {floor}, expected {AMAX_FLOOR}")
+    expect(is_op(amax, aten.amax.default) and list(amax.args[1]) in ([-1], [2]) and is_op(amax.args[0], aten.abs.default),
+           f"kv quant: {describe(amax)} is not abs(blocks).amax(-1)")
+    block_src = amax.args[0].args[0]
+    expect(same_value(block_src, blocks), "kv quant: amax is not of the scaled blocks")
+    expect(is_op(blocks, *RESHAPES), f"kv quant: blocks {describe(blocks)} are not a view of the NoPE columns")
+    return bf16_columns(blocks.args[0], 0, NOPE_DIM, "kv NoPE"), e
+
+
+def _cat_last(node, widths: tuple[int, int], what: str):
+    expect(is_op(node, aten.cat.default) and len(node.args[0]) == 2, f"{what}: {describe(node)} is not a cat of two parts")
+    parts = node.args[0]
+    expect(tuple(shape(p)[-1] for p in parts) == widths, f"{what}: parts of widths {[shape(p)[-1] for p in parts]}, expected {widths}")
+    return parts
+
+
+def _slots(indices, block_size: int) -> torch.fx.Node:
+    """``slots`` for the index pair ``(slots // block_size, slots % block_size)``."""
+    expect(len(indices) == 2 and all(isinstance(i, torch.fx.Node) for i in indices), "write: expected [block, row] indices")
+    blk, row = indices
+    expect(is_op(blk, aten.div.Tensor_mode) and blk.kwargs.get("rounding_mode") == "floor" and blk.args[1] == block_size,
+           f"write: block index {describe(blk)} is not slot // {block_size}")
+    expect(is_op(row, aten.remainder.Scalar, aten.remainder.Tensor) and row.args[1] == block_size and row.args[0] is blk.args[0],
+           f"write: row index {describe(row)} is not slot % {block_size} of the same slots")
+    sv = val(blk.args[0])
+    expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
+    return blk.args[0]
+
+
+def cache_write(put) -> tuple[torch.fx.Node, torch.fx.Node, int, int, int, int, torch.fx.Node]:
+    """(root, new root, first column, row pitch, row width, block size, slots) of one index_put.
+
+    Two spellings: ``cache[:, a:b].view(NB, bs, W)[s // bs, s % bs] = rows`` (an index_put
+    into a view, scattered back), and ``cache[(s // bs)[:, None], a + (s % bs)[:, None] * W +
+    arange(W)] = rows`` (an index_put into the 2-d cache itself).
+    """
+    view, indices, values = put.args[:3]
+    expect(not (put.args[3] if len(put.args) > 3 else put.kwargs.get("accumulate", False)), "write: accumulates")
+    expect(len(indices) == 2 and all(isinstance(i, torch.fx.Node) for i in indices), "write: expected two index tensors")
+    expect(len(shape(values)) == 2, "write: values are not rows")
+    if len(shape(view)) == 2:  # indices select whole rows' bytes of the 2-d cache
+        first, pitch, width, block_size, slots = _column_indices(indices, shape(values)[1])
+        expect(val(view).stride(1) == 1, f"write: the cache has strides {tuple(val(view).stride())}")
+        root, new_root = view, put
+    else:
+        root, chain = view_chain(view)
+        first, pitch, width = row_layout(view, root)
+        block_size = shape(view)[1]
+        slots = _slots(indices, block_size)
+        new_root = scatter_back(put, chain)
+    expect(shape(values)[1] == width and same_size(shape(values)[0], shape(slots)[0]), "write: values are not one row per slot")
+    return root, new_root, first, pitch, width, block_size, slots
+
+
+def _column_indices(indices, width: int) -> tuple[int, int, int, int, torch.fx.Node]:
+    """(first column, row pitch, width, block size, slots) of the index pair
+    ``[(s // bs)[:, None], first + (s % bs)[:, None] * pitch + arange(width)]``."""
+    blk, cols = indices
+    expect(_is_column(blk), f"write: block index {describe(blk)} is not (slot // block_size)[:, None]")
+    expect(is_op(cols, aten.add.Tensor), f"write: columns {describe(cols)} are not row offset + arange")
+    iota, offset = split_operands(cols, lambda n: is_op(n, prims.iota.default, aten.arange.default, aten.arange.start))
+    expect(iota is not None and shape(iota) == (width,), "write: columns are not row offset + arange(row width)")
+    if is_op(iota, prims.iota.default):
+        expect((iota.kwargs.get("start", 0), iota.kwargs.get("step", 1)) == (0, 1), "write: iota does not count 0, 1, 2 ..")
+    elif is_op(iota, aten.arange.start):
+        expect(iota.args[0] == 0, "write: arange does not start at 0")
+    first = 0.0
+    if recognizers.add_scalar(offset) is not None:
+        offset, first = recognizers.add_scalar(offset)
+    expect(is_op(offset, aten.mul.Tensor), f"write: {describe(offset)} is not row * pitch")
+    row, pitch = split_operands(offset, _is_column)
+    expect(row is not None and isinstance(pitch, int), f"write: {describe(offset)} is not (slot % block_size)[:, None] * pitch")
+    remainder = row.args[0]
+    expect(is_op(remainder, aten.remainder.Scalar, aten.remainder.Tensor) and isinstance(remainder.args[1], int),
+           f"write: row {describe(remainder)} is not slot % block_size")
+    block_size = remainder.args[1]
+    expect(first == int(first), f"write: first column {first} is not an integer")
+    return int(first), pitch, width, block_size, _slots([blk.args[0], remainder], block_size)
+
+
+def _is_column(node) -> bool:
+    """``x[:, None]`` of a 1-d ``x``."""
+    return is_op(node, aten.unsqueeze.default) and len(shape(node)) == 2 and node.args[1] in (1, -1)
+
+
+def match_kv_side(data_put: torch.fx.Node, writes: dict) -> KvSide:
+    """Pattern (n rows, bs = block_size; the two writes in either order)::
+
+        x = kv.float(); codes, e = quant(x[:, :448]); pe = rope(x[:, 448:], c, s).to(bf16)
+        data = cat(codes, pe.view(u8)); scales = cat((e + 127).clamp(0, 255).to(u8), zeros(n, 1))
+        cache[:, :bs*576].view(NB, bs, 576)[slots // bs, slots % bs] = data
+        cache[:, bs*576:bs*584].view(NB, bs, 8)[slots // bs, slots % bs] = scales
+        # functional: index_put -> reshape -> slice_scatter, twice, then copy_(cache, ..)
+      ->
+        af = auto_functionalized(dsv4_qnorm_rope_kv_insert, .., k_cache=cache, slot_mapping=slots, ..)
+        (every reader of the written cache reads af[k_cache])
+    """
+    root, new_root, first, pitch, width, bs, slots = cache_write(data_put)
+    expect((first, pitch, width) == (0, CACHE_ROW_BYTES, CACHE_ROW_BYTES),
+           f"write: rows of {width} bytes {pitch} apart from column {first}; fp8_ds_mla rows are 576 bytes, 576 apart, from 0")
+    partner = [(w, p) for p, w in writes.items() if p is not data_put and (w[0] is new_root or w[1] is root)]
+    expect(len(partner) == 1, "write: no matching write of the scale bytes into the same cache")
+    (s_root, s_new, s_first, s_pitch, s_width, s_bs, s_slots), scale_put = partner[0]
+    expect((s_first, s_pitch, s_width, s_bs) == (bs * CACHE_ROW_BYTES, SCALE_BYTES, SCALE_BYTES, bs),
+           f"write: scale rows of {s_width} bytes {s_pitch} apart from column {s_first}, expected 8, 8, {bs * CACHE_ROW_BYTES}")
+    expect(s_slots is slots, "write: data and scales go to different slots")
+    cache_in, cache_out = (root, s_new) if s_root is new_root else (s_root, new_root)
+
+    codes, rope_bytes = _cat_last(data_put.args[2], (NOPE_DIM, 2 * ROPE_DIM), "kv row")
+    expect(is_op(rope_bytes, aten.view.dtype), f"kv row: RoPE bytes {describe(rope_bytes)} are not values viewed as uint8")
+    dtype = val(rope_bytes.args[0]).dtype
+    expect(dtype == torch.bfloat16, f"kv row: RoPE values are {dtype}, the op writes bfloat16")
+    pe_rot = convert_source(rope_bytes.args[0], torch.bfloat16)
+    expect(pe_rot is not None, "kv row: RoPE values are not rounded from fp32")
+    pe, cos, sin = rope_gptj(pe_rot)
+    kv = bf16_columns(pe, NOPE_DIM, HEAD_DIM, "kv RoPE")
+    kv_nope, e = _quant_codes(codes)
+    expect(kv_nope is kv, "kv: NoPE and RoPE columns come from different tensors")
+    scale_bytes, zeros = _cat_last(scale_put.args[2], (N_QUANT_BLOCKS, 1), "kv scales")
+    clamped = convert_source(scale_bytes, torch.uint8)
+    expect(clamped is not None, f"kv scales: {describe(scale_bytes)} is not a cast to uint8")
+    biased, lo, hi = clamp_bounds(clamped)
+    expect((lo, hi) == (0, 255) and recognizers.add_scalar(biased) == (e, 127.0), "kv scales: not (e + 127).clamp(0, 255)")
+    expect(is_op(zeros, aten.full.default) and zeros.args[1] == 0, "kv scales: the 8th byte is not zero")
+    rows = shape(kv)[0]
+    expect(same_size(rows, shape(slots)[0]), "kv: one slot per row expected")
+    expect(val(kv).stride(-1) == 1, f"kv: strides {tuple(val(kv).stride())}, the op reads dense rows")
+    table, positions = cos_sin_rows(cos, sin, rows, rank=2)
+    return KvSide(data_put, kv, positions, table, slots, bs, cache_in, cache_out)
+
+
+def first_rows_of(node, rows):
+    """``x`` if ``node`` is ``x[:rows]`` (a leading slice), else ``node``."""
+    if is_op(node, aten.slice.Tensor) and node.args[1] == 0 and (node.args[2] if len(node.args) > 2 else 0) == 0:
+        if (node.args[4] if len(node.args) > 4 else 1) == 1 and same_size(shape(node)[0], rows):
+            return node.args[0]
+    return node

@@ -1,0 +1,257 @@
+"""Find unfused DeepSeek-V4 attention-input preparation and call the fused op instead.
+
+A post-grad pass (Inductor's ``post_grad_custom_post_pass``: the functional graph, before
+defunctionalization). It rewrites the q side (RMSNorm without weight, GPT-J RoPE on
+dims 448..512, one rounding to bf16, head padding) and the kv side (RoPE, UE8M0 fp8
+quantisation in blocks of 64, the write into the uint8 ``fp8_ds_mla`` cache) into one
+``auto_functionalized`` call of ``prepfuse::dsv4_qnorm_rope_kv_insert``
+(``DSV4_QNORM_ROPE_KV_INSERT``), v1 or v2 as ``enable_auto_functionalized_v2`` says.
+The call stays functional so that the defunctionalize pass (or, without it, Inductor's
+own reinplacing) makes it write ``q_out`` and the cache in place, with no copy.
+
+Why a hand-written matcher and not ``register_replacement``. A traced pattern is one
+graph; the same math reaches the post-grad graph in many (SPEC section 2, lesson 6):
+three RMSNorm spellings times two RoPE spellings times two paddings times two slicings
+is 24 q patterns before a torch upgrade turns a ``view`` into a ``reshape``, and the
+cache write is a chain of view / ``index_put`` / ``slice_scatter`` nodes whose shape
+depends on how the cache was viewed. Traced patterns also refuse a match when an
+intermediate has an extra user, and need care for every dynamic-shape case. Here each
+step is read back by a small recogniser (``recognizers.py``) that accepts the forms of
+that one step, composed into two patterns (``dsv4_prep_patterns.py``): a new spelling
+is one branch in one function, an extra user of an intermediate simply keeps that node
+(and what it needs) alive -- the pass only rewires the final outputs and lets dead-code
+elimination remove what nobody reads -- and a mismatch names the step that failed,
+which is what ``declined`` reports.
+
+Anchors: the q side is found from an ``aten.cat`` of 448 NoPE and 64 RoPE columns of a
+``[T, H, 512]`` tensor; the kv side from an ``index_put`` of 576-byte rows into a uint8
+tensor. A q match and a kv match share one call when they read the same positions and
+cos/sin table, have the same token count (the kv rows may be the first
+``len(slot_mapping)`` of them), and every reader of either output comes after all the
+call's inputs; otherwise, and for a side matched alone, the call gets an empty other
+side: no q heads (``q``, ``q_out`` of shape ``[T, 0, 512]``) or no inserted rows
+(``slot_mapping`` of length 0, a dummy one-block cache, any bf16 ``[T, 512]`` as kv).
+
+Negative slots: the eager write ``cache[slot // bs, slot % bs] = row`` sends slot -1 to
+the last row of the last block (Python index wraparound); the fused op skips negative
+slots. The model code this pass fuses must pass valid slots, or mean "skip" by -1.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from prepfuse._compat import auto_functionalized_ops
+from prepfuse.fx_passes import dsv4_prep_patterns, recognizers
+from prepfuse.fx_passes.base import PrepfusePass
+from prepfuse.fx_passes.dsv4_prep_patterns import (
+    KvSide, NoMatch, QSide, cache_write, first_rows_of, head_padding, match_kv_side, match_q_side,
+)
+from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
+from prepfuse.fx_passes.recognizers import aten, is_op, same_size, shape, val
+from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SLOT_BYTES
+
+# q_out is a fresh per-graph buffer for now; a reserved scratch arena (allocated before
+# KV-cache sizing, SPEC section 2 lesson 2) will replace this node by name.
+Q_SCRATCH_NAME = "prepfuse_q_out_scratch"
+
+
+class FuseDsv4PrepPass(PrepfusePass):
+    """Rewrites matched DeepSeek-V4 preparation into ``DSV4_QNORM_ROPE_KV_INSERT`` calls.
+
+    ``matched_count`` is the number of op calls made; the log names each as ``dsv4_q+kv``,
+    ``dsv4_q`` or ``dsv4_kv`` and lists every declined candidate with its reason.
+    """
+
+    name = "fuse_dsv4_prep"
+    uuid_sources = (dsv4_prep_patterns, recognizers)
+
+    def run(self, graph: torch.fx.Graph) -> int:
+        self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        q_sides, kv_sides = self._find(graph)
+        calls = self._pair(graph, q_sides, kv_sides)
+        for q, kv, shared_kv in calls:
+            self._rewrite(graph, q, kv, shared_kv)
+        return len(calls)
+
+    # ----------------------------------------------------------------------------------
+    def _find(self, graph) -> tuple[list[QSide], list[KvSide]]:
+        q_sides, kv_sides, writes, data_puts = [], [], {}, []
+        for node in graph.nodes:
+            if is_op(node, aten.index_put.default) and val(node.args[0]).dtype == torch.uint8:
+                try:
+                    writes[node] = cache_write(node)
+                except NoMatch as err:
+                    writes[node] = err
+                if shape(node.args[2])[-1:] == (CACHE_ROW_BYTES,):
+                    data_puts.append(node)
+            elif is_op(node, aten.cat.default) and _is_q_anchor(node):
+                try:
+                    q_sides.append(match_q_side(node))
+                except NoMatch as err:
+                    self.log.declined(self.name, "dsv4_q", node, str(err))
+        ok_writes = {p: w for p, w in writes.items() if not isinstance(w, NoMatch)}
+        for put in data_puts:
+            try:
+                if isinstance(writes[put], NoMatch):
+                    raise writes[put]
+                kv = match_kv_side(put, ok_writes)
+                if not kv.cache_out.users:
+                    raise NoMatch("write: nothing reads the written cache")
+                kv_sides.append(kv)
+            except NoMatch as err:
+                self.log.declined(self.name, "dsv4_kv", put, str(err))
+        return q_sides, kv_sides
+
+    def _pair(self, graph, q_sides, kv_sides) -> list[tuple]:
+        """(q, kv, the kv tensor a shared call reads): one call per q match, sharing it with
+        the first kv match that can (graph order); the kv matches left get calls of their own."""
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        calls, free = [], list(kv_sides)
+        for q in q_sides:
+            partner = full = None
+            for kv in free:
+                full = _shared_kv(q, kv, order)
+                if full is not None:
+                    partner = kv
+                    free.remove(kv)
+                    break
+            calls.append((q, partner, full))
+        return calls + [(None, kv, kv.kv) for kv in free]
+
+    def _rewrite(self, graph, q: QSide | None, kv: KvSide | None, kv_in: torch.fx.Node | None) -> None:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        readers = (_q_readers(q) if q else []) + (list(kv.cache_out.users) if kv else [])
+        emit = _Emitter(graph, min(readers, key=order.__getitem__))
+        if q is not None:
+            tokens, num_heads = emit.size(q.q, 0), shape(q.q)[1]
+            pads = [p for p in (head_padding(u, q.prepared) for u in q.prepared.users) if p is not None]
+            padded_heads = pads[0].padded_heads if pads else num_heads
+            # a caller's buffer the unfused code writes whole is q_out itself (no scratch, no copy)
+            buffer = pads[0].buffer if pads else None
+            q_in, positions, table, eps = q.q, q.positions, q.cos_sin_cache, q.eps
+        else:
+            tokens = emit.size(kv.kv, 0)
+            q_in = emit.empty([tokens, 0, HEAD_DIM], torch.bfloat16, kv.kv)
+            padded_heads, positions, table, eps, buffer = 0, kv.positions, kv.cos_sin_cache, 0.0, None
+        if buffer is None or val(buffer).stride(-1) != 1:
+            buffer = emit.empty([tokens, padded_heads, HEAD_DIM], torch.bfloat16, q_in, name=Q_SCRATCH_NAME if q else None)
+        q_out = buffer
+        if kv is not None:
+            k_cache, slots, block_size = kv.cache_in, kv.slots, kv.block_size
+        else:  # no rows inserted: the op reads no kv row and writes no cache byte
+            kv_in = emit.node(aten.select.int, q.q, 1, 0)
+            k_cache = emit.empty([1, SLOT_BYTES], torch.uint8, q.q)
+            slots = emit.empty([0], torch.int64, q.q)
+            block_size = 1
+        args = dict(q=q_in, kv=kv_in, q_out=q_out, k_cache=k_cache, slot_mapping=slots, positions=positions,
+                    cos_sin_cache=table, eps=eps, block_size=block_size)
+        # an input that an earlier rewrite replaced (a cache written twice) is read from its replacement
+        args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
+        outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
+
+        if q is not None:
+            new_q, others = outs["q_out"], []
+            for user in list(q.prepared.users):
+                padding = head_padding(user, q.prepared)
+                if padding is not None and padding.padded_heads == padded_heads:
+                    self._replace(padding.node, new_q)
+                else:
+                    others.append(user)
+            if others:  # readers of the unpadded q read the first H heads of q_out
+                view = new_q if padded_heads == num_heads else emit.node(aten.slice.Tensor, new_q, 1, 0, num_heads)
+                for user in others:
+                    user.replace_input_with(q.prepared, view)
+        if kv is not None:
+            self._replace(kv.cache_out, outs["k_cache"])
+        pattern = "dsv4_q+kv" if q and kv else ("dsv4_q" if q else "dsv4_kv")
+        self.log.matched(self.name, pattern, q.prepared if q else kv.anchor)
+
+    def _replace(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
+        old.replace_all_uses_with(new)
+        self._replaced[old] = new
+
+
+def _is_q_anchor(cat) -> bool:
+    """A cat of [.., 448] and [.., 64] along the last dim of a 3-d tensor."""
+    parts = cat.args[0]
+    out = shape(cat)
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return (len(out) == 3 and dim in (-1, 2) and len(parts) == 2
+            and [shape(p)[-1] for p in parts] == [NOPE_DIM, ROPE_DIM])
+
+
+def _q_readers(q: QSide) -> list[torch.fx.Node]:
+    """The nodes that read the prepared q, directly or through a head padding."""
+    readers = []
+    for user in q.prepared.users:
+        padding = head_padding(user, q.prepared)
+        readers += list(padding.node.users) if padding is not None else [user]
+    return readers
+
+
+def _shared_kv(q: QSide, kv: KvSide, order: dict) -> torch.fx.Node | None:
+    """The ``[T, 512]`` kv a call shared by ``q`` and ``kv`` takes, or None if they cannot share one.
+
+    The op inserts the first ``len(slot_mapping)`` rows of kv, with positions of q's tokens.
+    """
+    rows, tokens = shape(kv.slots)[0], shape(q.q)[0]
+    if kv.cos_sin_cache is not q.cos_sin_cache or first_rows_of(kv.positions, rows) is not q.positions and kv.positions is not q.positions:
+        return None
+    full = next((k for k in (kv.kv, first_rows_of(kv.kv, rows)) if same_size(shape(k)[0], tokens)), None)
+    if full is None:
+        return None
+    inputs = (q.q, full, kv.cache_in, kv.slots, q.positions, q.cos_sin_cache)
+    readers = _q_readers(q) + list(kv.cache_out.users)
+    if max(order[n] for n in inputs) >= min(order[n] for n in readers):
+        return None  # some reader of one output comes before an input of the other side
+    return full
+
+
+class _Emitter:
+    """Inserts nodes before ``point``, each with its fake value (later passes read ``meta['val']``)."""
+
+    def __init__(self, graph: torch.fx.Graph, point: torch.fx.Node) -> None:
+        self.graph, self.point = graph, point
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+
+    def node(self, target, *args, name: str | None = None, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(self.point):
+            node = self.graph.call_function(target, args, kwargs)
+        if name is not None:
+            node._rename(name)
+        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        return node
+
+    def size(self, tensor: torch.fx.Node, dim: int):
+        """``tensor.size(dim)``: an int, or a ``sym_size`` node when it is symbolic."""
+        size = shape(tensor)[dim]
+        return size if isinstance(size, int) else self.node(aten.sym_size.int, tensor, dim)
+
+    def empty(self, sizes, dtype, like: torch.fx.Node, name: str | None = None) -> torch.fx.Node:
+        return self.node(aten.empty.memory_format, sizes, name=name, dtype=dtype, device=val(like).device, pin_memory=False)
+
+    def functional_call(self, op, kwargs: dict) -> dict[str, torch.fx.Node]:
+        """``auto_functionalized[_v2](op, ..)`` and a getitem per written argument, by name.
+
+        The written arguments come from the schema (``mutation_info``); for v2 each is its
+        own base in ``_all_bases``.
+        """
+        v1, v2 = auto_functionalized_ops()
+        written = [arg.name for arg in mutated_args(op)]
+        if v2 is not None and torch._inductor.config.enable_auto_functionalized_v2:
+            hop = v2
+            call = {k: v for k, v in kwargs.items() if k not in written}
+            call.update({f"_{name}_base_index": i for i, name in enumerate(written)})
+            call["_all_bases"] = [kwargs[name] for name in written]
+        else:
+            hop, call = v1, kwargs
+        af = self.node(hop, op, **call)
+        return {name: self.node(operator.getitem, af, index) for name, index in output_indices(af).items()}
