@@ -127,7 +127,7 @@ class FuseDsv4PrepPass(PrepfusePass):
     def _rewrite(self, graph, q: QSide | None, kv: KvSide | None, kv_in: torch.fx.Node | None) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
         readers = (_q_readers(q) if q else []) + (list(kv.cache_out.users) if kv else [])
-        emit = _Emitter(graph, min(readers, key=order.__getitem__))
+        emit = _Emitter(graph, min(readers, key=order.__getitem__), source=q.prepared if q else kv.anchor)
         if q is not None:
             tokens, num_heads = emit.size(q.q, 0), shape(q.q)[1]
             pads = [p for p in (head_padding(u, q.prepared) for u in q.prepared.users) if p is not None]
@@ -216,8 +216,10 @@ def _shared_kv(q: QSide, kv: KvSide, order: dict) -> torch.fx.Node | None:
 class _Emitter:
     """Inserts nodes before ``point``, each with its fake value (later passes read ``meta['val']``)."""
 
-    def __init__(self, graph: torch.fx.Graph, point: torch.fx.Node) -> None:
+    def __init__(self, graph: torch.fx.Graph, point: torch.fx.Node, source: torch.fx.Node) -> None:
         self.graph, self.point = graph, point
+        # the matched code's source line, for the report's rows about emitted nodes
+        self.stack_trace = source.meta.get("stack_trace")
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
 
     def node(self, target, *args, name: str | None = None, **kwargs) -> torch.fx.Node:
@@ -225,6 +227,8 @@ class _Emitter:
             node = self.graph.call_function(target, args, kwargs)
         if name is not None:
             node._rename(name)
+        if self.stack_trace:
+            node.meta["stack_trace"] = self.stack_trace
         fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         with self.fake_mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
