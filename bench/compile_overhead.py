@@ -1,0 +1,76 @@
+"""Compile-time cost of prepfuse's passes: the demo model compiled with backend="prepfuse"
+with its passes and with none (``passes=()``), fresh each time (no FX graph cache).
+
+    PYTHONPATH=. python bench/compile_overhead.py [--layers 3] [--repeats 3]
+
+Prints seconds per compile (median of the repeats) for both, the difference, and the
+passes' own time measured inside the pass manager. Runs on the CPU or a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import prepfuse  # noqa: F401
+from prepfuse.backend import PrepfuseBackend
+from prepfuse.fx_passes.pass_manager import PrepfusePassManager
+from prepfuse.models.dsv4 import Dsv4AttentionBlock, fp8_ds_mla_cache
+from prepfuse.testing import make_dsv4_inputs
+
+
+def compile_seconds(passes, layers: int, device) -> tuple[float, float]:
+    """(wall seconds of the first call, i.e. the compile; seconds inside the pass manager)."""
+    torch._dynamo.reset()
+    tokens, heads, padded, block_size, dim = 7, 3, 8, 16, 64
+    block = Dsv4AttentionBlock(layers, dim, heads, padded, block_size=block_size).to(device)
+    inputs = make_dsv4_inputs(tokens, heads, padded, block_size, device, skip_fraction=0.0)
+    caches = [fp8_ds_mla_cache(inputs.k_cache.shape[0], block_size, device) for _ in range(layers)]
+    x = torch.randn(tokens, dim, device=device).to(torch.bfloat16)
+    options = {"inductor_config": {"fx_graph_cache": False}}
+    if passes is not None:
+        options["passes"] = passes
+    compiled = torch.compile(block, backend=PrepfuseBackend(options), fullgraph=True)
+
+    in_passes = 0.0
+    original = PrepfusePassManager.__call__
+
+    def timed(self, graph):
+        nonlocal in_passes
+        start = time.perf_counter()
+        original(self, graph)
+        in_passes += time.perf_counter() - start
+
+    PrepfusePassManager.__call__ = timed
+    try:
+        start = time.perf_counter()
+        compiled(x, inputs.positions, inputs.slot_mapping, inputs.cos_sin_cache, caches)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, in_passes
+    finally:
+        PrepfusePassManager.__call__ = original
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    compile_seconds(None, args.layers, device)  # warm: imports, first-use costs of Inductor
+    rows = {}
+    for label, passes in (("with passes", None), ("no passes", ())):
+        runs = [compile_seconds(passes, args.layers, device) for _ in range(args.repeats)]
+        rows[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+    print(f"torch {torch.__version__}, {device}, {args.layers}-layer demo model, median of {args.repeats} fresh compiles")
+    for label, (total, inside) in rows.items():
+        print(f"  {label:12s} {total:7.2f} s compile   {inside:6.3f} s inside the pass manager")
+    print(f"  passes add {rows['with passes'][0] - rows['no passes'][0]:+.2f} s to the compile")
+
+
+if __name__ == "__main__":
+    main()

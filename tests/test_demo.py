@@ -1,0 +1,14 @@
+"""The README's main command runs its checks on the CPU too: keep them passing."""
+
+import torch
+
+from prepfuse.demo_dsv4 import run_dsv4_demo
+from prepfuse.demo_model import run_model_demo
+
+
+def test_op_demo_passes_on_cpu():
+    assert run_dsv4_demo(torch.device("cpu"), num_tokens=5, num_heads=2, block_size=16)
+
+
+def test_model_demo_fuses_every_layer_and_matches_eager():
+    assert run_model_demo(torch.device("cpu"), num_layers=2)
