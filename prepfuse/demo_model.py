@@ -14,7 +14,7 @@ import torch
 
 from prepfuse.backend import PrepfuseBackend
 from prepfuse.models.dsv4 import DSV4_SPELLINGS, Dsv4AttentionBlock, fp8_ds_mla_cache
-from prepfuse.testing import make_dsv4_inputs
+from prepfuse.testing import graph_replay_us, make_dsv4_inputs
 
 
 def _dequantized_rows(cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -26,28 +26,6 @@ def _dequantized_rows(cache: torch.Tensor, slots: torch.Tensor, block_size: int)
     nope = nope * torch.exp2(scales.float() - 127)[..., None]
     rope = data[:, 448:].contiguous().view(torch.bfloat16).float()
     return torch.cat((nope.flatten(-2), rope), dim=-1)
-
-
-def _graph_us(fn, iters: int = 100) -> float:
-    """Median microseconds of ``fn`` replayed from a CUDA graph (captured after warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def run_model_demo(device: torch.device, num_layers: int = 3) -> bool:
@@ -101,8 +79,8 @@ def run_model_demo(device: torch.device, num_layers: int = 3) -> bool:
         torch._dynamo.reset()
         default = torch.compile(block, fullgraph=True)
         default_caches = [c.clone() for c in caches]
-        us_prepfuse = _graph_us(lambda: compiled(*args, caches))
-        us_default = _graph_us(lambda: default(*args, default_caches))
+        us_prepfuse = graph_replay_us(lambda: compiled(*args, caches))
+        us_default = graph_replay_us(lambda: default(*args, default_caches))
         print(
             f"whole block, CUDA-graph replay median: backend=prepfuse {us_prepfuse:.1f} us, "
             f"torch.compile default {us_default:.1f} us"

@@ -193,3 +193,29 @@ def compare_dsv4(a: Dsv4Inputs, b: Dsv4Inputs) -> Dsv4Comparison:
         cache_max_code_diff=int(code_diff.max()) if code_diff.numel() else 0,
         cache_non_fp8_mismatches=int((cache_diff & ~fp8_mask).sum()),
     )
+
+
+def graph_replay_us(fn, warmup: int = 3, iters: int = 100) -> float:
+    """Median microseconds of one ``fn()`` replayed from a CUDA graph (the demo's quick
+    timing; ``bench/`` has the full method: calls batched per graph, cold L2).
+
+    ``fn`` is warmed up on a side stream first, which also compiles what it compiles.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]

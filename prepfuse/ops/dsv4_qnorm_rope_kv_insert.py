@@ -355,9 +355,17 @@ def kv_cache_rows_reference(
 def insert_rows_reference(
     k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int
 ) -> None:
-    """Write rows into their slots of the fp8_ds_mla cache; negative slots are skipped."""
+    """Write rows into their slots of the fp8_ds_mla cache; negative slots are skipped.
+
+    The skip is a boolean mask, i.e. a host sync on CUDA: this is the oracle, not a
+    capturable path (``write_rows`` is the write alone, for all-valid slots).
+    """
     keep = slots >= 0
-    slots, data, scales = slots[keep], data[keep], scales[keep]
+    write_rows(k_cache, data[keep], scales[keep], slots[keep], block_size)
+
+
+def write_rows(k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int) -> None:
+    """Write rows [T', 576] and scale bytes [T', 8] at ``slots``, which must all be valid."""
     blk, row = (slots // block_size).unsqueeze(1), (slots % block_size).unsqueeze(1)
     data_cols = row * CACHE_ROW_BYTES + torch.arange(CACHE_ROW_BYTES, device=slots.device)
     scale_cols = block_size * CACHE_ROW_BYTES + row * SCALE_BYTES + torch.arange(SCALE_BYTES, device=slots.device)

@@ -12,12 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
-    CACHE_ROW_BYTES,
-    SCALE_BYTES,
-    kv_cache_rows_reference,
-    q_prep_reference,
-)
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import kv_cache_rows_reference, q_prep_reference, write_rows
 
 
 def dsv4_prep_unfused(
@@ -49,9 +44,4 @@ def dsv4_prep_unfused(
     data, scales = kv_cache_rows_reference(kv[:n_insert], positions[:n_insert], cos_sin_cache)
 
     # k_cache: [NB, S] uint8; slot s -> block s // block_size, row s % block_size
-    blk = (slot_mapping // block_size).unsqueeze(1)  # [T', 1]
-    row = (slot_mapping % block_size).unsqueeze(1)  # [T', 1]
-    data_cols = row * CACHE_ROW_BYTES + torch.arange(CACHE_ROW_BYTES, device=k_cache.device)
-    scale_cols = block_size * CACHE_ROW_BYTES + row * SCALE_BYTES + torch.arange(SCALE_BYTES, device=k_cache.device)
-    k_cache[blk, data_cols] = data
-    k_cache[blk, scale_cols] = scales
+    write_rows(k_cache, data, scales, slot_mapping, block_size)
