@@ -9,9 +9,14 @@ writes each node as ``name = target(args)``::
     dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg0, arg1, arg2, ...)
     return ()
 
-Placeholders become ``arg0, arg1 ...`` in graph order; every other node is named after
-its target (``getitem``, ``getitem_1`` ... the way FX numbers duplicates). Nothing in
-the output depends on memory addresses or on the names the graph had before.
+Placeholders become ``arg0, arg1 ...`` in the order the graph first *uses* them: Dynamo
+lifts inputs in an order that differs between torch versions (2.11 and 2.13 disagree on
+the same function), while the order of use is the program's. Placeholders nothing uses
+are left out, and so are torch's runtime shape assertions (``aten._assert_scalar`` and
+the symbolic comparisons that only feed them), which some versions emit and others do
+not; neither says anything about what a pass did. Every other node is named after its
+target (``getitem``, ``getitem_1`` ... the way FX numbers duplicates). Nothing in the
+output depends on memory addresses or on the names the graph had before.
 """
 
 from __future__ import annotations
@@ -73,6 +78,23 @@ def _format_arg(arg, names: dict[torch.fx.Node, str]) -> str:
     return repr(arg)
 
 
+_RUNTIME_ASSERTS = {"_assert_scalar", "_assert_async", "sym_constrain_range", "sym_constrain_range_for_size"}
+
+
+def _runtime_assert_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Shape-assertion nodes and the non-tensor nodes that only feed them."""
+    dropped: set[torch.fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", "")
+        is_assert = name in _RUNTIME_ASSERTS
+        only_feeds_asserts = bool(node.users) and all(u in dropped for u in node.users)
+        if is_assert or (only_feeds_asserts and not isinstance(node.meta.get("val"), torch.Tensor)):
+            dropped.add(node)
+    return dropped
+
+
 def normalized_graph(graph: torch.fx.Graph | torch.fx.GraphModule) -> str:
     """One line per node, ``name = target(args, key=value)``, with stable names.
 
@@ -81,16 +103,19 @@ def normalized_graph(graph: torch.fx.Graph | torch.fx.GraphModule) -> str:
     """
     if isinstance(graph, torch.fx.GraphModule):
         graph = graph.graph
+    dropped = _runtime_assert_nodes(graph)
+    body = [n for n in graph.nodes if n.op != "placeholder" and n not in dropped]
+
     names: dict[torch.fx.Node, str] = {}
-    seen: dict[str, int] = {}
     lines = []
-    n_inputs = 0
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            names[node] = f"arg{n_inputs}"
-            n_inputs += 1
-            lines.append(f"{names[node]} = placeholder()")
-            continue
+    for node in body:  # placeholders, numbered by first use
+        for used in node.all_input_nodes:
+            if used.op == "placeholder" and used not in names:
+                names[used] = f"arg{len(names)}"
+                lines.append(f"{names[used]} = placeholder()")
+
+    seen: dict[str, int] = {}
+    for node in body:
         if node.op == "output":
             lines.append(f"return {_format_arg(node.args[0], names)}")
             continue
