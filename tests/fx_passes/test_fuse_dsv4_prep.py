@@ -473,3 +473,28 @@ def test_attention_block_dynamic():
     for cache, ref_cache in zip(caches, ref_caches):
         torch.testing.assert_close(_dequantized_rows(cache, inputs.slot_mapping),
                                    _dequantized_rows(ref_cache, inputs.slot_mapping), atol=1e-2, rtol=0.13)
+
+
+# --------------------------------------------------------------------------------------
+# On CUDA: the Triton kernel in the compiled graph against eager CUDA PyTorch
+# --------------------------------------------------------------------------------------
+DEVICE_TOKENS = [
+    pytest.param("cpu", 7, id="cpu-T7"),
+    pytest.param("cuda", 7, id="cuda-T7", marks=pytest.mark.gpu),
+    pytest.param("cuda", 1000, id="cuda-T1000", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device, num_tokens", DEVICE_TOKENS)
+@pytest.mark.parametrize("v2", VERSIONS)
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_fuses_on_each_device(name, v2, device, num_tokens):
+    """Every spelling fuses to one call; on CUDA that call is the Triton kernel, held to
+    SPEC section 1's bound against eager CUDA PyTorch (whose rsqrt is approximate)."""
+    inputs = make_dsv4_inputs(num_tokens, H, HP, BLOCK, device, skip_fraction=0.0)
+    r = run(prep(SPELLINGS[name]), inputs, v2=v2)
+    assert r.matched == 1
+    fused = dataclasses.replace(inputs, q_out=r.out, k_cache=r.cache)
+    eager = dataclasses.replace(inputs, q_out=r.ref_out, k_cache=r.ref_cache)
+    cmp = compare_dsv4(eager, fused)
+    assert cmp.within_spec(), cmp
