@@ -71,6 +71,10 @@ class FuseDsv4PrepPass(PrepfusePass):
     name = "fuse_dsv4_prep"
     uuid_sources = (dsv4_prep_patterns, recognizers)
 
+    def settings(self) -> tuple:
+        # the emitted call's schema: an op change must invalidate cached compiled graphs too
+        return (str(DSV4_QNORM_ROPE_KV_INSERT._schema),)
+
     def run(self, graph: torch.fx.Graph) -> int:
         self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         q_sides, kv_sides = self._find(graph)
