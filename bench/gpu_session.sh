@@ -5,6 +5,7 @@
 #   sanitize - compute-sanitizer memcheck and racecheck on small shapes of the fused op
 #   sweep - the launch-configuration sweep of the fused kernel
 #   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
+#   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
 #   demo  - the README's main command's python part
 # Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
 # No pip there: pure-python wheels carried in .whl/ are unpacked to /tmp/site.
@@ -51,6 +52,10 @@ for what in "${steps[@]}"; do
     bench)
         step bench
         python3 bench/bench_dsv4_qnorm_rope_kv_insert.py --out-dir "$OUT" 2>&1 | tail -n 60 | tee -a "$log" || status=1
+        ;;
+    e2e)
+        step e2e
+        python3 bench/bench_dsv4_prep_e2e.py --out-dir "$OUT" --docs "$OUT/benchmarks_e2e.md" 2>&1 | tail -n 20 | tee -a "$log" || status=1
         ;;
     demo)
         step demo
