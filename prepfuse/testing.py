@@ -1,13 +1,13 @@
 """Inputs and comparisons shared by the tests, the benchmark and the demo.
 
 Checks follow one rule: fresh random data every run, outputs poisoned before the call
-(q_out with -123.0, the cache with 0xA5), so a byte that should have been written and
+(q_out with -123.0, every cache byte with 0xA5), so a byte that should have been written and
 was not shows up, and a byte that should not have been written shows up too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,9 +49,9 @@ class Dsv4Inputs:
                           self.cos_sin_cache, self.eps, self.block_size)
 
 
-def rope_cos_sin_cache(max_pos: int, device, base: float = 10000.0) -> torch.Tensor:
-    """A real RoPE table [max_pos, 64] fp32: 32 cos then 32 sin per position."""
-    inv_freq = base ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float64) / ROPE_DIM)
+def rope_cos_sin_cache(max_pos: int, device, base: float = 10000.0, rotary_dim: int = ROPE_DIM) -> torch.Tensor:
+    """A real RoPE table [max_pos, rotary_dim] fp32: rotary_dim/2 cos then as many sin per position."""
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(torch.float32).to(device)
 
@@ -192,6 +192,169 @@ def compare_dsv4(a: Dsv4Inputs, b: Dsv4Inputs) -> Dsv4Comparison:
         cache_mismatches=int(cache_diff.sum()),
         cache_max_code_diff=int(code_diff.max()) if code_diff.numel() else 0,
         cache_non_fp8_mismatches=int((cache_diff & ~fp8_mask).sum()),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# prepfuse::gqa_qknorm_rope_kv_insert
+# --------------------------------------------------------------------------------------
+@dataclass
+class GqaInputs:
+    """One call's arguments of ``prepfuse::gqa_qknorm_rope_kv_insert``."""
+
+    qkv: torch.Tensor
+    q_norm_weight: torch.Tensor | None
+    k_norm_weight: torch.Tensor | None
+    q_out: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    kv_scale: torch.Tensor | None
+    num_q_heads: int
+    num_kv_heads: int
+    is_neox: bool
+    eps: float
+
+    def args(self) -> tuple:
+        return (
+            self.qkv, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
+            self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale,
+            self.num_q_heads, self.num_kv_heads, self.is_neox, self.eps,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_out.shape[2]
+
+    def fresh_outputs(self) -> "GqaInputs":
+        """The same inputs with newly poisoned q_out and caches (same shapes and strides)."""
+        def poisoned(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            out.view(torch.uint8).fill_(CACHE_POISON)
+            return out
+
+        q_out = torch.empty_strided(
+            self.q_out.shape, self.q_out.stride(), dtype=self.q_out.dtype, device=self.q_out.device
+        )
+        q_out.fill_(Q_POISON)
+        return replace(self, q_out=q_out, k_cache=poisoned(self.k_cache), v_cache=poisoned(self.v_cache))
+
+
+def make_gqa_inputs(
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device,
+    *,
+    rotary_dim: int | None = None,
+    is_neox: bool = True,
+    norm: bool = True,
+    cache_dtype: torch.dtype = torch.bfloat16,
+    generator: torch.Generator | None = None,
+    num_inserted: int | None = None,
+    skip_fraction: float = 0.1,
+    spare_slots: int = 64,
+    max_pos: int = 8192,
+    eps: float = 1e-6,
+) -> GqaInputs:
+    """Fresh random inputs with poisoned outputs.
+
+    qkv rows are a view of a wider buffer (token stride > width, as when qkv is a slice
+    of a larger projection output), with a wide per-head dynamic range. The caches are
+    the two halves of one ``[NB, 2, BS, Hkv, D]`` buffer (FlashInfer's layout), so their
+    block strides are not their sizes. For fp8 caches ``kv_scale`` is drawn so that a few
+    values saturate at +-448 and the smallest fall into e4m3's subnormals. The first
+    ``num_inserted`` rows (default all) get distinct random slots; about
+    ``skip_fraction`` of them are -1.
+    """
+    if generator is None:
+        generator = torch.Generator()
+        generator.seed()  # fresh, nondeterministic data; the global RNG is left alone
+    gen = generator
+    num_inserted = num_tokens if num_inserted is None else num_inserted
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    n_heads = num_q_heads + 2 * num_kv_heads
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    heads = randn(num_tokens, n_heads, head_dim) * torch.exp(randn(num_tokens, n_heads, 1) * 2)
+    wide = torch.zeros(num_tokens, n_heads * head_dim + 24, dtype=torch.bfloat16)
+    wide[:, 8 : 8 + n_heads * head_dim] = heads.flatten(1).to(torch.bfloat16)
+    qkv = wide.to(device)[:, 8 : 8 + n_heads * head_dim]
+
+    weights = [None, None]
+    if norm:
+        weights = [(randn(head_dim) * 0.3 + 1).to(torch.bfloat16).to(device) for _ in range(2)]
+    kv_scale = None
+    if cache_dtype == torch.float8_e4m3fn:
+        # |normed k| is O(1): saturation starts between 2 and 4, so a few k values clamp;
+        # v and unnormed k keep qkv's per-head range (e^(2*randn)), so whole heads clamp
+        # and others fall into e4m3's subnormals
+        kv_scale = torch.tensor([(2.0 + 2.0 * float(torch.rand(1, generator=gen))) / 448.0], device=device)
+
+    num_blocks = -(-(num_inserted + spare_slots) // block_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_inserted]
+    skip = torch.rand(num_inserted, generator=gen) < skip_fraction
+    slots = torch.where(skip, torch.full_like(slots, -1), slots)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+    kv_buffer = torch.empty(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+
+    inputs = GqaInputs(
+        qkv=qkv,
+        q_norm_weight=weights[0],
+        k_norm_weight=weights[1],
+        q_out=torch.empty(num_tokens, num_q_heads, head_dim, dtype=torch.bfloat16, device=device),
+        k_cache=kv_buffer[:, 0],
+        v_cache=kv_buffer[:, 1],
+        slot_mapping=slots.to(device),
+        positions=positions.to(device),
+        cos_sin_cache=rope_cos_sin_cache(max_pos, device, rotary_dim=rotary_dim),
+        kv_scale=kv_scale,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        is_neox=is_neox,
+        eps=eps,
+    )
+    return inputs.fresh_outputs()
+
+
+@dataclass
+class GqaComparison:
+    """How two runs of the GQA op on the same inputs differ."""
+
+    q_elements: int
+    q_mismatches: int  # elements of q_out that differ at all
+    q_max_ulp: int  # largest difference, bf16 ULPs
+    cache_elements: int  # elements of k_cache and v_cache together
+    cache_mismatches: int  # cache elements that differ at all (untouched ones included)
+    cache_max_diff: int  # largest difference, bf16 ULPs or e4m3 codes
+
+    def exact(self) -> bool:
+        return self.q_mismatches == 0 and self.cache_mismatches == 0
+
+
+def compare_gqa(a: GqaInputs, b: GqaInputs) -> GqaComparison:
+    """Compare the outputs of two runs (q_out and both whole caches)."""
+    ulp = bf16_ulp_diff(a.q_out, b.q_out)
+    diffs = []
+    for x, y in ((a.k_cache, b.k_cache), (a.v_cache, b.v_cache)):
+        if x.dtype == torch.float8_e4m3fn:
+            diffs.append(e4m3_code_diff(x.view(torch.uint8), y.view(torch.uint8)).flatten())
+        else:
+            diffs.append(bf16_ulp_diff(x, y).flatten())
+    cache = torch.cat(diffs)
+    return GqaComparison(
+        q_elements=a.q_out.numel(),
+        q_mismatches=int((ulp != 0).sum()),
+        q_max_ulp=int(ulp.max()) if ulp.numel() else 0,
+        cache_elements=cache.numel(),
+        cache_mismatches=int((cache != 0).sum()),
+        cache_max_diff=int(cache.max()) if cache.numel() else 0,
     )
 
 

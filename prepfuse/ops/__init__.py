@@ -11,6 +11,11 @@ from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
     dsv4_qnorm_rope_kv_insert_reference,
     dsv4_qnorm_rope_kv_insert_triton,
 )
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import (
+    GQA_QKNORM_ROPE_KV_INSERT,
+    gqa_qknorm_rope_kv_insert_reference,
+    gqa_qknorm_rope_kv_insert_triton,
+)
 
 __all__ = [
     "NAMESPACE",
@@ -18,4 +23,7 @@ __all__ = [
     "DSV4_QNORM_ROPE_KV_INSERT",
     "dsv4_qnorm_rope_kv_insert_reference",
     "dsv4_qnorm_rope_kv_insert_triton",
+    "GQA_QKNORM_ROPE_KV_INSERT",
+    "gqa_qknorm_rope_kv_insert_reference",
+    "gqa_qknorm_rope_kv_insert_triton",
 ]

@@ -34,8 +34,8 @@ from prepfuse.fx_passes.mutation_info import (
     v1_output_indices,
     v2_output_indices,
 )
-from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, registered_ops
-from prepfuse.testing import make_dsv4_inputs
+from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, GQA_QKNORM_ROPE_KV_INSERT, registered_ops
+from prepfuse.testing import make_dsv4_inputs, make_gqa_inputs
 
 AF_V1, AF_V2 = auto_functionalized_ops()
 VERSIONS = ["v1", "v2"]
@@ -170,6 +170,8 @@ def check_metadata_against_graph(fn: Callable, inputs: tuple, version: str) -> t
 # --------------------------------------------------------------------------------------
 REGISTERED_OP_INPUTS: dict[torch._ops.OpOverload, Callable[[], tuple]] = {
     DSV4_QNORM_ROPE_KV_INSERT: lambda: make_dsv4_inputs(7, 3, 8, 16, "cpu", num_inserted=5).args(),
+    # k_cache and v_cache are two views of one [NB, 2, BS, Hkv, D] buffer: one shared base
+    GQA_QKNORM_ROPE_KV_INSERT: lambda: make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5).args(),
 }
 
 
@@ -190,6 +192,14 @@ def test_dsv4_mutated_args_are_q_out_then_k_cache():
     assert {i: name for name, i in v1_output_indices(op).items()} == {1: "q_out", 2: "k_cache"}
     node = check_metadata_against_graph(lambda *a: op(*a), make_dsv4_inputs(7, 3, 8, 16, "cpu").args(), "v1")
     assert output_indices(node) == {"q_out": 1, "k_cache": 2}
+
+
+def test_gqa_mutated_args_are_q_out_k_cache_v_cache():
+    op = GQA_QKNORM_ROPE_KV_INSERT
+    assert mutated_args(op) == (
+        MutatedArg(3, "q_out", "a"), MutatedArg(4, "k_cache", "b"), MutatedArg(5, "v_cache", "c"),
+    )
+    assert {i: name for name, i in v1_output_indices(op).items()} == {1: "q_out", 2: "k_cache", 3: "v_cache"}
 
 
 # --------------------------------------------------------------------------------------

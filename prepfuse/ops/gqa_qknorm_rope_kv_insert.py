@@ -1,0 +1,554 @@
+"""GQA (Qwen3 / Llama style) attention-input preparation as one fused, mutating out-variant op.
+
+Schema (the contract; ``tests/golden/schemas.txt`` holds it verbatim)::
+
+    prepfuse::gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight,
+        Tensor? k_norm_weight, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache,
+        Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, Tensor? kv_scale,
+        int num_q_heads, int num_kv_heads, bool is_neox, float eps) -> ()
+
+Inputs (``T`` tokens, ``Hq`` query heads, ``Hkv`` kv heads, head size ``D`` in {64, 128,
+256} = ``qkv.size(1) // (Hq + 2*Hkv)``, rotary dim ``R = cos_sin_cache.size(1)``)::
+
+    qkv            [T, (Hq+2*Hkv)*D]    bf16   q heads, then k heads, then v heads; any
+                                               token stride, last dim dense
+    q_norm_weight  [D] or None          bf16   per-head RMSNorm weight of q (Qwen3);
+    k_norm_weight  [D] or None          bf16   both None (Llama: no norm) or both given
+    q_out          [T, Hq, D]           bf16   written: normed and roped q
+    k_cache        [NB, BS, Hkv, D]     bf16 or float8_e4m3fn   written at inserted slots
+    v_cache        [NB, BS, Hkv, D]     same shape and dtype as k_cache
+    slot_mapping   [T']                 int64  T' <= T; row t goes to slot slot_mapping[t]
+                                               (block s // BS, row s % BS); negative skips
+    positions      [T]                  int64  row of cos_sin_cache for each token
+    cos_sin_cache  [P, R]               fp32   per position: R/2 cos, then R/2 sin (vLLM)
+    kv_scale       [1] or [] or None    fp32   per-tensor cache scale, read on the device;
+                                               given iff the caches are fp8
+
+Q and K path, per token and head (x: one head's D values, as fp32)::
+
+    if weights given (Hugging Face Qwen3RMSNorm, step for step):
+        n = bf16(x * rstd),  rstd = 1/sqrt(mean(x^2) + eps) in fp32
+        x = bf16(w * n)                     (one rounding: a bf16 product is exact in fp32)
+    RoPE on dims [0, R) (partial when R < D; dims [R, D) pass through), in fp32:
+        is_neox: pairs (i, i + R/2)     GPT-J: pairs (2i, 2i + 1)     i in [0, R/2)
+        a' = a*cos[i] - b*sin[i],  b' = b*cos[i] + a*sin[i]     (each product rounded)
+    q_out = bf16(x);  k = bf16(x)
+
+V path: v as is. Cache store of k and v rows at inserted slots: bf16 as is, or fp8
+``e4m3(clamp(fp32(bf16 value) / kv_scale, -448, 448))``, round to nearest even (vLLM's
+``scaled_convert``: a true division, saturating). Bytes of other slots, skipped rows and
+rows t >= T' are never written.
+
+Rounding, against the Hugging Face code a pattern pass will replace:
+
+- RMSNorm follows ``Qwen3RMSNorm`` exactly: normalise in fp32, round to bf16, *then*
+  multiply by the bf16 weight (``self.weight * hidden_states.to(input_dtype)``), rounding
+  again. ``rstd`` is two correctly rounded fp32 steps, sqrt then reciprocal: HF's
+  ``torch.rsqrt`` gives the same bits on CPU (identical on 10M random inputs, and the
+  tests compare with HF bit for bit); on CUDA rsqrt may be an fp32 ULP off, which
+  changes a bf16 result with probability about 2^-16.
+- RoPE: HF casts cos/sin to the activation dtype and rounds three times in bf16
+  (``q*cos``, ``rotate_half(q)*sin``, their sum). This op takes an fp32 table (vLLM's
+  layout) and rounds once, at the store: it equals HF's formula evaluated in fp32 on the
+  bf16 normed q, ``(q.float()*cos + rotate_half(q.float())*sin).bfloat16()``, bit for
+  bit. Against HF's all-bf16 evaluation it differs on about 40% of the rotated values, by
+  at most about 2^-7 * (|a| + |b|) (measured: 0.0081; one bf16 ULP of the inputs; many ULPs of the result
+  where the two products cancel): it is the more accurate of the two, and a pass that
+  replaces bf16 HF RoPE with this op changes numerics by that much. The products are
+  never contracted into an FMA (``_mul_rn``).
+- The fp8 cache values are quantised from the bf16-rounded k and v, as an unfused engine
+  that stores bf16 k/v through its cache-insert kernel would.
+
+Traffic per token: reads (Hq + 2*Hkv)*D*2 bytes of qkv and the 4R-byte cos/sin row
+(re-read by every q and k program, from L1/L2; the 2*D*2 weight bytes likewise); writes
+Hq*D*2 bytes of q_out and 2*Hkv*D*c bytes of cache (c = 2 for bf16, 1 for fp8), only for
+inserted rows. Qwen3-8B (Hq 32, Hkv 8, D 128, R 128), bf16 cache: 12288 B read + 12288 B
+written per token. Bandwidth bound for T above a few hundred, latency bound below.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from prepfuse._compat import has_triton, triton_interpret_mode
+from prepfuse.ops._checks import check_size, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._library import define_op, log
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import rope_gptj
+
+HEAD_DIMS = (64, 128, 256)
+FP8_MAX = 448.0
+CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+SCHEMA = (
+    "gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, "
+    "Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor positions, "
+    "Tensor cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps) -> ()"
+)
+
+# Reading slot and position values is a host sync on CUDA: checked in eager use, skipped
+# during CUDA-graph capture, and off with PREPFUSE_CHECK_INDEX_VALUES=0 (as for dsv4).
+_CHECK_INDEX_VALUES = os.environ.get("PREPFUSE_CHECK_INDEX_VALUES", "1") != "0"
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------
+if has_triton():
+    import triton
+    import triton.language as tl
+
+    from prepfuse.ops._triton_helpers import _mul_rn, _to_bf16, _to_e4m3_bits
+
+    @triton.jit
+    def _norm_rope_heads(
+        head_ptr,  # [BLOCK_H] pointers to the first of each head's D bf16 values
+        head_mask,  # [BLOCK_H] which of them are real heads
+        w_ptr,  # [D] bf16 norm weight (unread without HAS_NORM)
+        cs_row,  # this token's row of cos_sin_cache
+        eps,  # RMSNorm epsilon
+        HEAD_DIM: tl.constexpr,  # D
+        ROT_DIM: tl.constexpr,  # R: dims [0, R) are rotated
+        IS_NEOX: tl.constexpr,  # pairs (i, i + R/2) if true, else (2i, 2i + 1)
+        HAS_NORM: tl.constexpr,  # apply the weighted RMSNorm first
+        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+    ):
+        """Normed (optional) and roped heads, [BLOCK_H, D] bf16."""
+        HALF = ROT_DIM // 2
+        d = tl.arange(0, HEAD_DIM)
+        in_rot = d < ROT_DIM
+        # Each rotated dim d is computed from itself and its pair partner:
+        # d' = d*cos - partner*sin for the pair's first member, d*cos + partner*sin else.
+        if IS_NEOX:
+            first = d < HALF
+            partner = tl.where(first, d + HALF, d - HALF)
+            pair = tl.where(first, d, d - HALF)
+        else:
+            first = (d & 1) == 0
+            partner = d ^ 1
+            pair = d // 2
+        partner = tl.where(in_rot, partner, d)
+        pair = tl.where(in_rot, pair, 0)
+        x = tl.load(head_ptr[:, None] + d[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
+        # the partner is loaded again (an L1 hit) and normed the same way, so both sides
+        # of a pair see identical bf16 values without a shuffle across lanes
+        p = tl.load(
+            head_ptr[:, None] + partner[None, :], mask=head_mask[:, None] & in_rot[None, :], other=0.0
+        ).to(tl.float32)
+        if HAS_NORM:
+            mean_sq = tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM)  # D is a power of 2: exact scaling
+            # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
+            w = tl.load(w_ptr + d).to(tl.float32)[None, :]
+            w_partner = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+            # HF order: round the normalised value to bf16, then multiply by the weight
+            # (exact in fp32: two 8-bit significands) and round again
+            x = _to_bf16(_to_bf16(x * rstd, SOFT_ROUNDING).to(tl.float32) * w, SOFT_ROUNDING).to(tl.float32)
+            p = _to_bf16(_to_bf16(p * rstd, SOFT_ROUNDING).to(tl.float32) * w_partner, SOFT_ROUNDING).to(tl.float32)
+        cos = tl.load(cs_row + pair, mask=in_rot, other=1.0)
+        sin = tl.load(cs_row + HALF + pair, mask=in_rot, other=0.0)
+        signed_sin = tl.where(first, -sin, sin)
+        rotated = _mul_rn(x, cos[None, :], SOFT_ROUNDING) + _mul_rn(p, signed_sin[None, :], SOFT_ROUNDING)
+        # pass-through dims keep their bits (x*1 + p*0 would turn -0.0 into +0.0)
+        return _to_bf16(tl.where(in_rot[None, :], rotated, x), SOFT_ROUNDING)
+
+    @triton.jit
+    def _store_cache_rows(
+        ptrs,  # [BLOCK_H, D] destination elements (uint8 when CACHE_FP8, else bf16)
+        values,  # [BLOCK_H, D] bf16
+        mask,  # [BLOCK_H, D]
+        scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
+        CACHE_FP8: tl.constexpr,  # quantise to e4m3fn codes
+        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+    ):
+        if CACHE_FP8:
+            scale = tl.load(scale_ptr)
+            # a true, correctly rounded division (vLLM's scaled_convert), not x * (1/scale)
+            scaled = tl.div_rn(values.to(tl.float32), scale)
+            scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+            tl.store(ptrs, _to_e4m3_bits(scaled, SOFT_ROUNDING), mask=mask)
+        else:
+            tl.store(ptrs, values, mask=mask)
+
+    @triton.jit
+    def _gqa_qknorm_rope_kv_insert_kernel(
+        qkv_ptr,  # [T, (Hq + 2*Hkv) * D] bf16
+        q_w_ptr,  # [D] bf16 q norm weight (unread without HAS_NORM)
+        k_w_ptr,  # [D] bf16 k norm weight (unread without HAS_NORM)
+        q_out_ptr,  # [T, Hq, D] bf16
+        k_cache_ptr,  # [NB, BS, Hkv, D] bf16, or uint8 codes of an fp8 cache
+        v_cache_ptr,  # [NB, BS, Hkv, D] as k_cache
+        slot_ptr,  # [T'] int64
+        pos_ptr,  # [T] int64
+        cos_sin_ptr,  # [P, R] fp32
+        scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
+        Hq,  # query heads
+        Hkv,  # kv heads
+        n_insert,  # T': rows inserted into the caches
+        n_slots,  # NB * BS: slots the caches hold
+        max_pos,  # P: rows of cos_sin_cache
+        stride_qkv_t,  # elements between tokens of qkv
+        stride_ot,  # elements between tokens of q_out
+        stride_oh,  # elements between heads of q_out
+        stride_kb,  # elements between blocks of k_cache
+        stride_kr,  # elements between rows (slots) of a k_cache block
+        stride_kh,  # elements between heads of k_cache
+        stride_vb,  # elements between blocks of v_cache
+        stride_vr,  # elements between rows (slots) of a v_cache block
+        stride_vh,  # elements between heads of v_cache
+        stride_cs,  # elements between positions of cos_sin_cache
+        eps,  # RMSNorm epsilon
+        block_size,  # BS: slots per cache block
+        HEAD_DIM: tl.constexpr,  # D
+        ROT_DIM: tl.constexpr,  # R
+        IS_NEOX: tl.constexpr,  # rotate-half pairs, else GPT-J interleaved pairs
+        HAS_NORM: tl.constexpr,  # weighted RMSNorm on q and k
+        CACHE_FP8: tl.constexpr,  # caches hold e4m3fn codes scaled by kv_scale
+        BLOCK_H: tl.constexpr,  # heads per program
+        Q_COLS: tl.constexpr,  # programs per token on q: cdiv(Hq, BLOCK_H)
+        KV_COLS: tl.constexpr,  # programs per token on k, and again on v: cdiv(Hkv, BLOCK_H)
+        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+    ):
+        # A 1-D grid of T * (Q_COLS + 2 * KV_COLS) programs. Columns vary fastest and
+        # follow qkv's order (q heads, k heads, v heads), so programs running together
+        # read one token's qkv row front to back; each column handles BLOCK_H heads of
+        # one kind. q and k columns share the norm and rotation code (_norm_rope_heads),
+        # v columns only copy or quantise. (T is not capped at 65535 on a 1-D grid.)
+        pid = tl.program_id(0).to(tl.int64)
+        n_cols = Q_COLS + 2 * KV_COLS
+        t = pid // n_cols
+        col = pid % n_cols
+        d = tl.arange(0, HEAD_DIM)
+        hb = tl.arange(0, BLOCK_H)
+        row = qkv_ptr + t * stride_qkv_t
+        # Out-of-range positions are rejected on the host when it can read them; here
+        # they are clamped only so that no read leaves cos_sin_cache.
+        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
+        cs_row = cos_sin_ptr + pos * stride_cs
+
+        if col < Q_COLS:
+            heads = col * BLOCK_H + hb
+            real = heads < Hq
+            out = _norm_rope_heads(
+                row + heads * HEAD_DIM, real, q_w_ptr, cs_row, eps,
+                HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, SOFT_ROUNDING,
+            )
+            tl.store(
+                q_out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out, mask=real[:, None]
+            )
+        else:
+            slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
+            if (slot >= 0) & (slot < n_slots):
+                blk = slot // block_size
+                slot_row = slot % block_size
+                if col < Q_COLS + KV_COLS:
+                    heads = (col - Q_COLS) * BLOCK_H + hb
+                    real = heads < Hkv
+                    k = _norm_rope_heads(
+                        row + (Hq + heads) * HEAD_DIM, real, k_w_ptr, cs_row, eps,
+                        HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, SOFT_ROUNDING,
+                    )
+                    dst = k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads[:, None] * stride_kh + d[None, :]
+                    _store_cache_rows(dst, k, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+                else:
+                    heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
+                    real = heads < Hkv
+                    v = tl.load(row + (Hq + Hkv + heads)[:, None] * HEAD_DIM + d[None, :], mask=real[:, None])
+                    dst = v_cache_ptr + blk * stride_vb + slot_row * stride_vr + heads[:, None] * stride_vh + d[None, :]
+                    _store_cache_rows(dst, v, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+
+
+def _launch_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, int]:
+    """(heads per program, warps per program). Not yet swept on a GPU: the dsv4 op's
+    table (bench/README.md) scaled to head size, i.e. about 512 values per program at
+    large T (bandwidth bound), a single head at T <= 4 (latency bound), two warps."""
+    if num_tokens <= 4:
+        block_h = 1
+    elif num_tokens <= 128:
+        block_h = max(1, 256 // head_dim)
+    else:
+        block_h = max(2, 512 // head_dim)
+    return min(block_h, triton.next_power_of_2(max_heads)), 2
+
+
+def gqa_qknorm_rope_kv_insert_triton(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    num_q_heads: int,
+    num_kv_heads: int,
+    is_neox: bool,
+    eps: float,
+    *,
+    launch_config: tuple[int, int] | None = None,
+) -> None:
+    """Launch the fused kernel once (q, k and v together). Inputs are not checked here.
+
+    ``launch_config`` overrides ``(BLOCK_H, num_warps)`` (for a benchmark sweep).
+    """
+    num_tokens = qkv.shape[0]
+    if num_tokens == 0:
+        return
+    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    block_h, num_warps = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads))
+    q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    has_norm = q_norm_weight is not None
+    # unread placeholders for absent optional tensors (the constexprs keep them unread)
+    q_w = q_norm_weight if has_norm else qkv
+    k_w = k_norm_weight if has_norm else qkv
+    scale = kv_scale if fp8 else cos_sin_cache
+    block_size = k_cache.shape[1]
+    grid = (num_tokens * (q_cols + 2 * kv_cols),)
+    _gqa_qknorm_rope_kv_insert_kernel[grid](
+        qkv, q_w, k_w, q_out,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
+        slot_mapping, positions, cos_sin_cache, scale,
+        num_q_heads, num_kv_heads, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos_sin_cache.shape[0],
+        qkv.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        cos_sin_cache.stride(0), eps, block_size,
+        HEAD_DIM=head_dim,
+        ROT_DIM=cos_sin_cache.shape[1],
+        IS_NEOX=bool(is_neox),
+        HAS_NORM=has_norm,
+        CACHE_FP8=fp8,
+        BLOCK_H=block_h,
+        Q_COLS=q_cols,
+        KV_COLS=kv_cols,
+        SOFT_ROUNDING=triton_interpret_mode(),
+        num_warps=num_warps,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Reference implementation: plain PyTorch, any device, Hugging Face's steps
+# --------------------------------------------------------------------------------------
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3RMSNorm over the last dim of bf16 ``x``: ``weight * bf16(x * rstd)``, bf16."""
+    h = x.float()
+    variance = h.square().mean(dim=-1, keepdim=True)
+    # correctly rounded fp32 1/sqrt: the sqrt through fp64 (torch's vectorised CPU fp32
+    # sqrt is 1 ulp off for some inputs), then an IEEE reciprocal
+    rstd = (variance + eps).double().sqrt().float().reciprocal()
+    return weight * (h * rstd).to(torch.bfloat16)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """RoPE on the first ``2 * cos.size(-1)`` dims of bf16 ``x [T, H, D]`` in fp32, one
+    rounding to bf16. ``cos``, ``sin``: [T, R/2] fp32."""
+    h = x.float()
+    rot_dim = 2 * cos.shape[-1]
+    rot, rest = h[..., :rot_dim], h[..., rot_dim:]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if is_neox:
+        a, b = rot.chunk(2, dim=-1)
+        rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    else:
+        rotated = rope_gptj(rot, cos, sin)
+    return torch.cat((rotated, rest), dim=-1).to(torch.bfloat16)
+
+
+def quantize_cache_reference(x: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """bf16 rows as the cache stores them: bf16, or e4m3fn of ``clamp(x / scale, +-448)``."""
+    if kv_scale is None:
+        return x
+    return (x.float() / kv_scale.float().reshape(())).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write ``rows [T', Hkv, D]`` at ``slots`` of ``cache [NB, BS, Hkv, D]``; negative
+    slots are skipped (a boolean mask: a host sync on CUDA, as befits the oracle)."""
+    keep = slots >= 0
+    slots, rows = slots[keep], rows[keep]
+    block_size = cache.shape[1]
+    # through uint8 views: index_put has no float8 kernel on every device
+    cache.view(torch.uint8)[slots // block_size, slots % block_size] = rows.view(torch.uint8)
+
+
+def gqa_qknorm_rope_kv_insert_reference(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    num_q_heads: int,
+    num_kv_heads: int,
+    is_neox: bool,
+    eps: float,
+) -> None:
+    """The op in plain PyTorch; validates its inputs like the fused path."""
+    args = (qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+            cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps)
+    check_inputs(*args)
+    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache)
+    heads = qkv.unflatten(1, (num_q_heads + 2 * num_kv_heads, -1))  # [T, Hq + 2*Hkv, D]
+    q, k, v = heads.split((num_q_heads, num_kv_heads, num_kv_heads), dim=1)
+    if q_norm_weight is not None:
+        q = rms_norm_reference(q, q_norm_weight, eps)
+        k = rms_norm_reference(k, k_norm_weight, eps)
+    cs = cos_sin_cache[positions]
+    cos, sin = cs.chunk(2, dim=-1)
+    q_out.copy_(rope_reference(q, cos, sin, is_neox))
+    n_insert = slot_mapping.shape[0]
+    k = rope_reference(k[:n_insert], cos[:n_insert], sin[:n_insert], is_neox)
+    insert_cache_reference(k_cache, quantize_cache_reference(k, kv_scale), slot_mapping)
+    insert_cache_reference(v_cache, quantize_cache_reference(v[:n_insert], kv_scale), slot_mapping)
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------
+def check_inputs(
+    qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps,
+) -> None:
+    """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
+
+    Runs in the eager paths and in the fake impl (where sizes may be symbolic).
+    """
+    device = qkv.device if isinstance(qkv, torch.Tensor) else None
+    check_tensor("qkv", qkv, dtype=torch.bfloat16, ndim=2, device=device)
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    num_tokens, width = qkv.shape
+    n_heads = num_q_heads + 2 * num_kv_heads
+    require(
+        width % n_heads == 0,
+        f"qkv: width {width} is not a multiple of Hq + 2*Hkv = {num_q_heads} + 2*{num_kv_heads} = {n_heads} heads",
+    )
+    head_dim = width // n_heads
+    require(
+        (head_dim == 64) | (head_dim == 128) | (head_dim == 256),
+        f"qkv: head size {head_dim} (width {width} / {n_heads} heads) is not one of {HEAD_DIMS}",
+    )
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
+        raise ValueError(f"{missing}: is None while the other norm weight is given; pass both or neither")
+    if q_norm_weight is not None:
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            check_tensor(name, w, dtype=torch.bfloat16, ndim=1, device=device)
+            check_size(name, w, 0, head_dim, "the head size D")
+            check_unit_last_stride(name, w)
+    check_tensor("q_out", q_out, dtype=torch.bfloat16, ndim=3, device=device)
+    check_size("q_out", q_out, 0, num_tokens, "T, qkv's token count")
+    check_size("q_out", q_out, 1, num_q_heads, "num_q_heads")
+    check_size("q_out", q_out, 2, head_dim, "the head size D")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dtype not in CACHE_DTYPES:
+        got = k_cache.dtype if isinstance(k_cache, torch.Tensor) else type(k_cache).__name__
+        raise ValueError(f"k_cache: expected dtype torch.bfloat16 or torch.float8_e4m3fn, got {got}")
+    check_tensor("k_cache", k_cache, dtype=k_cache.dtype, ndim=4, device=device)
+    check_size("k_cache", k_cache, 2, num_kv_heads, "num_kv_heads")
+    check_size("k_cache", k_cache, 3, head_dim, "the head size D")
+    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, ndim=4, device=device)
+    for dim in range(4):
+        check_size("v_cache", v_cache, dim, k_cache.shape[dim], f"k_cache's size {dim}")
+    check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=device)
+    require(
+        slot_mapping.shape[0] <= num_tokens,
+        f"slot_mapping: has {slot_mapping.shape[0]} rows, more than T={num_tokens} tokens",
+    )
+    check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
+    check_size("positions", positions, 0, num_tokens, "T, qkv's token count")
+    check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
+    rot_dim = cos_sin_cache.shape[1]
+    require(
+        (rot_dim > 0) & (rot_dim % 2 == 0) & (rot_dim <= head_dim),
+        f"cos_sin_cache: its width is the rotary dim and must be even, positive and at most "
+        f"the head size {head_dim}, got shape {tuple(cos_sin_cache.shape)}",
+    )
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if kv_scale is None:
+            raise ValueError("kv_scale: an fp8 cache needs a device fp32 scale tensor of shape [1] or [], got None")
+        check_tensor("kv_scale", kv_scale, dtype=torch.float32, ndim=kv_scale.dim(), device=device)
+        require(
+            (kv_scale.dim() <= 1) & (kv_scale.numel() == 1),
+            f"kv_scale: must have shape [1] or [], got {tuple(kv_scale.shape)}",
+        )
+    elif kv_scale is not None:
+        raise ValueError("kv_scale: must be None for a bf16 cache (it only scales fp8 caches)")
+    named = (
+        ("qkv", qkv), ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache),
+        ("cos_sin_cache", cos_sin_cache), ("slot_mapping", slot_mapping), ("positions", positions),
+    )
+    for name, t in named:
+        check_unit_last_stride(name, t)
+    if not isinstance(is_neox, bool):
+        raise ValueError(f"is_neox: must be a bool, got {is_neox!r}")
+    if not (eps >= 0.0):
+        raise ValueError(f"eps: must be >= 0, got {eps!r}")
+
+
+def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache) -> None:
+    """Slot and position values in range; reads them, so skipped while capturing a graph."""
+    if not _CHECK_INDEX_VALUES or (slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    n_slots = num_blocks * block_size
+    if slot_mapping.numel() and int(slot_mapping.max()) >= n_slots:
+        raise ValueError(
+            f"slot_mapping: slot {int(slot_mapping.max())} is beyond the caches' {n_slots} slots "
+            f"({num_blocks} blocks of {block_size})"
+        )
+    if positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise ValueError(
+                f"positions: values must lie in [0, {cos_sin_cache.shape[0]}) (rows of cos_sin_cache), got [{lo}, {hi}]"
+            )
+
+
+# --------------------------------------------------------------------------------------
+# Registration
+# --------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _warn_fallback_once(reason: str) -> None:
+    log.warning("prepfuse::gqa_qknorm_rope_kv_insert falls back to the PyTorch reference on CUDA: %s", reason)
+
+
+def _cuda_impl(
+    qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps,
+) -> None:
+    args = (qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+            cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps)
+    if not has_triton():
+        _warn_fallback_once("triton is not installed")
+        return gqa_qknorm_rope_kv_insert_reference(*args)
+    check_inputs(*args)
+    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache)
+    gqa_qknorm_rope_kv_insert_triton(*args)
+
+
+def _fake_impl(
+    qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps,
+) -> None:
+    check_inputs(qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+                 cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps)
+
+
+gqa_qknorm_rope_kv_insert = define_op(
+    SCHEMA,
+    reference=gqa_qknorm_rope_kv_insert_reference,
+    fake=_fake_impl,
+    cuda=_cuda_impl,
+)
+GQA_QKNORM_ROPE_KV_INSERT = gqa_qknorm_rope_kv_insert.default

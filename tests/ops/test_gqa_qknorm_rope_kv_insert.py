@@ -1,0 +1,592 @@
+"""Numerics and input checks of ``prepfuse::gqa_qknorm_rope_kv_insert``.
+
+Held against each other:
+
+- an oracle written here: the math scalar by scalar in numpy float64 (rounding to bf16
+  only where the op's contract rounds, and e4m3 by nearest-value search); it shares no
+  code with the op and is compared to a stated tolerance;
+- a transcription of the Hugging Face code (``Qwen3RMSNorm`` and ``apply_rotary_pos_emb``
+  with an fp32 cos/sin table), which the reference must equal bit for bit;
+- the plain-PyTorch reference, ``gqa_qknorm_rope_kv_insert_reference``;
+- the Triton kernel, ``gqa_qknorm_rope_kv_insert_triton``: under the CPU interpreter here
+  (bit for bit), compiled on CUDA in the ``gpu`` tests.
+
+Every run draws fresh random data from a newly seeded generator; the seed is in every
+assertion message. Outputs are poisoned before each call (q_out -123.0, every cache byte
+0xA5), so a missed write and a stray write both show.
+
+Bit-for-bit kernel comparisons use qkv whose per-head sums of squares are exact in fp32
+(``exact_sum_qkv``): the kernel's and torch's summation orders then agree on the RMS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from prepfuse._compat import has_triton, triton_interpret_mode
+from prepfuse.ops import (
+    GQA_QKNORM_ROPE_KV_INSERT,
+    gqa_qknorm_rope_kv_insert_reference,
+    gqa_qknorm_rope_kv_insert_triton,
+)
+from prepfuse.testing import CACHE_POISON, GqaInputs, compare_gqa, make_gqa_inputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed")
+needs_interpreter = pytest.mark.skipif(
+    not triton_interpret_mode(),
+    reason="CPU-interpreter parity; on CUDA, test_cuda_kernel_matches_reference covers the kernel",
+)
+
+
+# The op's implementations, one parametrize axis (STYLE: no cloned tests per backend).
+IMPLS = [
+    pytest.param(gqa_qknorm_rope_kv_insert_reference, id="reference"),
+    pytest.param(gqa_qknorm_rope_kv_insert_triton, id="triton", marks=needs_triton),
+]
+
+
+def new_generator() -> tuple[torch.Generator, int]:
+    generator = torch.Generator()
+    return generator, generator.seed()
+
+
+def gqa_inputs(*shape, exact_sum=True, **options) -> tuple[GqaInputs, int]:
+    """``make_gqa_inputs(*shape, **options)`` with a fresh seed; (inputs, seed)."""
+    generator, seed = new_generator()
+    inputs = make_gqa_inputs(*shape, generator=generator, **options)
+    if exact_sum:
+        inputs = exact_sum_qkv(inputs, generator)
+    return inputs, seed
+
+
+def exact_sum_qkv(inputs: GqaInputs, generator: torch.Generator) -> GqaInputs:
+    """The same inputs with qkv replaced by integers in [-64, 64] times 2^k, one k per head
+    in [-20, 10]: a head's sum of squares (at most 256 * 2^12 units of 2^(2k)) is exact in
+    fp32 in any order, so kernel and reference share mean(x^2) and hence the norm."""
+    qkv = inputs.qkv
+    num_tokens, width = qkv.shape
+    n_heads = width // inputs.head_dim
+    ints = torch.randint(-64, 65, (num_tokens, n_heads, inputs.head_dim), generator=generator).float()
+    powers = torch.exp2(torch.randint(-20, 11, (num_tokens, n_heads, 1), generator=generator).float())
+    values = (ints * powers).flatten(1).to(torch.bfloat16)
+    qkv = qkv.clone() if qkv.is_contiguous() else torch.empty_strided(qkv.shape, qkv.stride(), dtype=qkv.dtype)
+    qkv.copy_(values)
+    return dataclasses.replace(inputs, qkv=qkv.to(inputs.q_out.device))
+
+
+def run(impl, inputs: GqaInputs) -> GqaInputs:
+    """Call ``impl`` on fresh poisoned outputs and return them."""
+    out = inputs.fresh_outputs()
+    impl(*out.args())
+    return out
+
+
+def written_slots(inputs: GqaInputs) -> torch.Tensor:
+    """True for the cache rows [NB, BS] the op must write: the non-negative slots."""
+    mask = torch.zeros(inputs.k_cache.shape[:2], dtype=torch.bool)
+    block_size = inputs.k_cache.shape[1]
+    for slot in inputs.slot_mapping.tolist():
+        if slot >= 0:
+            mask[divmod(slot, block_size)] = True
+    return mask.to(inputs.k_cache.device)
+
+
+def assert_untouched(out: GqaInputs, seed: int) -> None:
+    """Every cache byte outside the inserted slots is still the poison."""
+    untouched = ~written_slots(out)
+    for name, cache in (("k_cache", out.k_cache), ("v_cache", out.v_cache)):
+        rows = cache.view(torch.uint8)[untouched]
+        assert bool((rows == CACHE_POISON).all()), (
+            f"seed={seed}: {int((rows != CACHE_POISON).sum())} {name} bytes outside the inserted slots were written"
+        )
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.uint8)
+
+
+# --------------------------------------------------------------------------------------
+# The oracle: numpy float64, one head at a time
+# --------------------------------------------------------------------------------------
+E4M3_VALUES = np.array(
+    [(c & 7) / 8 * 2.0**-6 if c >> 3 == 0 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7) for c in range(127)]
+)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """Round float64 values to bf16 (to nearest even, through fp32), returned as float64."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return u.view(np.float32).astype(np.float64)
+
+
+def e4m3_nearest(x: np.ndarray) -> np.ndarray:
+    """The e4m3fn value nearest to each of x (|x| <= 448), as float64 (ties unresolved:
+    the comparison allows one code)."""
+    idx = np.abs(np.abs(x)[..., None] - E4M3_VALUES).argmin(axis=-1)
+    return np.sign(x) * E4M3_VALUES[idx]
+
+
+def oracle(inputs: GqaInputs) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """(q_out [T, Hq, D], {slot: (k row [Hkv, D], v row [Hkv, D])}) as float64 values."""
+    hq, hkv, d = inputs.num_q_heads, inputs.num_kv_heads, inputs.head_dim
+    qkv = inputs.qkv.double().numpy().reshape(-1, hq + 2 * hkv, d)
+    cs = inputs.cos_sin_cache.double().numpy()
+    half = cs.shape[1] // 2
+    weights = [None if w is None else w.double().numpy() for w in (inputs.q_norm_weight, inputs.k_norm_weight)]
+    pairs = [(i, i + half) for i in range(half)] if inputs.is_neox else [(2 * i, 2 * i + 1) for i in range(half)]
+
+    def prep(x: np.ndarray, w, t: int) -> np.ndarray:
+        if w is not None:
+            # the contract's fp32 steps: mean(x^2) (exact here, see exact_sum_qkv), + eps,
+            # correctly rounded sqrt, IEEE reciprocal, product rounded to fp32 then bf16
+            f32 = np.float32
+            rstd = f32(1) / np.sqrt(f32(f32(np.mean(x * x)) + f32(inputs.eps)))
+            x = bf16(w * bf16(x.astype(f32) * rstd))
+        out = x.copy()
+        pos = int(inputs.positions[t])
+        for i, (a, b) in enumerate(pairs):
+            cos, sin = cs[pos, i], cs[pos, half + i]
+            out[a] = x[a] * cos - x[b] * sin
+            out[b] = x[b] * cos + x[a] * sin
+        return bf16(out)
+
+    def stored(x: np.ndarray) -> np.ndarray:
+        if inputs.kv_scale is None:
+            return x
+        return e4m3_nearest(np.clip(x / float(inputs.kv_scale), -448, 448))
+
+    q_out = np.stack([np.stack([prep(qkv[t, h], weights[0], t) for h in range(hq)]) for t in range(len(qkv))])
+    rows = {}
+    for t, slot in enumerate(inputs.slot_mapping.tolist()):
+        if slot >= 0:
+            k = np.stack([prep(qkv[t, hq + h], weights[1], t) for h in range(hkv)])
+            rows[slot] = (stored(k), stored(qkv[t, hq + hkv :]))
+    return q_out, rows
+
+
+def cache_row(cache: torch.Tensor, slot: int) -> np.ndarray:
+    block, row = divmod(slot, cache.shape[1])
+    return cache[block, row].double().numpy()
+
+
+def e4m3_codes_apart(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """How many e4m3 codes apart two arrays of e4m3 values are."""
+    index = {v: i for i, v in enumerate(E4M3_VALUES)}
+    code = np.vectorize(lambda v: index[abs(v)] * (-1 if v < 0 else 1))
+    return np.abs(code(a) - code(b))
+
+
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no_norm"])
+def test_reference_matches_oracle(is_neox, cache_dtype, norm):
+    """One bf16 ULP on q and k (rtol 2^-7; atol 2^-12 where RoPE cancels to near zero, as
+    the oracle's float64 products are not rounded to fp32), v exact, fp8 within one code.
+    Partial rotary (32 of 64); qkv from exact_sum_qkv, so mean(x^2) is exact in both."""
+    inputs, seed = gqa_inputs(
+        3, 3, 1, 64, 16, "cpu", rotary_dim=32, is_neox=is_neox, norm=norm, cache_dtype=cache_dtype,
+        skip_fraction=0.3,
+    )
+    expected_q, expected_rows = oracle(inputs)
+    out = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    msg = lambda m: f"seed={seed}: {m}"  # noqa: E731
+    torch.testing.assert_close(out.q_out.double(), torch.from_numpy(expected_q), rtol=2**-7, atol=2**-12, msg=msg)
+    for slot, (k, v) in expected_rows.items():
+        k_got, v_got = cache_row(out.k_cache, slot), cache_row(out.v_cache, slot)
+        if cache_dtype == FP8:
+            assert int(e4m3_codes_apart(k_got, k).max()) <= 1, f"seed={seed}: k at slot {slot}"
+            assert int(e4m3_codes_apart(v_got, v).max()) <= 1, f"seed={seed}: v at slot {slot}"
+        else:
+            torch.testing.assert_close(torch.from_numpy(k_got), torch.from_numpy(k), rtol=2**-7, atol=2**-12, msg=msg)
+            np.testing.assert_array_equal(v_got, v, err_msg=f"seed={seed}: v at slot {slot}")
+    assert_untouched(out, seed)
+
+
+# --------------------------------------------------------------------------------------
+# The Hugging Face code the FX pass will replace
+# --------------------------------------------------------------------------------------
+def hf_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm.forward, verbatim."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return weight * hidden_states.to(input_dtype)
+
+
+def hf_rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_pos_emb on [T, H, D] with partial rotary (x_rot, x_pass), cos/sin fp32."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x_rot = (x_rot * cos) + (hf_rotate_half(x_rot) * sin)
+    return torch.cat((x_rot, x_pass), dim=-1)
+
+
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+@pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "llama"])
+def test_reference_is_hugging_face_with_fp32_rope(norm, rotary_dim):
+    """Bit for bit: HF's RMSNorm as written, and HF's rotate-half RoPE evaluated in fp32
+    on the bf16 normed q/k (the fp32 table; HF's bf16 cos/sin would round three times)."""
+    inputs, seed = gqa_inputs(5, 4, 2, 128, 16, "cpu", rotary_dim=rotary_dim, norm=norm, exact_sum=False,
+                              skip_fraction=0.0)
+    out = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    hq, hkv = inputs.num_q_heads, inputs.num_kv_heads
+    q, k, v = inputs.qkv.unflatten(1, (hq + 2 * hkv, 128)).split((hq, hkv, hkv), dim=1)
+    if norm:
+        q, k = hf_rms_norm(q, inputs.q_norm_weight, inputs.eps), hf_rms_norm(k, inputs.k_norm_weight, inputs.eps)
+    cos, sin = inputs.cos_sin_cache[inputs.positions].chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    q_hf = hf_apply_rope(q.float(), cos, sin).to(torch.bfloat16)
+    k_hf = hf_apply_rope(k.float(), cos, sin).to(torch.bfloat16)
+    assert torch.equal(bits(out.q_out), bits(q_hf)), f"seed={seed}"
+    slots = inputs.slot_mapping
+    block_size = inputs.k_cache.shape[1]
+    assert torch.equal(bits(out.k_cache[slots // block_size, slots % block_size]), bits(k_hf)), f"seed={seed}"
+    assert torch.equal(bits(out.v_cache[slots // block_size, slots % block_size]), bits(v)), f"seed={seed}"
+
+
+def test_hugging_face_bf16_rope_differs_within_the_documented_bound():
+    """HF in bf16 rounds cos/sin and both products to bf16; the op's fp32 RoPE differs from
+    it by about one bf16 ULP of the inputs (documented: ~2^-7 * (|a| + |b|); checked at
+    2^-6, as the bound is a measurement, not a proof)."""
+    inputs, seed = gqa_inputs(64, 4, 2, 128, 16, "cpu", norm=False, exact_sum=False, skip_fraction=0.0)
+    out = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    q = inputs.qkv.unflatten(1, (8, 128))[:, :4]
+    cos, sin = inputs.cos_sin_cache[inputs.positions].chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    q_hf = hf_apply_rope(q, cos.bfloat16(), sin.bfloat16())
+    magnitude = q.float().abs() + hf_rotate_half(q).float().abs()
+    excess = (out.q_out.float() - q_hf.float()).abs() - 2**-6 * magnitude
+    assert float(excess.max()) <= 0, f"seed={seed}"
+    assert not torch.equal(out.q_out, q_hf), f"seed={seed}: the two roundings were expected to differ"
+
+
+# --------------------------------------------------------------------------------------
+# Hand-made cases: every implementation, on the kernel's device
+# --------------------------------------------------------------------------------------
+def to_device(inputs: GqaInputs, device) -> GqaInputs:
+    tensors = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    return dataclasses.replace(inputs, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_store_divides_saturates_and_rounds_to_nearest_even(impl):
+    """kv_scale 0.5 (shape []), so the stored value is 2v: +-448 saturation, e4m3
+    subnormals and ties (to the even code) at both ends of the range."""
+    generator, seed = new_generator()
+    inputs = make_gqa_inputs(1, 1, 1, 64, 16, "cpu", generator=generator, cache_dtype=FP8, skip_fraction=0.0)
+    qkv = inputs.qkv.clone()
+    v = torch.zeros(64)
+    # 2v:        500 -> 448   -1000 -> -448   2^-9: code 1   2^-10: tie 0|1 -> 0
+    #            3*2^-10: tie 1|2 -> 2   17: tie 16|18 -> 16 (0x58|0x59 -> 0x58)
+    v[:6] = torch.tensor([250.0, -500.0, 2.0**-10, 2.0**-11, 3 * 2.0**-11, 8.5])
+    qkv[0, 128:] = v.to(torch.bfloat16)
+    # a 0-d scale here (make_gqa_inputs gives shape [1]): both shapes are accepted
+    inputs = dataclasses.replace(inputs, qkv=qkv, kv_scale=torch.tensor(0.5))
+    out = run(impl, to_device(inputs, DEVICE))
+    slot = int(inputs.slot_mapping[0])
+    block, row = divmod(slot, out.v_cache.shape[1])
+    codes = out.v_cache[block, row, 0].view(torch.uint8).cpu()
+    assert codes[:7].tolist() == [0x7E, 0xFE, 0x01, 0x00, 0x02, 0x58, 0x00], f"seed={seed}: {codes[:7].tolist()}"
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rope_quarter_turn_moves_each_pair(impl, is_neox, rotary_dim):
+    """cos=0, sin=1 maps each pair (a, b) to (-b, a), exactly; dims past R pass through."""
+    generator, seed = new_generator()
+    inputs = make_gqa_inputs(3, 2, 1, 64, 16, "cpu", generator=generator, rotary_dim=rotary_dim,
+                             is_neox=is_neox, norm=False, skip_fraction=0.0)
+    half = rotary_dim // 2
+    cos_sin = torch.cat((torch.zeros(4, half), torch.ones(4, half)), dim=1)
+    positions = torch.randint(0, 4, (3,), generator=generator)
+    inputs = dataclasses.replace(inputs, cos_sin_cache=cos_sin, positions=positions)
+    out = run(impl, to_device(inputs, DEVICE))
+    x = inputs.qkv.unflatten(1, (4, 64)).cpu()
+    if is_neox:
+        a, b = slice(0, half), slice(half, rotary_dim)
+    else:
+        a, b = slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)
+    expected = x.clone()
+    expected[..., a], expected[..., b] = -x[..., b], x[..., a]
+    assert torch.equal(bits(out.q_out.cpu()), bits(expected[:, :2])), f"seed={seed}"
+    slots = inputs.slot_mapping
+    k = out.k_cache.cpu()[slots // 16, slots % 16]
+    assert torch.equal(bits(k), bits(expected[:, 2:3])), f"seed={seed}"
+
+
+# --------------------------------------------------------------------------------------
+# The Triton kernel under the CPU interpreter vs the reference
+# --------------------------------------------------------------------------------------
+# (head_dim, rotary_dim): full rotary at 64 and 128, partial 64 of 128
+HEAD_AND_ROTARY = [pytest.param(64, 64, id="D64"), pytest.param(128, 128, id="D128"),
+                   pytest.param(128, 64, id="D128-R64")]
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no_norm"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("head_dim, rotary_dim", HEAD_AND_ROTARY)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 2), (3, 1)], ids=["Hq4-Hkv2", "Hq3-Hkv1"])
+@pytest.mark.parametrize("num_tokens", [1, 5], ids=["T1", "T5"])
+def test_triton_interpreter_matches_reference(
+    num_tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, is_neox, cache_dtype, norm
+):
+    """Bit for bit (qkv from exact_sum_qkv); untouched cache bytes stay poisoned."""
+    inputs, seed = gqa_inputs(
+        num_tokens, num_q_heads, num_kv_heads, head_dim, 16, "cpu",
+        rotary_dim=rotary_dim, is_neox=is_neox, norm=norm, cache_dtype=cache_dtype, skip_fraction=0.3,
+    )
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = run(gqa_qknorm_rope_kv_insert_triton, inputs)
+    comparison = compare_gqa(expected, actual)
+    assert comparison.exact(), f"seed={seed}: {comparison}"
+    assert_untouched(actual, seed)
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"num_inserted": 3}, id="short-slot-mapping"),
+        pytest.param({"skip_fraction": 1.0}, id="all-slots-negative"),
+        pytest.param({"cache_dtype": FP8, "num_inserted": 0}, id="empty-slot-mapping"),
+        pytest.param({"block_size": 1}, id="block-size-1"),
+    ],
+)
+def test_triton_interpreter_partial_inserts(options):
+    """Rows t >= T' and negative slots write nothing; the rest is bit for bit."""
+    options = {"block_size": 16, **options}
+    inputs, seed = gqa_inputs(7, 3, 1, 64, options.pop("block_size"), "cpu", **options)
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = run(gqa_qknorm_rope_kv_insert_triton, inputs)
+    assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
+    assert_untouched(actual, seed)
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize("launch_config", [(1, 1), (2, 2), (4, 4)], ids=str)
+def test_triton_interpreter_launch_configs(launch_config):
+    """Every heads-per-program choice (including blocks with padding heads) is bit for bit."""
+    inputs, seed = gqa_inputs(5, 3, 1, 64, 16, "cpu", cache_dtype=FP8)
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_triton(*actual.args(), launch_config=launch_config)
+    assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
+    assert_untouched(actual, seed)
+
+
+@needs_triton
+@needs_interpreter
+def test_triton_interpreter_random_qkv_within_tolerance():
+    """Unconstrained qkv (summation order now matters): q to one bf16 ULP of the normed
+    value carried through RoPE; v, which has no sums, byte for byte."""
+    inputs, seed = gqa_inputs(5, 4, 2, 128, 16, "cpu", exact_sum=False)
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = run(gqa_qknorm_rope_kv_insert_triton, inputs)
+    torch.testing.assert_close(
+        actual.q_out.float(), expected.q_out.float(), rtol=2**-6, atol=2**-5, msg=lambda m: f"seed={seed}: {m}"
+    )
+    assert torch.equal(bits(actual.v_cache), bits(expected.v_cache)), f"seed={seed}"
+
+
+# --------------------------------------------------------------------------------------
+# The dispatcher, and the CUDA kernel vs the reference on the same GPU
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_dispatcher_on_cpu_is_the_reference(cache_dtype):
+    inputs, seed = gqa_inputs(7, 4, 2, 64, 16, "cpu", cache_dtype=cache_dtype, exact_sum=False)
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = run(GQA_QKNORM_ROPE_KV_INSERT, inputs)
+    assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no_norm"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("num_tokens", [1, 64, 1000])
+def test_cuda_kernel_matches_reference(num_tokens, head_dim, is_neox, cache_dtype, norm):
+    """Qwen3-8B-like heads (32 q, 8 kv), partial rotary for D=256 (R=64, as in some GQA
+    models). Without the norm there is no sum and the kernel must match bit for bit. With
+    it, a one-ulp fp32 difference of the RMS (summation order) can move a normed value by
+    one bf16 ULP, which RoPE then carries (absolute: up to 2^-6 on values of a few units);
+    the caches' fp8 codes then by one."""
+    rotary_dim = 64 if head_dim == 256 else head_dim
+    inputs, seed = gqa_inputs(
+        num_tokens, 32, 8, head_dim, 16, "cuda", rotary_dim=rotary_dim, is_neox=is_neox, norm=norm,
+        cache_dtype=cache_dtype, exact_sum=False,
+    )
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = run(GQA_QKNORM_ROPE_KV_INSERT, inputs)
+    comparison = compare_gqa(expected, actual)
+    report = f"seed={seed}: {comparison}"
+    assert_untouched(actual, seed)
+    assert torch.equal(bits(actual.v_cache), bits(expected.v_cache)), report
+    if not norm:
+        assert comparison.exact(), report
+        return
+    torch.testing.assert_close(
+        actual.q_out.float(), expected.q_out.float(), rtol=2**-6, atol=2**-5, msg=lambda m: f"{report}\n{m}"
+    )
+    assert comparison.q_mismatches <= max(8, comparison.q_elements // 1000), report
+    if cache_dtype == FP8:
+        assert comparison.cache_max_diff <= 1, report
+    else:
+        torch.testing.assert_close(
+            actual.k_cache.float(), expected.k_cache.float(), rtol=2**-6, atol=2**-5, msg=lambda m: f"{report}\n{m}"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Input checks: ValueError naming the argument, in eager and in the fake impl
+# --------------------------------------------------------------------------------------
+ARG_NAMES = (
+    "qkv", "q_norm_weight", "k_norm_weight", "q_out", "k_cache", "v_cache", "slot_mapping", "positions",
+    "cos_sin_cache", "kv_scale", "num_q_heads", "num_kv_heads", "is_neox", "eps",
+)
+
+
+def strided_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a view whose last dimension has stride 2."""
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    view = wide[..., ::2]
+    view.copy_(t)
+    return view
+
+
+def other_device(device: str) -> str:
+    return "meta" if device == "cpu" else "cpu"
+
+
+def as_fp8(a: dict) -> dict:
+    """fp8 caches with a scale (the arguments of a valid fp8 call)."""
+    shape, device = a["k_cache"].shape, a["qkv"].device
+    return {
+        "k_cache": torch.empty(shape, dtype=FP8, device=device),
+        "v_cache": torch.empty(shape, dtype=FP8, device=device),
+        "kv_scale": torch.ones(1, device=a["qkv"].device),
+    }
+
+
+def with_fp8(change):
+    return lambda a: {**as_fp8(a), **change({**a, **as_fp8(a)})}
+
+
+BAD_INPUTS = [
+    ("qkv-dtype", "qkv", lambda a: {"qkv": a["qkv"].float()}),
+    ("qkv-ndim", "qkv", lambda a: {"qkv": a["qkv"][None]}),
+    ("qkv-stride", "qkv", lambda a: {"qkv": strided_last_dim(a["qkv"])}),
+    ("qkv-width-not-divisible", "qkv", lambda a: {"qkv": a["qkv"][:, :-1]}),
+    # 5 heads (3 + 2 * 1) of 96
+    ("qkv-head-size-96", "qkv", lambda a: {"qkv": a["qkv"].new_zeros(a["qkv"].shape[0], 5 * 96)}),
+    ("num_q_heads-zero", "num_q_heads", lambda a: {"num_q_heads": 0}),
+    ("num_kv_heads-negative", "num_kv_heads", lambda a: {"num_kv_heads": -1}),
+    ("q_norm_weight-missing", "q_norm_weight", lambda a: {"q_norm_weight": None}),
+    ("k_norm_weight-missing", "k_norm_weight", lambda a: {"k_norm_weight": None}),
+    ("q_norm_weight-dtype", "q_norm_weight", lambda a: {"q_norm_weight": a["q_norm_weight"].float()}),
+    ("k_norm_weight-shape", "k_norm_weight", lambda a: {"k_norm_weight": a["k_norm_weight"][:32].contiguous()}),
+    ("q_out-dtype", "q_out", lambda a: {"q_out": a["q_out"].float()}),
+    ("q_out-tokens", "q_out", lambda a: {"q_out": a["q_out"][:-1]}),
+    ("q_out-heads", "q_out", lambda a: {"q_out": a["q_out"][:, :-1]}),
+    ("q_out-stride", "q_out", lambda a: {"q_out": strided_last_dim(a["q_out"])}),
+    ("k_cache-dtype", "k_cache", lambda a: {"k_cache": a["k_cache"].view(torch.int16)}),
+    ("k_cache-ndim", "k_cache", lambda a: {"k_cache": a["k_cache"].flatten(0, 1)}),
+    ("k_cache-heads", "k_cache", lambda a: {"k_cache": a["k_cache"].repeat(1, 1, 2, 1)}),
+    ("k_cache-stride", "k_cache", lambda a: {"k_cache": strided_last_dim(a["k_cache"])}),
+    ("v_cache-dtype", "v_cache", with_fp8(lambda a: {"v_cache": a["v_cache"].view(torch.uint8).view(torch.int8)})),
+    ("v_cache-bf16-beside-fp8", "v_cache", with_fp8(lambda a: {"v_cache": torch.empty(a["v_cache"].shape,
+                                                                                        dtype=torch.bfloat16)})),
+    ("v_cache-blocks", "v_cache", lambda a: {"v_cache": a["v_cache"][:-1]}),
+    ("slot_mapping-dtype", "slot_mapping", lambda a: {"slot_mapping": a["slot_mapping"].int()}),
+    ("slot_mapping-longer-than-T", "slot_mapping",
+     lambda a: {"slot_mapping": torch.cat((a["slot_mapping"], a["slot_mapping"].new_full((1,), -1)))}),
+    ("slot_mapping-stride", "slot_mapping", lambda a: {"slot_mapping": strided_last_dim(a["slot_mapping"])}),
+    ("positions-dtype", "positions", lambda a: {"positions": a["positions"].int()}),
+    ("positions-tokens", "positions", lambda a: {"positions": a["positions"][:-1]}),
+    ("cos_sin_cache-dtype", "cos_sin_cache", lambda a: {"cos_sin_cache": a["cos_sin_cache"].bfloat16()}),
+    ("cos_sin_cache-rotary-odd", "cos_sin_cache", lambda a: {"cos_sin_cache": a["cos_sin_cache"][:, :63].contiguous()}),
+    ("cos_sin_cache-rotary-over-D", "cos_sin_cache", lambda a: {"cos_sin_cache": a["cos_sin_cache"].repeat(1, 2)}),
+    ("kv_scale-with-bf16-cache", "kv_scale", lambda a: {"kv_scale": torch.ones(1, device=a["qkv"].device)}),
+    ("kv_scale-missing-for-fp8", "kv_scale", with_fp8(lambda a: {"kv_scale": None})),
+    ("kv_scale-dtype", "kv_scale", with_fp8(lambda a: {"kv_scale": a["kv_scale"].double()})),
+    ("kv_scale-shape", "kv_scale", with_fp8(lambda a: {"kv_scale": torch.ones(2, device=a["qkv"].device)})),
+    ("kv_scale-device", "kv_scale",
+     with_fp8(lambda a: {"kv_scale": a["kv_scale"].to(other_device(a["qkv"].device.type))})),
+    ("positions-device", "positions", lambda a: {"positions": a["positions"].to(other_device(a["qkv"].device.type))}),
+    ("eps-negative", "eps", lambda a: {"eps": -1e-6}),
+]
+
+# Bad index values: seen only by reading them, so only in eager use.
+BAD_INDEX_VALUES = [
+    ("slot-past-the-cache", "slot_mapping",
+     lambda a: {"slot_mapping": a["slot_mapping"].clone().fill_(a["k_cache"].shape[0] * a["k_cache"].shape[1])}),
+    ("position-past-the-table", "positions",
+     lambda a: {"positions": a["positions"].clone().fill_(a["cos_sin_cache"].shape[0])}),
+    ("position-negative", "positions", lambda a: {"positions": a["positions"].clone().fill_(-1)}),
+]
+
+
+def good_args(device) -> dict:
+    # 3 q heads, 1 kv head (3 + 2 * 1 = 5 heads of 64 = 320 wide), norm on, bf16 caches
+    return dict(zip(ARG_NAMES, make_gqa_inputs(5, 3, 1, 64, 16, device).args()))
+
+
+def bad_args(change, device) -> dict:
+    args = good_args(device)
+    args.update(change(args))
+    return args
+
+
+def call_fake(args: dict) -> None:
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in args.values()]
+        GQA_QKNORM_ROPE_KV_INSERT(*fake)
+
+
+@pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS + BAD_INDEX_VALUES])
+def test_bad_input_raises_in_eager(name, change):
+    args = bad_args(change, DEVICE)
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        GQA_QKNORM_ROPE_KV_INSERT(*args.values())
+
+
+@pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS])
+def test_bad_input_raises_in_fake_impl(name, change):
+    args = bad_args(change, "cpu")
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        call_fake(args)
+
+
+@pytest.mark.parametrize("change", [pytest.param(c, id=i) for i, _, c in BAD_INDEX_VALUES])
+def test_fake_impl_does_not_read_index_values(change):
+    call_fake(bad_args(change, "cpu"))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_good_input_passes_fake_impl(fp8):
+    args = good_args("cpu")
+    if fp8:
+        args.update(as_fp8(args))
+    call_fake(args)
