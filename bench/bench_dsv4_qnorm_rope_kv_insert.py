@@ -311,13 +311,13 @@ class _IndexChecksOff:
     """Skip the op's host-side index check (as it is skipped inside a CUDA graph)."""
 
     def __enter__(self):
-        import prepfuse.ops.dsv4_qnorm_rope_kv_insert as mod
+        import prepfuse.ops._checks as mod
 
-        self._mod, self._saved = mod, mod._CHECK_INDEX_VALUES
-        mod._CHECK_INDEX_VALUES = False
+        self._mod, self._saved = mod, mod.CHECK_INDEX_VALUES
+        mod.CHECK_INDEX_VALUES = False
 
     def __exit__(self, *exc):
-        self._mod._CHECK_INDEX_VALUES = self._saved
+        self._mod.CHECK_INDEX_VALUES = self._saved
 
 
 # --------------------------------------------------------------------------------------

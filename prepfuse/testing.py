@@ -395,3 +395,12 @@ def graph_replay_us(fn, warmup: int = 3, iters: int = 100) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000)
     return sorted(times)[len(times) // 2]
+
+
+def call_with_fake_tensors(op, args: dict) -> None:
+    """Call ``op`` under a FakeTensorMode on fake copies of ``args`` (its fake impl runs),
+    as torch.compile's tracing does: what the fake impl checks, it checks here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        op(*[mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in args.values()])

@@ -8,6 +8,8 @@ it never adds a guard (that would specialise a dynamic ``T``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -52,3 +54,15 @@ def check_unit_last_stride(name: str, t: torch.Tensor) -> None:
         t.shape[-1] <= 1 or t.stride(-1) == 1,
         f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}",
     )
+
+
+# Index values (slots, positions) can only be checked by reading them, which on CUDA is
+# a host sync. The ops check them in eager use and skip the check during CUDA-graph
+# capture; serving engines whose scheduler guarantees them can turn it off with
+# PREPFUSE_CHECK_INDEX_VALUES=0. (The kernels never access memory out of bounds either way.)
+CHECK_INDEX_VALUES = os.environ.get("PREPFUSE_CHECK_INDEX_VALUES", "1") != "0"
+
+
+def can_read_index_values(t: torch.Tensor) -> bool:
+    """Whether an op may read the values of index tensor ``t`` now."""
+    return CHECK_INDEX_VALUES and not (t.is_cuda and torch.cuda.is_current_stream_capturing())

@@ -44,12 +44,11 @@ every T >= a few hundred, latency bound below.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
-from prepfuse.ops._checks import check_size, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._checks import can_read_index_values, check_size, check_tensor, check_unit_last_stride, require
 from prepfuse.ops._library import define_op, log
 
 HEAD_DIM = 512
@@ -67,11 +66,6 @@ SCHEMA = (
     "dsv4_qnorm_rope_kv_insert(Tensor q, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, "
     "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, float eps, int block_size) -> ()"
 )
-
-# Index values (slots, positions) can only be checked by reading them, which on CUDA
-# is a host sync. The check runs in eager use and is skipped during CUDA-graph capture;
-# serving engines that have validated their scheduler can turn it off with this variable.
-_CHECK_INDEX_VALUES = os.environ.get("PREPFUSE_CHECK_INDEX_VALUES", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------
@@ -396,7 +390,7 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
 
 def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size) -> None:
     """Slot and position values in range; reads them, so skipped while capturing a graph."""
-    if not _CHECK_INDEX_VALUES or (slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not can_read_index_values(slot_mapping):
         return
     n_slots = k_cache.shape[0] * block_size
     if slot_mapping.numel() and int(slot_mapping.max()) >= n_slots:

@@ -69,12 +69,11 @@ written per token. Bandwidth bound for T above a few hundred, latency bound belo
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
-from prepfuse.ops._checks import check_size, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._checks import can_read_index_values, check_size, check_tensor, check_unit_last_stride, require
 from prepfuse.ops._library import define_op, log
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import rope_gptj
 
@@ -88,9 +87,6 @@ SCHEMA = (
     "Tensor cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps) -> ()"
 )
 
-# Reading slot and position values is a host sync on CUDA: checked in eager use, skipped
-# during CUDA-graph capture, and off with PREPFUSE_CHECK_INDEX_VALUES=0 (as for dsv4).
-_CHECK_INDEX_VALUES = os.environ.get("PREPFUSE_CHECK_INDEX_VALUES", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------
@@ -498,7 +494,7 @@ def check_inputs(
 
 def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache) -> None:
     """Slot and position values in range; reads them, so skipped while capturing a graph."""
-    if not _CHECK_INDEX_VALUES or (slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not can_read_index_values(slot_mapping):
         return
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     n_slots = num_blocks * block_size

@@ -28,7 +28,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops import (
@@ -36,7 +35,7 @@ from prepfuse.ops import (
     dsv4_qnorm_rope_kv_insert_reference,
     dsv4_qnorm_rope_kv_insert_triton,
 )
-from prepfuse.testing import CACHE_POISON, Dsv4Inputs, compare_dsv4, make_dsv4_inputs
+from prepfuse.testing import CACHE_POISON, Dsv4Inputs, call_with_fake_tensors, compare_dsv4, make_dsv4_inputs
 
 # Where kernels run: compiled on a CUDA device when there is one, else triton's CPU
 # interpreter (tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA).
@@ -590,10 +589,7 @@ def bad_args(change, device) -> dict:
 
 
 def call_fake(args: dict) -> None:
-    """Run the op under FakeTensorMode (the fake impl) on fake copies of ``args``."""
-    with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in args.values()]
-        DSV4_QNORM_ROPE_KV_INSERT(*fake)
+    call_with_fake_tensors(DSV4_QNORM_ROPE_KV_INSERT, args)
 
 
 @pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS + BAD_INDEX_VALUES])

@@ -26,7 +26,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops import (
@@ -34,7 +33,7 @@ from prepfuse.ops import (
     gqa_qknorm_rope_kv_insert_reference,
     gqa_qknorm_rope_kv_insert_triton,
 )
-from prepfuse.testing import CACHE_POISON, GqaInputs, compare_gqa, make_gqa_inputs
+from prepfuse.testing import CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, make_gqa_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -560,9 +559,7 @@ def bad_args(change, device) -> dict:
 
 
 def call_fake(args: dict) -> None:
-    with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in args.values()]
-        GQA_QKNORM_ROPE_KV_INSERT(*fake)
+    call_with_fake_tensors(GQA_QKNORM_ROPE_KV_INSERT, args)
 
 
 @pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS + BAD_INDEX_VALUES])
