@@ -66,3 +66,25 @@ CHECK_INDEX_VALUES = os.environ.get("PREPFUSE_CHECK_INDEX_VALUES", "1") != "0"
 def can_read_index_values(t: torch.Tensor) -> bool:
     """Whether an op may read the values of index tensor ``t`` now."""
     return CHECK_INDEX_VALUES and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_slot_and_position_values(
+    slot_mapping: torch.Tensor, num_blocks: int, block_size: int, positions: torch.Tensor, max_pos: int
+) -> None:
+    """Slots below ``num_blocks * block_size`` and positions in ``[0, max_pos)``.
+
+    Reads the values, so does nothing when they cannot be read now
+    (``can_read_index_values``). Negative slots are valid: they mean "skip this row".
+    """
+    if not can_read_index_values(slot_mapping):
+        return
+    n_slots = num_blocks * block_size
+    if slot_mapping.numel() and int(slot_mapping.max()) >= n_slots:
+        raise ValueError(
+            f"slot_mapping: slot {int(slot_mapping.max())} is beyond the cache's {n_slots} slots "
+            f"({num_blocks} blocks of {block_size})"
+        )
+    if positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= max_pos:
+            raise ValueError(f"positions: values must lie in [0, {max_pos}) (rows of cos_sin_cache), got [{lo}, {hi}]")

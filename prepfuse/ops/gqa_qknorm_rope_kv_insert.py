@@ -73,7 +73,7 @@ import functools
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
-from prepfuse.ops._checks import can_read_index_values, check_size, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
 from prepfuse.ops._library import define_op, log
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import rope_gptj
 
@@ -493,22 +493,8 @@ def check_inputs(
 
 
 def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache) -> None:
-    """Slot and position values in range; reads them, so skipped while capturing a graph."""
-    if not can_read_index_values(slot_mapping):
-        return
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    n_slots = num_blocks * block_size
-    if slot_mapping.numel() and int(slot_mapping.max()) >= n_slots:
-        raise ValueError(
-            f"slot_mapping: slot {int(slot_mapping.max())} is beyond the caches' {n_slots} slots "
-            f"({num_blocks} blocks of {block_size})"
-        )
-    if positions.numel():
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= cos_sin_cache.shape[0]:
-            raise ValueError(
-                f"positions: values must lie in [0, {cos_sin_cache.shape[0]}) (rows of cos_sin_cache), got [{lo}, {hi}]"
-            )
+    """Slot and position values in range (eager use; skipped while capturing a graph)."""
+    check_slot_and_position_values(slot_mapping, k_cache.shape[0], k_cache.shape[1], positions, cos_sin_cache.shape[0])
 
 
 # --------------------------------------------------------------------------------------
