@@ -68,12 +68,13 @@ def run_model_demo(device: torch.device, num_layers: int = 3) -> bool:
     print(f"output vs eager: max |diff| / max |eager| = {out_err:.2e}")
     print(
         f"cache vs eager: {same_bytes}/{total_bytes} bytes identical; dequantised inserted rows "
-        f"max |diff| / max |eager| = {max(cache_errs):.2e} (one e4m3 code is at most 1/8 of it)"
+        f"max |diff| / max |eager| = {max(cache_errs):.2e} (one e4m3 code is at most 1/7 of it)"
     )
-    # A kv value one bf16 ULP off upstream can land one e4m3 code away. Relative to the
-    # block's amax (scaled into (224, 448]) one code is at most 32/256 = 1/8: a step of
-    # the [256, 448) binade when amax scales to just above 256.
-    ok = matched == num_layers and out_err < 5e-2 and max(cache_errs) <= 1 / 8
+    # A kv value one bf16 ULP off upstream can land one e4m3 code away; if it moves its
+    # block's amax across a power of two, the block's scale doubles and every value is
+    # requantised. Either way the difference is at most one code of the top binade, 32,
+    # relative to an amax that scales into (224, 448]: 32/224 = 1/7 of the block's amax.
+    ok = matched == num_layers and out_err < 5e-2 and max(cache_errs) <= 1 / 7
 
     if on_gpu:
         torch._dynamo.reset()
