@@ -17,6 +17,36 @@ Q_POISON = -123.0
 CACHE_POISON = 0xA5
 
 
+def poisoned_like(t: torch.Tensor, *, value: float | None = None) -> torch.Tensor:
+    """A new tensor with ``t``'s shape, strides, dtype and device, every element ``value``,
+    or (default) every byte ``CACHE_POISON`` (any dtype, fp8 included)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    if value is None:
+        out.view(torch.uint8).fill_(CACHE_POISON)
+    else:
+        out.fill_(value)
+    return out
+
+
+def fresh_generator(generator: torch.Generator | None) -> torch.Generator:
+    """``generator``, or a new CPU one with a nondeterministic seed (the global RNG is left alone)."""
+    if generator is None:
+        generator = torch.Generator()
+        generator.seed()
+    return generator
+
+
+def random_slots(
+    num_inserted: int, spare_slots: int, block_size: int, skip_fraction: float, gen: torch.Generator
+) -> tuple[int, torch.Tensor]:
+    """(num_blocks, slots): enough blocks for ``num_inserted + spare_slots`` slots, and
+    ``num_inserted`` distinct random slots of them, about ``skip_fraction`` set to -1."""
+    num_blocks = -(-(num_inserted + spare_slots) // block_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_inserted]
+    skip = torch.rand(num_inserted, generator=gen) < skip_fraction
+    return num_blocks, torch.where(skip, torch.full_like(slots, -1), slots)
+
+
 @dataclass
 class Dsv4Inputs:
     """One call's arguments of ``prepfuse::dsv4_qnorm_rope_kv_insert``."""
@@ -39,14 +69,7 @@ class Dsv4Inputs:
 
     def fresh_outputs(self) -> "Dsv4Inputs":
         """The same inputs with newly poisoned q_out and k_cache (same shapes and strides)."""
-        q_out = torch.empty_strided(self.q_out.shape, self.q_out.stride(), dtype=self.q_out.dtype, device=self.q_out.device)
-        k_cache = torch.empty_strided(
-            self.k_cache.shape, self.k_cache.stride(), dtype=self.k_cache.dtype, device=self.k_cache.device
-        )
-        q_out.fill_(Q_POISON)
-        k_cache.fill_(CACHE_POISON)
-        return Dsv4Inputs(self.q, self.kv, q_out, k_cache, self.slot_mapping, self.positions,
-                          self.cos_sin_cache, self.eps, self.block_size)
+        return replace(self, q_out=poisoned_like(self.q_out, value=Q_POISON), k_cache=poisoned_like(self.k_cache))
 
 
 def rope_cos_sin_cache(max_pos: int, device, base: float = 10000.0, rotary_dim: int = ROPE_DIM) -> torch.Tensor:
@@ -78,10 +101,7 @@ def make_dsv4_inputs(
     the norm, the UE8M0 exponents and the fp8 subnormals are all exercised. The cache
     rows are padded past 584 bytes per slot, as engines pad to a multiple of 576.
     """
-    if generator is None:
-        generator = torch.Generator()
-        generator.seed()  # fresh, nondeterministic data; the global RNG is left alone
-    gen = generator
+    gen = fresh_generator(generator)
     num_inserted = num_tokens if num_inserted is None else num_inserted
 
     def randn(*shape):
@@ -91,12 +111,8 @@ def make_dsv4_inputs(
     kv_scale = torch.exp(randn(num_tokens, 8, 1) * 4).clamp(1e-6, 1e3)
     kv = (randn(num_tokens, 8, 64) * kv_scale).reshape(num_tokens, HEAD_DIM)
 
-    n_slots_needed = num_inserted + spare_slots
-    num_blocks = -(-n_slots_needed // block_size)
+    num_blocks, slots = random_slots(num_inserted, spare_slots, block_size, skip_fraction, gen)
     row_stride = -(-block_size * SLOT_BYTES // 576) * 576  # padded to a multiple of 576
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_inserted]
-    skip = torch.rand(num_inserted, generator=gen) < skip_fraction
-    slots = torch.where(skip, torch.full_like(slots, -1), slots)
     positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
 
     inputs = Dsv4Inputs(
@@ -243,16 +259,12 @@ class GqaInputs:
 
     def fresh_outputs(self) -> "GqaInputs":
         """The same inputs with newly poisoned q_out and caches (same shapes and strides)."""
-        def poisoned(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            out.view(torch.uint8).fill_(CACHE_POISON)
-            return out
-
-        q_out = torch.empty_strided(
-            self.q_out.shape, self.q_out.stride(), dtype=self.q_out.dtype, device=self.q_out.device
+        return replace(
+            self,
+            q_out=poisoned_like(self.q_out, value=Q_POISON),
+            k_cache=poisoned_like(self.k_cache),
+            v_cache=poisoned_like(self.v_cache),
         )
-        q_out.fill_(Q_POISON)
-        return replace(self, q_out=q_out, k_cache=poisoned(self.k_cache), v_cache=poisoned(self.v_cache))
 
 
 def make_gqa_inputs(
@@ -284,10 +296,7 @@ def make_gqa_inputs(
     ``num_inserted`` rows (default all) get distinct random slots; about
     ``skip_fraction`` of them are -1.
     """
-    if generator is None:
-        generator = torch.Generator()
-        generator.seed()  # fresh, nondeterministic data; the global RNG is left alone
-    gen = generator
+    gen = fresh_generator(generator)
     num_inserted = num_tokens if num_inserted is None else num_inserted
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     n_heads = num_q_heads + 2 * num_kv_heads
@@ -310,10 +319,7 @@ def make_gqa_inputs(
         # and others fall into e4m3's subnormals
         kv_scale = torch.tensor([(2.0 + 2.0 * float(torch.rand(1, generator=gen))) / 448.0], device=device)
 
-    num_blocks = -(-(num_inserted + spare_slots) // block_size)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_inserted]
-    skip = torch.rand(num_inserted, generator=gen) < skip_fraction
-    slots = torch.where(skip, torch.full_like(slots, -1), slots)
+    num_blocks, slots = random_slots(num_inserted, spare_slots, block_size, skip_fraction, gen)
     positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
     kv_buffer = torch.empty(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
 
