@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from prepfuse._compat import has_triton
+
 NAMESPACE = "prepfuse"
 log = logging.getLogger("prepfuse.ops")
 
@@ -30,8 +32,9 @@ def define_op(
     """Register ``prepfuse::<schema>`` once per process and return its packet.
 
     ``reference`` is the plain-PyTorch implementation for every device (registered as
-    CompositeExplicitAutograd, so CPU, XPU, MPS ... all reach it); ``cuda`` overrides
-    it on CUDA. A second import of the defining module (e.g. through importlib.reload)
+    CompositeExplicitAutograd, so CPU, XPU, MPS ... all reach it); ``cuda`` (the Triton
+    path) overrides it on CUDA, or, where triton cannot be imported, the reference does,
+    with one WARNING per op. A second import of the defining module (e.g. through importlib.reload)
     finds the op already there and checks the schema is unchanged instead of failing
     with a duplicate registration.
     """
@@ -48,9 +51,23 @@ def define_op(
     _LIB.define(schema)
     _LIB.impl(name, reference, "CompositeExplicitAutograd")
     if cuda is not None:
-        _LIB.impl(name, cuda, "CUDA")
+        _LIB.impl(name, cuda if has_triton() else _reference_with_warning(name, reference), "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     return getattr(getattr(torch.ops, NAMESPACE), name)
+
+
+def _reference_with_warning(name: str, reference: Callable) -> Callable:
+    """The reference as the CUDA impl, saying so once: nothing silent."""
+    warned = False
+
+    def fallback(*args):
+        nonlocal warned
+        if not warned:
+            log.warning("%s::%s falls back to the PyTorch reference on CUDA: triton is not installed", NAMESPACE, name)
+            warned = True
+        return reference(*args)
+
+    return fallback
 
 
 def _is_defined(name: str) -> bool:

@@ -43,13 +43,12 @@ every T >= a few hundred, latency bound below.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
-from prepfuse.ops._library import define_op, log
+from prepfuse.ops._library import define_op
 
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -396,17 +395,7 @@ def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_si
 # --------------------------------------------------------------------------------------
 # Registration
 # --------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _warn_fallback_once(reason: str) -> None:
-    log.warning("prepfuse::dsv4_qnorm_rope_kv_insert falls back to the PyTorch reference on CUDA: %s", reason)
-
-
 def _cuda_impl(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size) -> None:
-    if not has_triton():
-        _warn_fallback_once("triton is not installed")
-        return dsv4_qnorm_rope_kv_insert_reference(
-            q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size
-        )
     check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
     check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size)
     dsv4_qnorm_rope_kv_insert_triton(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)

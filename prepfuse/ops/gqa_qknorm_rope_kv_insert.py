@@ -68,13 +68,12 @@ written per token. Bandwidth bound for T above a few hundred, latency bound belo
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
-from prepfuse.ops._library import define_op, log
+from prepfuse.ops._library import define_op
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import rope_gptj
 
 HEAD_DIMS = (64, 128, 256)
@@ -500,20 +499,12 @@ def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache) -> None:
 # --------------------------------------------------------------------------------------
 # Registration
 # --------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _warn_fallback_once(reason: str) -> None:
-    log.warning("prepfuse::gqa_qknorm_rope_kv_insert falls back to the PyTorch reference on CUDA: %s", reason)
-
-
 def _cuda_impl(
     qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
     cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps,
 ) -> None:
     args = (qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
             cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps)
-    if not has_triton():
-        _warn_fallback_once("triton is not installed")
-        return gqa_qknorm_rope_kv_insert_reference(*args)
     check_inputs(*args)
     check_index_values(k_cache, slot_mapping, positions, cos_sin_cache)
     gqa_qknorm_rope_kv_insert_triton(*args)
