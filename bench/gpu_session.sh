@@ -31,7 +31,9 @@ for what in "${steps[@]}"; do
         ;;
     tests)
         step tests
-        python3 -m pytest -q -rs -p no:cacheprovider ${PREPFUSE_TEST_PATHS:-tests} 2>&1 | tail -n 60 | tee -a "$log" || status=1
+        # the whole log stays under $OUT; the reply shows the failures' names and the summary
+        python3 -m pytest -q -rfEs -p no:cacheprovider ${PREPFUSE_TEST_PATHS:-tests} >"$OUT/tests.log" 2>&1 || status=1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -n 40 | tee -a "$log"
         ;;
     sanitize)
         for tool in memcheck racecheck; do

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from prepfuse._compat import has_triton
+from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops import (
     DSV4_QNORM_ROPE_KV_INSERT,
     dsv4_qnorm_rope_kv_insert_reference,
@@ -31,7 +31,8 @@ def run_dsv4_demo(device: torch.device, num_tokens: int, num_heads: int, block_s
     dsv4_qnorm_rope_kv_insert_reference(*reference.args())
 
     impls = {"torch.ops.prepfuse (dispatcher)": DSV4_QNORM_ROPE_KV_INSERT}
-    if has_triton():
+    # the kernel runs on CUDA tensors, or on CPU ones only under the interpreter
+    if has_triton() and (device.type == "cuda" or triton_interpret_mode()):
         label = "triton kernel" + ("" if device.type == "cuda" else " (CPU interpreter)")
         impls[label] = dsv4_qnorm_rope_kv_insert_triton
 

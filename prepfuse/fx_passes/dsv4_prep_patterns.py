@@ -211,6 +211,20 @@ def _slots(indices, block_size: int) -> torch.fx.Node:
     return blk.args[0]
 
 
+def put_rows(put) -> torch.fx.Node:
+    """The rows an index_put writes, ``[n, W]``.
+
+    With one slot (T=1 under static shapes) torch's index_put decomposition reshapes the
+    ``[1, W]`` rows to ``[W]`` (they broadcast over the single index): look through it.
+    """
+    values = put.args[2]
+    if len(shape(values)) == 1 and is_op(values, aten.reshape.default, aten.view.default, aten.squeeze.dim, aten.squeeze.default):
+        rows = values.args[0]
+        if len(shape(rows)) == 2 and shape(rows)[0] == 1 and shape(rows)[1] == shape(values)[0]:
+            return rows
+    return values
+
+
 def cache_write(put) -> tuple[torch.fx.Node, torch.fx.Node, int, int, int, int, torch.fx.Node]:
     """(root, new root, first column, row pitch, row width, block size, slots) of one index_put.
 
@@ -218,7 +232,8 @@ def cache_write(put) -> tuple[torch.fx.Node, torch.fx.Node, int, int, int, int, 
     into a view, scattered back), and ``cache[(s // bs)[:, None], a + (s % bs)[:, None] * W +
     arange(W)] = rows`` (an index_put into the 2-d cache itself).
     """
-    view, indices, values = put.args[:3]
+    view, indices = put.args[:2]
+    values = put_rows(put)
     expect(not (put.args[3] if len(put.args) > 3 else put.kwargs.get("accumulate", False)), "write: accumulates")
     expect(len(indices) == 2 and all(isinstance(i, torch.fx.Node) for i in indices), "write: expected two index tensors")
     expect(len(shape(values)) == 2, "write: values are not rows")
@@ -290,7 +305,7 @@ def match_kv_side(data_put: torch.fx.Node, writes: dict) -> KvSide:
     expect(s_slots is slots, "write: data and scales go to different slots")
     cache_in, cache_out = (root, s_new) if s_root is new_root else (s_root, new_root)
 
-    codes, rope_bytes = _cat_last(data_put.args[2], (NOPE_DIM, 2 * ROPE_DIM), "kv row")
+    codes, rope_bytes = _cat_last(put_rows(data_put), (NOPE_DIM, 2 * ROPE_DIM), "kv row")
     expect(is_op(rope_bytes, aten.view.dtype), f"kv row: RoPE bytes {describe(rope_bytes)} are not values viewed as uint8")
     dtype = val(rope_bytes.args[0]).dtype
     expect(dtype == torch.bfloat16, f"kv row: RoPE values are {dtype}, the op writes bfloat16")
@@ -300,7 +315,7 @@ def match_kv_side(data_put: torch.fx.Node, writes: dict) -> KvSide:
     kv = bf16_columns(pe, NOPE_DIM, HEAD_DIM, "kv RoPE")
     kv_nope, e = _quant_codes(codes)
     expect(kv_nope is kv, "kv: NoPE and RoPE columns come from different tensors")
-    scale_bytes, zeros = _cat_last(scale_put.args[2], (N_QUANT_BLOCKS, 1), "kv scales")
+    scale_bytes, zeros = _cat_last(put_rows(scale_put), (N_QUANT_BLOCKS, 1), "kv scales")
     clamped = convert_source(scale_bytes, torch.uint8)
     expect(clamped is not None, f"kv scales: {describe(scale_bytes)} is not a cast to uint8")
     biased, lo, hi = clamp_bounds(clamped)

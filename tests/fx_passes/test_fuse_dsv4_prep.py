@@ -480,6 +480,9 @@ def test_attention_block_dynamic():
 # --------------------------------------------------------------------------------------
 DEVICE_TOKENS = [
     pytest.param("cpu", 7, id="cpu-T7"),
+    # one token under static shapes: index_put's decomposition squeezes the rows to [W]
+    pytest.param("cpu", 1, id="cpu-T1"),
+    pytest.param("cuda", 1, id="cuda-T1", marks=pytest.mark.gpu),
     pytest.param("cuda", 7, id="cuda-T7", marks=pytest.mark.gpu),
     pytest.param("cuda", 1000, id="cuda-T1000", marks=pytest.mark.gpu),
 ]
@@ -494,6 +497,7 @@ def test_spelling_fuses_on_each_device(name, v2, device, num_tokens):
     inputs = make_dsv4_inputs(num_tokens, H, HP, BLOCK, device, skip_fraction=0.0)
     r = run(prep(SPELLINGS[name]), inputs, v2=v2)
     assert r.matched == 1
+    assert r.events("matched") == ["dsv4_q+kv"]
     fused = dataclasses.replace(inputs, q_out=r.out, k_cache=r.cache)
     eager = dataclasses.replace(inputs, q_out=r.ref_out, k_cache=r.ref_cache)
     cmp = compare_dsv4(eager, fused)
