@@ -6,6 +6,8 @@
 #   sweep - the launch-configuration sweep of the fused kernel
 #   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
 #   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
+#   gqa   - the GQA op's benchmark (JSON, PNG, benchmarks_gqa.md into $OUT)
+#   gqa-sweep - the GQA kernel's launch-configuration sweep
 #   demo  - the README's main command's python part
 # Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
 # No pip there: pure-python wheels carried in .whl/ are unpacked to /tmp/site.
@@ -44,7 +46,7 @@ for what in "${steps[@]}"; do
         ;;
     sweep)
         step sweep
-        python3 bench/bench_dsv4_qnorm_rope_kv_insert.py --sweep-config --out-dir "$OUT" 2>&1 | tail -n 40 | tee -a "$log" || status=1
+        python3 bench/bench_dsv4_qnorm_rope_kv_insert.py --sweep-config ${PREPFUSE_SWEEP_ARGS:-} --out-dir "$OUT" 2>&1 | tail -n 40 | tee -a "$log" || status=1
         ;;
     smoke)
         step smoke
@@ -58,6 +60,14 @@ for what in "${steps[@]}"; do
     e2e)
         step e2e
         python3 bench/bench_dsv4_prep_e2e.py --out-dir "$OUT" --docs "$OUT/benchmarks_e2e.md" 2>&1 | tail -n 20 | tee -a "$log" || status=1
+        ;;
+    gqa)
+        step gqa
+        python3 bench/bench_gqa_qknorm_rope_kv_insert.py --out-dir "$OUT" --docs "$OUT/benchmarks_gqa.md" 2>&1 | tail -n 40 | tee -a "$log" || status=1
+        ;;
+    gqa-sweep)
+        step gqa-sweep
+        python3 bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config --tokens 1,64,4096,16384 --models qwen3-8b,qwen3-8b-fp8 --out-dir "$OUT" 2>&1 | tail -n 20 | tee -a "$log" || status=1
         ;;
     demo)
         step demo

@@ -77,6 +77,22 @@ if has_triton():
     from prepfuse.ops._triton_helpers import _mul_rn, _to_bf16, _to_e4m3_bits
 
     @triton.jit
+    def _rope_pairs(y, cs_row, SOFT_ROUNDING: tl.constexpr):
+        """GPT-J RoPE of the last dim (64 values, pairs (2p, 2p+1)) of fp32 ``y``, fp32 out.
+
+        ``e' = e*cos[p] - o*sin[p]``, ``o' = e*sin[p] + o*cos[p]``, each product rounded
+        on its own as PyTorch eager does (see ``_mul_rn``). The pairs are split off and
+        joined back in registers, so loads and stores stay contiguous (vector) accesses.
+        """
+        cos = tl.load(cs_row + tl.arange(0, 32))
+        sin = tl.load(cs_row + 32 + tl.arange(0, 32))
+        pairs = tl.reshape(y, y.shape[:-1] + [32, 2])
+        e, o = tl.split(pairs)
+        e_rot = _mul_rn(e, cos, SOFT_ROUNDING) - _mul_rn(o, sin, SOFT_ROUNDING)
+        o_rot = _mul_rn(e, sin, SOFT_ROUNDING) + _mul_rn(o, cos, SOFT_ROUNDING)
+        return tl.reshape(tl.join(e_rot, o_rot), y.shape)
+
+    @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
         q_ptr,  # [T, H, 512] bf16
         kv_ptr,  # [T, 512] bf16
@@ -102,6 +118,7 @@ if has_triton():
         BLOCK_H: tl.constexpr,  # query heads per program
         N_COLS: tl.constexpr,  # programs per token: 1 (kv) + cdiv(HP, BLOCK_H) (q)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+        ROPE_U16: tl.constexpr,  # cache base and stride even: store RoPE bytes as uint16
     ):
         # A 1-D grid of T * N_COLS programs, N_COLS = 1 + cdiv(HP, BLOCK_H): column 0
         # inserts token t's kv row, the others each normalise, rotate and store BLOCK_H
@@ -143,53 +160,36 @@ if has_triton():
                 scale_byte = tl.minimum(tl.maximum(e + 127, 0), 255)
                 tl.store(scales + r, tl.where(r < 7, scale_byte, 0).to(tl.uint8))
 
-                # RoPE on dims 448..511: each dim j is rotated with its pair partner j^1,
-                # y_j' = y_j*cos - y_(j^1)*sin (j even) or y_j*cos + y_(j^1)*sin (j odd).
-                # Stored as bf16 bytes (byte stores need no 2-byte alignment of S).
-                j = tl.arange(0, 64)
-                own = tl.load(kv_row + 448 + j).to(tl.float32)
-                partner = tl.load(kv_row + 448 + (j ^ 1)).to(tl.float32)
-                cos = tl.load(cs_row + j // 2)
-                sin = tl.load(cs_row + 32 + j // 2)
-                signed_sin = tl.where((j & 1) == 0, -sin, sin)
-                rotated = _mul_rn(own, cos, SOFT_ROUNDING) + _mul_rn(partner, signed_sin, SOFT_ROUNDING)
-                bits = _to_bf16(rotated, SOFT_ROUNDING).to(tl.uint16, bitcast=True)
-                tl.store(data + 448 + 2 * j, (bits & 0xFF).to(tl.uint8))
-                tl.store(data + 449 + 2 * j, (bits >> 8).to(tl.uint8))
+                # RoPE on dims 448..511 (no norm), rounded to bf16
+                pe = tl.load(kv_row + 448 + tl.arange(0, 64)).to(tl.float32)
+                bits = _to_bf16(_rope_pairs(pe, cs_row, SOFT_ROUNDING), SOFT_ROUNDING).to(tl.uint16, bitcast=True)
+                if ROPE_U16:  # the row's bf16 bytes are 2-aligned: 64 two-byte (vector) stores
+                    tl.store((data + 448).to(tl.pointer_type(tl.uint16)) + tl.arange(0, 64), bits)
+                else:  # an odd cache stride or base: little-endian byte by byte
+                    b = tl.arange(0, 64)
+                    tl.store(data + 448 + 2 * b, (bits & 0xFF).to(tl.uint8))
+                    tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
         else:
             heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            real = heads < H
             d = tl.arange(0, 512)
-            x = tl.load(
-                q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=(heads < H)[:, None],
-                other=0.0,
-            ).to(tl.float32)
+            q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
+            x = tl.load(q_rows + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            # The 64 rotated dims read again on their own (the same lines: an L1 hit),
+            # so that the rotation costs 64 dims of work per head, not masked work on 512.
+            pe = tl.load(q_rows + 448 + tl.arange(0, 64)[None, :], mask=real[:, None], other=0.0).to(tl.float32)
             mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
-            # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx
-            rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+            # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
+            # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
+            rstd = tl.where(real, tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps)), 0.0)
             y = x * rstd[:, None]
-            # RoPE as on the kv side, with the partner dim loaded again (an L1 hit) only
-            # for the 64 rotated dims; NoPE dims get cos 1 and sin 0, which is exact.
-            in_rope = d >= 448
-            partner = tl.load(
-                q_ptr + t * stride_qt + heads[:, None] * stride_qh + (d ^ 1)[None, :],
-                mask=(heads < H)[:, None] & in_rope[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            pair = tl.where(in_rope, (d - 448) // 2, 0)
-            cos = tl.load(cs_row + pair, mask=in_rope, other=1.0)
-            sin = tl.load(cs_row + 32 + pair, mask=in_rope, other=0.0)
-            signed_sin = tl.where((d & 1) == 0, -sin, sin)
-            out = _mul_rn(y, cos[None, :], SOFT_ROUNDING) + _mul_rn(
-                partner * rstd[:, None], signed_sin[None, :], SOFT_ROUNDING
-            )
-            # padded heads: +0.0 exactly (0 * -sin would store -0.0; eps = 0 would give NaN)
-            out = tl.where((heads < H)[:, None], out, 0.0)
-            tl.store(
-                q_out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                _to_bf16(out, SOFT_ROUNDING),
-                mask=(heads < HP)[:, None],
-            )
+            stored = (heads < HP)[:, None]
+            tl.store(out_rows + d[None, :], _to_bf16(y, SOFT_ROUNDING), mask=stored & (d < 448)[None, :])
+            rot = _rope_pairs(pe * rstd[:, None], cs_row, SOFT_ROUNDING)
+            # padded heads: +0.0 exactly (0 * cos with cos < 0 would store -0.0)
+            rot = tl.where(real[:, None], rot, 0.0)
+            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _to_bf16(rot, SOFT_ROUNDING), mask=stored)
 
 
 def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
@@ -244,6 +244,7 @@ def dsv4_qnorm_rope_kv_insert_triton(
         BLOCK_H=block_h,
         N_COLS=n_cols,
         SOFT_ROUNDING=triton_interpret_mode(),
+        ROPE_U16=k_cache.data_ptr() % 2 == 0 and k_cache.stride(0) % 2 == 0,
         num_warps=num_warps,
     )
 

@@ -428,6 +428,30 @@ def test_triton_interpreter_matches_reference(num_tokens, num_heads, padded_head
 
 @needs_triton
 @needs_interpreter
+@pytest.mark.parametrize("byte_offset, stride_pad", [(1, 0), (0, 1), (1, 1)], ids=["odd-base", "odd-stride", "both"])
+def test_triton_interpreter_odd_cache_layout(byte_offset, stride_pad):
+    """A cache view whose base address or row stride is odd: the kernel cannot store the
+    RoPE bytes as two-byte words there and stores them byte by byte; same bytes as the
+    reference, nothing else written."""
+    inputs, seed = dsv4_inputs(7, 3, 8, 16, "cpu")
+    num_blocks, row_bytes = inputs.k_cache.shape
+    stride = row_bytes + stride_pad
+
+    def odd_cache() -> torch.Tensor:
+        backing = torch.full((byte_offset + num_blocks * stride,), CACHE_POISON, dtype=torch.uint8)
+        return backing[byte_offset:].view(num_blocks, stride)[:, :row_bytes]
+
+    expected, actual = (dataclasses.replace(inputs.fresh_outputs(), k_cache=odd_cache()) for _ in range(2))
+    assert (actual.k_cache.data_ptr() % 2, actual.k_cache.stride(0) % 2) == (byte_offset, stride_pad)
+    dsv4_qnorm_rope_kv_insert_reference(*expected.args())
+    dsv4_qnorm_rope_kv_insert_triton(*actual.args())
+    comparison = compare_dsv4(expected, actual)
+    assert comparison.q_mismatches == 0 and comparison.cache_mismatches == 0, f"seed={seed}: {comparison}"
+    assert_untouched(actual, seed)
+
+
+@needs_triton
+@needs_interpreter
 def test_triton_interpreter_random_q_within_tolerance():
     """Unconstrained q (summation order now matters): q to the tolerance of
     test_oracle_matches_reference_on_random_q; the cache, with no sums, byte for byte."""

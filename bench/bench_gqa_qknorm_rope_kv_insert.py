@@ -1,0 +1,342 @@
+"""Benchmark ``prepfuse::gqa_qknorm_rope_kv_insert`` against the unfused sequence it replaces.
+
+Run from the repository root on a CUDA machine::
+
+    PYTHONPATH=. python bench/bench_gqa_qknorm_rope_kv_insert.py --out-dir $OUT
+    PYTHONPATH=. python bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config --out-dir $OUT
+    PYTHONPATH=. python bench/bench_gqa_qknorm_rope_kv_insert.py --from-json bench/results/<file>.json
+
+Model rows (``MODELS``): Qwen3-8B heads (32 q, 8 kv, D 128, full NeoX rotary, q/k norm)
+with a bf16 and with an fp8 cache, and Llama-3-8B heads (no norm, bf16 cache), block 16.
+Implementations, as in ``bench_dsv4_qnorm_rope_kv_insert.py`` (whose timing code this
+script imports, so both use one method): ``fused`` (the op through the dispatcher),
+``eager`` (``prepfuse.unfused.gqa_prep_unfused``) and ``compile`` (that function under
+``torch.compile``, ``dynamic=False``, ``fullgraph=True``).
+
+Method: per shape, a correctness gate first (fresh random inputs from
+``prepfuse.testing.make_gqa_inputs``, poisoned outputs, each implementation against
+``gqa_qknorm_rope_kv_insert_reference``: without the norm bit for bit, with it within
+the GPU test's bound, ``gqa_within_bound``); then CUDA graphs of 20 back-to-back calls,
+replayed behind a GPU sleep, median per call; L2 rotation over input copies once a call
+moves more than a quarter of L2; bytes moved are the fewest the op must move
+(``gqa_bytes_moved``), against the copy bandwidth measured at the start.
+Writes ``gqa_qknorm_rope_kv_insert_<device>.json``, a PNG beside it and
+``docs/benchmarks_gqa.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_dsv4_qnorm_rope_kv_insert as opbench  # noqa: E402
+
+OP = "gqa_qknorm_rope_kv_insert"
+IMPLS = ("fused", "eager", "compile")
+DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 16384)
+BLOCK_SIZE = 16
+SWEEP_BLOCK_H = (1, 2, 4, 8)
+SWEEP_NUM_WARPS = (1, 2, 4)
+FP8 = torch.float8_e4m3fn
+# name -> (Hq, Hkv, D, rotary dim, NeoX, norm, cache dtype)
+MODELS = {
+    "qwen3-8b": (32, 8, 128, 128, True, True, torch.bfloat16),
+    "qwen3-8b-fp8": (32, 8, 128, 128, True, True, FP8),
+    "llama3-8b": (32, 8, 128, 128, True, False, torch.bfloat16),
+}
+
+
+def gqa_bytes_moved(num_tokens: int, model: tuple) -> int:
+    """Fewest bytes a call must move: qkv and the cos/sin rows read, q_out and the k and v
+    cache rows written (every row inserted; the norm weights are negligible)."""
+    hq, hkv, d, rot, _, _, dtype = model
+    cache_elem = 1 if dtype == FP8 else 2
+    per_token = (hq + 2 * hkv) * d * 2 + rot * 4 + hq * d * 2 + 2 * hkv * d * cache_elem
+    return num_tokens * per_token
+
+
+def make_inputs(num_tokens: int, model: tuple, *, skip_fraction: float):
+    from prepfuse.testing import make_gqa_inputs
+
+    hq, hkv, d, rot, neox, norm, dtype = model
+    return make_gqa_inputs(num_tokens, hq, hkv, d, BLOCK_SIZE, opbench.DEVICE, rotary_dim=rot, is_neox=neox,
+                           norm=norm, cache_dtype=dtype, skip_fraction=skip_fraction)
+
+
+def gqa_within_bound(cmp, norm: bool, cache_fp8: bool) -> bool:
+    """The GPU parity test's bound (tests/ops/test_gqa_qknorm_rope_kv_insert.py): exact
+    without the norm; with it, a one-ulp fp32 difference of the RMS may move a normed
+    value by one bf16 ULP (then carried by RoPE), on at most 0.1% of q values, and an
+    fp8 code by one."""
+    if not norm:
+        return cmp.exact()
+    few = max(8, cmp.q_elements // 1000)
+    if cmp.q_mismatches > few:
+        return False
+    return cmp.cache_max_diff <= 1 if cache_fp8 else cmp.cache_mismatches <= max(8, cmp.cache_elements // 1000)
+
+
+def make_impls(names) -> dict:
+    from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT
+    from prepfuse.unfused import gqa_prep_unfused
+
+    impls = {}
+    for name in names:
+        if name == "fused":
+            impls[name] = lambda inp: GQA_QKNORM_ROPE_KV_INSERT(*inp.args())
+        elif name == "eager":
+            impls[name] = lambda inp: gqa_prep_unfused(*inp.args())
+        elif name == "compile":
+            compiled = torch.compile(gqa_prep_unfused, dynamic=False, fullgraph=True)
+            impls[name] = lambda inp, f=compiled: f(*inp.args())
+    return impls
+
+
+def _gate(fn, inputs, model) -> tuple[bool, dict]:
+    import dataclasses
+
+    from prepfuse.ops import gqa_qknorm_rope_kv_insert_reference
+    from prepfuse.testing import compare_gqa
+
+    ref, run = inputs.fresh_outputs(), inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_reference(*ref.args())
+    fn(run)
+    torch.cuda.synchronize()
+    cmp = compare_gqa(ref, run)
+    return gqa_within_bound(cmp, model[5], model[6] == FP8), dataclasses.asdict(cmp)
+
+
+def _allow_recompiles() -> None:
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), 256))
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
+
+
+def run_benchmark(args) -> dict:
+    t_start = time.time()
+    info = opbench._device_info()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{OP}_{info['device_slug']}{args.name_suffix}.json"
+    _allow_recompiles()
+    data = {"op": f"prepfuse::{OP}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **info, "block_size": BLOCK_SIZE, "models": {k: list(map(str, v)) for k, v in MODELS.items()}, "rows": []}
+    data["copy_bandwidth"] = opbench.measure_copy_bandwidth(4 << 30)
+    copy_bw = data["copy_bandwidth"]["GBps"]
+    print(f"{info['device']}: copy bandwidth {copy_bw:.0f} GB/s ({data['copy_bandwidth']['method']})", flush=True)
+    impls = make_impls(args.impls)
+    for name in args.models:
+        model = MODELS[name]
+        for t in sorted(args.tokens):
+            nbytes = gqa_bytes_moved(t, model)
+            k = opbench.rotation_copies(nbytes, info["l2_bytes"], 0.25)
+            gate_fused = make_inputs(t, model, skip_fraction=0.1)
+            gate_valid = make_inputs(t, model, skip_fraction=0.0)
+            copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
+            line = []
+            for impl, fn in impls.items():
+                row = {"model": name, "impl": impl, "T": t, "bytes": nbytes, "copies": k}
+                try:
+                    row["correct"], row["comparison"] = _gate(fn, gate_fused if impl == "fused" else gate_valid, model)
+                    if not row["correct"]:
+                        opbench._loud(f"{impl} {name} T={t}: outside the bound: {row['comparison']}")
+                    graphs = opbench.capture_graphs(fn, copies, warmup=3)
+                    row.update(opbench.time_graphs(graphs, args.target_ms, 10, 200))
+                    del graphs
+                    row["GBps"] = nbytes / (row["us_median"] * 1e-6) / 1e9
+                    row["frac_of_copy_bw"] = row["GBps"] / copy_bw
+                    with opbench._IndexChecksOff():  # as inside a graph: no host-side check
+                        row["launches"] = opbench.classify_gpu_activities(
+                            opbench.count_launches(lambda: fn(copies[0])))["launches"]
+                    line.append(f"{impl} {row['us_median']:.2f} us")
+                except Exception as err:  # noqa: BLE001 - record and go on: the table stays complete
+                    row["error"] = f"{type(err).__name__}: {err}"
+                    opbench._loud(f"{impl} {name} T={t}: {row['error']}")
+                data["rows"].append(row)
+            print(f"[{time.time() - t_start:6.1f} s] {name:13s} T={t:5d}: " + "  ".join(line), flush=True)
+            del copies, gate_fused, gate_valid
+            torch.cuda.empty_cache()
+            opbench._write_json(path, data)
+    data["elapsed_s"] = round(time.time() - t_start, 1)
+    opbench._write_json(path, data)
+    return data
+
+
+def run_sweep(args) -> dict:
+    """Time the fused kernel alone at each (BLOCK_H, num_warps); print the best per shape
+    beside the op's ``_launch_config`` choice. Each configuration is gated first."""
+    from prepfuse.ops.gqa_qknorm_rope_kv_insert import _launch_config, gqa_qknorm_rope_kv_insert_triton
+
+    info = opbench._device_info()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{OP}_sweep_{info['device_slug']}{args.name_suffix}.json"
+    data = {"op": f"prepfuse::{OP}", "mode": "sweep-config", **info, "rows": [], "best": []}
+    opbench.spin_up_clocks()
+    for name in args.models:
+        model = MODELS[name]
+        hq, hkv, d = model[:3]
+        for t in sorted(args.tokens):
+            nbytes = gqa_bytes_moved(t, model)
+            k = opbench.rotation_copies(nbytes, info["l2_bytes"], 0.25)
+            gate = make_inputs(t, model, skip_fraction=0.1)
+            copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
+            heuristic = _launch_config(t, d, max(hq, hkv))
+            rows = []
+            for bh in SWEEP_BLOCK_H:
+                for w in SWEEP_NUM_WARPS:
+                    fn = lambda inp, bh=bh, w=w: gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=(bh, w))  # noqa: E731
+                    row = {"model": name, "T": t, "BLOCK_H": bh, "num_warps": w, "heuristic": (bh, w) == tuple(heuristic)}
+                    try:
+                        row["correct"], _ = _gate(fn, gate, model)
+                        graphs = opbench.capture_graphs(fn, copies, warmup=2)
+                        row.update(opbench.time_graphs(graphs, args.target_ms, 10, 100))
+                        del graphs
+                    except Exception as err:  # noqa: BLE001
+                        row["error"] = f"{type(err).__name__}: {err}"
+                    rows.append(row)
+            data["rows"].extend(rows)
+            timed = [r for r in rows if "us_median" in r and r["correct"]]
+            best = min(timed, key=lambda r: r["us_median"])
+            heur = next(r for r in rows if r["heuristic"])
+            data["best"].append({"model": name, "T": t, "best": [best["BLOCK_H"], best["num_warps"]],
+                                 "us": best["us_median"], "heuristic": list(heuristic), "heuristic_us": heur.get("us_median")})
+            print(f"{name:13s} T={t:5d}: best {best['BLOCK_H']}/{best['num_warps']} {best['us_median']:.2f} us; "
+                  f"heuristic {heuristic[0]}/{heuristic[1]} {heur.get('us_median', float('nan')):.2f} us"
+                  + ("" if len(timed) == len(rows) else f"  ({len(rows) - len(timed)} configs failed or incorrect)"),
+                  flush=True)
+            del copies, gate
+            torch.cuda.empty_cache()
+            opbench._write_json(path, data)
+    return data
+
+
+# --------------------------------------------------------------------------------------
+# Report: markdown and plot, regenerated from the JSON
+# --------------------------------------------------------------------------------------
+def render_markdown(data: dict, json_name: str, png_name: str) -> str:
+    bw = data["copy_bandwidth"]
+    lines = [
+        "# Benchmark: prepfuse::gqa_qknorm_rope_kv_insert",
+        "",
+        "Generated by `bench/bench_gqa_qknorm_rope_kv_insert.py` from "
+        f"`bench/results/{json_name}`; do not edit by hand. Plot: `bench/results/{png_name}`.",
+        "",
+        f"- **Date:** {data['date']}; **device:** {data['device']} ({data['num_sms']} SMs); torch {data['torch']}, "
+        f"triton {data['triton']}",
+        f"- **Copy bandwidth:** {bw['GBps']:.0f} GB/s ({bw['method']}, read + write bytes)",
+        f"- **Method:** as `docs/benchmarks.md` (CUDA graphs of 20 calls, median, L2 rotation for large T); "
+        f"block size {data['block_size']}; all slots valid for timing; the gate before timing uses ~10% skipped "
+        "slots for the fused op.",
+        "- **Models:** " + "; ".join(
+            f"`{k}`: Hq {v[0]}, Hkv {v[1]}, D {v[2]}, rotary {v[3]}, {'NeoX' if v[4] == 'True' else 'GPT-J'}, "
+            f"{'q/k norm' if v[5] == 'True' else 'no norm'}, {v[6].replace('torch.', '')} cache"
+            for k, v in data["models"].items()),
+        "",
+        "| model | T | fused us | GB/s | % copy BW | eager us | compile us | fused vs compile | launches (f/e/c) | gate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    rows = {(r["model"], r["impl"], r["T"]): r for r in data["rows"]}
+    for model in data["models"]:
+        for t in sorted({r["T"] for r in data["rows"] if r["model"] == model}):
+            f, e, c = (rows.get((model, i, t), {}) for i in IMPLS)
+
+            def us(r):
+                return f"{r['us_median']:.2f}" if "us_median" in r else "-"
+            speed = f"{c['us_median'] / f['us_median']:.1f}x" if "us_median" in f and "us_median" in c else "-"
+            gate = "ok" if all(r.get("correct") for r in (f, e, c) if r) else "FAIL: " + ",".join(
+                i for i, r in zip(IMPLS, (f, e, c)) if r and not r.get("correct"))
+            launches = "/".join(str(r.get("launches", "-")) for r in (f, e, c))
+            lines.append(f"| {model} | {t} | {us(f)} | {f.get('GBps', 0):.0f} | {100 * f.get('frac_of_copy_bw', 0):.0f}% "
+                         f"| {us(e)} | {us(c)} | {speed} | {launches} | {gate} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(data["models"])
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 8), squeeze=False)
+    for j, model in enumerate(models):
+        for impl in IMPLS:
+            pts = sorted((r["T"], r) for r in data["rows"] if r["model"] == model and r["impl"] == impl and "us_median" in r)
+            if not pts:
+                continue
+            ts = [t for t, _ in pts]
+            axes[0][j].plot(ts, [r["us_median"] for _, r in pts], marker="o", label=impl)
+            axes[1][j].plot(ts, [r["GBps"] for _, r in pts], marker="o", label=impl)
+        axes[1][j].axhline(data["copy_bandwidth"]["GBps"], color="grey", linestyle="--", label="copy BW")
+        axes[0][j].set(title=model, xscale="log", yscale="log", ylabel="us per call", xlabel="T")
+        axes[1][j].set(xscale="log", ylabel="GB/s (fewest bytes)", xlabel="T")
+        axes[0][j].legend()
+        axes[1][j].legend()
+    fig.suptitle(f"prepfuse::{OP} on {data['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(data: dict, json_path: Path, docs_path: Path | None) -> None:
+    png_path = json_path.with_suffix(".png")
+    try:
+        render_plot(data, png_path)
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+    md = render_markdown(data, json_path.name, png_path.name)
+    (json_path.parent / "benchmarks_gqa.md").write_text(md)
+    if docs_path is not None:
+        docs_path.write_text(md)
+    print(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=opbench._parse_int_list, default=list(DEFAULT_TOKENS))
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--docs", default=str(HERE.parent / "docs" / "benchmarks_gqa.md"))
+    p.add_argument("--name-suffix", default="")
+    p.add_argument("--target-ms", type=float, default=60.0)
+    p.add_argument("--sweep-config", action="store_true")
+    p.add_argument("--from-json", default=None)
+    args = p.parse_args(argv)
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"--models: unknown model {m!r}; known: {', '.join(MODELS)}")
+    if args.from_json:
+        path = Path(args.from_json)
+        write_reports(json.loads(path.read_text()), path, Path(args.docs))
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    import prepfuse  # noqa: F401  (registers the ops)
+
+    if args.sweep_config:
+        run_sweep(args)
+        return 0
+    data = run_benchmark(args)
+    json_path = Path(args.out_dir) / f"{OP}_{data['device_slug']}{args.name_suffix}.json"
+    write_reports(data, json_path, Path(args.docs) if not args.name_suffix else None)
+    bad = [r for r in data["rows"] if r["impl"] == "fused" and not r.get("correct")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
