@@ -98,6 +98,16 @@ if has_triton():
     from prepfuse.ops._triton_helpers import _mul_rn, _to_bf16, _to_e4m3_bits
 
     @triton.jit
+    def _weighted(x, rstd, w_ptr, dims, HAS_NORM: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
+        """HF Qwen3RMSNorm's last two steps on fp32 ``x [BLOCK_H, N]`` (dims ``dims`` of a
+        head): round ``x * rstd`` to bf16, then times the bf16 weight (exact in fp32: two
+        8-bit significands), rounded again. Without the norm, ``x`` as is."""
+        if HAS_NORM:
+            w = tl.load(w_ptr + dims).to(tl.float32)[None, :]
+            x = _to_bf16(_to_bf16(x * rstd, SOFT_ROUNDING).to(tl.float32) * w, SOFT_ROUNDING).to(tl.float32)
+        return x
+
+    @triton.jit
     def _norm_rope_heads(
         head_ptr,  # [BLOCK_H] pointers to the first of each head's D bf16 values
         head_mask,  # [BLOCK_H] which of them are real heads
@@ -108,46 +118,45 @@ if has_triton():
         ROT_DIM: tl.constexpr,  # R: dims [0, R) are rotated
         IS_NEOX: tl.constexpr,  # pairs (i, i + R/2) if true, else (2i, 2i + 1)
         HAS_NORM: tl.constexpr,  # apply the weighted RMSNorm first
+        BLOCK_H: tl.constexpr,  # heads (rows of head_ptr)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
-        """Normed (optional) and roped heads, [BLOCK_H, D] bf16."""
-        HALF = ROT_DIM // 2
+        """(normed heads [BLOCK_H, D] bf16, of which dims [R, D) are final; rotated dims
+        [0, R) [BLOCK_H, R] bf16). The caller stores both: two contiguous stores."""
+        HALF: tl.constexpr = ROT_DIM // 2
         d = tl.arange(0, HEAD_DIM)
-        in_rot = d < ROT_DIM
-        # Each rotated dim d is computed from itself and its pair partner:
-        # d' = d*cos - partner*sin for the pair's first member, d*cos + partner*sin else.
-        if IS_NEOX:
-            first = d < HALF
-            partner = tl.where(first, d + HALF, d - HALF)
-            pair = tl.where(first, d, d - HALF)
-        else:
-            first = (d & 1) == 0
-            partner = d ^ 1
-            pair = d // 2
-        partner = tl.where(in_rot, partner, d)
-        pair = tl.where(in_rot, pair, 0)
         x = tl.load(head_ptr[:, None] + d[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
-        # the partner is loaded again (an L1 hit) and normed the same way, so both sides
-        # of a pair see identical bf16 values without a shuffle across lanes
-        p = tl.load(
-            head_ptr[:, None] + partner[None, :], mask=head_mask[:, None] & in_rot[None, :], other=0.0
-        ).to(tl.float32)
+        rstd = 1.0
         if HAS_NORM:
             mean_sq = tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM)  # D is a power of 2: exact scaling
             # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
             rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
-            w = tl.load(w_ptr + d).to(tl.float32)[None, :]
-            w_partner = tl.load(w_ptr + partner).to(tl.float32)[None, :]
-            # HF order: round the normalised value to bf16, then multiply by the weight
-            # (exact in fp32: two 8-bit significands) and round again
-            x = _to_bf16(_to_bf16(x * rstd, SOFT_ROUNDING).to(tl.float32) * w, SOFT_ROUNDING).to(tl.float32)
-            p = _to_bf16(_to_bf16(p * rstd, SOFT_ROUNDING).to(tl.float32) * w_partner, SOFT_ROUNDING).to(tl.float32)
-        cos = tl.load(cs_row + pair, mask=in_rot, other=1.0)
-        sin = tl.load(cs_row + HALF + pair, mask=in_rot, other=0.0)
-        signed_sin = tl.where(first, -sin, sin)
-        rotated = _mul_rn(x, cos[None, :], SOFT_ROUNDING) + _mul_rn(p, signed_sin[None, :], SOFT_ROUNDING)
-        # pass-through dims keep their bits (x*1 + p*0 would turn -0.0 into +0.0)
-        return _to_bf16(tl.where(in_rot[None, :], rotated, x), SOFT_ROUNDING)
+        if ROT_DIM == HEAD_DIM:
+            x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
+            xr = x
+        else:
+            # partial rotary: the R rotated dims read again on their own (an L1 hit), so
+            # that the rotation is R dims of register work, not masked work on D
+            r = tl.arange(0, ROT_DIM)
+            xr = tl.load(head_ptr[:, None] + r[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
+            x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
+            xr = _weighted(xr, rstd, w_ptr, r, HAS_NORM, SOFT_ROUNDING)
+        # split the pairs off in registers: (i, i + R/2) for NeoX, (2i, 2i + 1) for GPT-J
+        if IS_NEOX:
+            pairs = tl.permute(tl.reshape(xr, [BLOCK_H, 2, HALF]), (0, 2, 1))
+        else:
+            pairs = tl.reshape(xr, [BLOCK_H, HALF, 2])
+        a, b = tl.split(pairs)
+        cos = tl.load(cs_row + tl.arange(0, HALF))[None, :]
+        sin = tl.load(cs_row + HALF + tl.arange(0, HALF))[None, :]
+        # a' = a*cos - b*sin, b' = b*cos + a*sin, each product rounded (never an FMA)
+        a_rot = _mul_rn(a, cos, SOFT_ROUNDING) - _mul_rn(b, sin, SOFT_ROUNDING)
+        b_rot = _mul_rn(b, cos, SOFT_ROUNDING) + _mul_rn(a, sin, SOFT_ROUNDING)
+        rot = tl.join(a_rot, b_rot)  # [BLOCK_H, HALF, 2]
+        if IS_NEOX:
+            rot = tl.permute(rot, (0, 2, 1))
+        rot = tl.reshape(rot, [BLOCK_H, ROT_DIM])
+        return _to_bf16(x, SOFT_ROUNDING), _to_bf16(rot, SOFT_ROUNDING)
 
     @triton.jit
     def _store_cache_rows(
@@ -226,13 +235,14 @@ if has_triton():
         if col < Q_COLS:
             heads = col * BLOCK_H + hb
             real = heads < Hq
-            out = _norm_rope_heads(
+            normed, rot = _norm_rope_heads(
                 row + heads * HEAD_DIM, real, q_w_ptr, cs_row, eps,
-                HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, SOFT_ROUNDING,
+                HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
             )
-            tl.store(
-                q_out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], out, mask=real[:, None]
-            )
+            dst = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
+            tl.store(dst + tl.arange(0, ROT_DIM)[None, :], rot, mask=real[:, None])
+            if ROT_DIM < HEAD_DIM:
+                tl.store(dst + d[None, :], normed, mask=real[:, None] & (d >= ROT_DIM)[None, :])
         else:
             slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
             if (slot >= 0) & (slot < n_slots):
@@ -241,12 +251,16 @@ if has_triton():
                 if col < Q_COLS + KV_COLS:
                     heads = (col - Q_COLS) * BLOCK_H + hb
                     real = heads < Hkv
-                    k = _norm_rope_heads(
+                    normed, rot = _norm_rope_heads(
                         row + (Hq + heads) * HEAD_DIM, real, k_w_ptr, cs_row, eps,
-                        HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, SOFT_ROUNDING,
+                        HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
                     )
-                    dst = k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads[:, None] * stride_kh + d[None, :]
-                    _store_cache_rows(dst, k, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+                    dst = k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads[:, None] * stride_kh
+                    r = tl.arange(0, ROT_DIM)
+                    _store_cache_rows(dst + r[None, :], rot, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+                    if ROT_DIM < HEAD_DIM:
+                        _store_cache_rows(dst + d[None, :], normed, real[:, None] & (d >= ROT_DIM)[None, :],
+                                          scale_ptr, CACHE_FP8, SOFT_ROUNDING)
                 else:
                     heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
                     real = heads < Hkv
