@@ -99,3 +99,77 @@ def functionalization_special_tags() -> frozenset:
     only the ones this torch has are returned.
     """
     return frozenset(tag for tag in (getattr(torch.Tag, "out", None), getattr(torch.Tag, "inplace", None)) if tag is not None)
+
+
+# Inductor names forbidden inside CUDA graphs, for torch builds whose ``torch._inductor.utils``
+# does not list them (the list there is the authority when it exists).
+_FALLBACK_FORBIDDEN_CUDAGRAPH_OPS = frozenset({
+    "aten._local_scalar_dense",
+    "aten._assert_scalar",
+    "run_and_save_rng_state",
+    "run_with_rng_state",
+})
+
+
+@functools.lru_cache(maxsize=None)
+def cudagraph_forbidden_ops() -> frozenset[str]:
+    """Targets (as ``str(target)``) Inductor never lets into a CUDA graph (host syncs, RNG state)."""
+    from torch._inductor import utils
+
+    return frozenset(getattr(utils, "FORBIDDEN_CUDAGRAPH_OPS", _FALLBACK_FORBIDDEN_CUDAGRAPH_OPS))
+
+
+def cudagraph_unsafe_tag():
+    """``torch.Tag.cudagraph_unsafe`` (ops Inductor always partitions around), or None."""
+    return getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+def graph_partition_patches(splitting_ops: tuple[str, ...]) -> dict:
+    """Inductor config for one compile that partitions the graph at ``splitting_ops`` and
+    captures every other partition with cudagraph trees.
+
+    ``custom_should_partition_ops`` (torch 2.10+) is a per-compile config key; torch 2.9's
+    ``register_should_partition_rule`` is a process-wide registry, which a backend must not
+    touch, so older torch is refused rather than patched globally.
+
+    Inductor's two scheduler reorders that move nodes across a splitting op are turned
+    off, so that its partitions follow the graph order prepfuse's placement pass chose and
+    reports: the partition-reducing reorder (gated on a peak-memory estimate, it runs
+    ready eager ops first and renumbers partitions) and the peak-memory reorder (seen on
+    torch 2.13 moving a fused prep call, with its q_out allocation, from before the
+    attention op to after it). The cost is the peak-memory reorder's saving, if any, for
+    this compile.
+    """
+    keys = inductor_config_keys()
+    if "custom_should_partition_ops" not in keys:
+        raise RuntimeError(
+            f"cudagraphs='piecewise' needs torch._inductor.config.custom_should_partition_ops "
+            f"(torch 2.10+); torch {torch.__version__} does not have it"
+        )
+    patches = {
+        "graph_partition": True,
+        "custom_should_partition_ops": list(splitting_ops),
+        "triton.cudagraphs": True,
+        "triton.cudagraph_trees": True,
+    }
+    for key in ("triton.reorder_for_reducing_graph_partitions", "reorder_for_peak_memory"):
+        if key in keys:
+            patches[key] = False
+    return patches
+
+
+def static_input_indices() -> tuple[frozenset[int], int] | None:
+    """(indices of the static inputs, number of inputs) of the graph AOTAutograd is compiling.
+
+    Static inputs (parameters, buffers, tensors given to ``torch._dynamo.mark_static_address``)
+    keep their address across calls; cudagraph trees let a captured graph write only those.
+    Read from the tracing context's forward metadata; None outside a compile.
+    """
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    indices = getattr(metadata, "static_input_indices", None)
+    if metadata is None or indices is None:
+        return None
+    return frozenset(indices), len(metadata.input_info)

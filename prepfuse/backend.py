@@ -18,6 +18,18 @@ Options (``PrepfuseOptions``; unknown keys are an error)::
                             auto_functionalized after the passes
     record_graphs           keep the normalized post-pass graph in each report (turns
                             the FX graph cache off)
+    splitting_ops           ops that run eagerly between CUDA graphs (an attention op):
+                            "ns::name", "ns::name.overload" or the op objects. Given,
+                            the "placement" pass moves prepfuse ops that do not depend
+                            on one ahead of it, and the report gives each prepfuse op's
+                            partition. Empty (default): no placement pass at all
+    cudagraphs              "none" (default): no capture, no checks; "piecewise":
+                            Inductor's graph partition cuts at splitting_ops and
+                            cudagraph trees capture each partition; "full": the engine
+                            captures the whole forward itself (no cut; splitting_ops
+                            not allowed). "piecewise" and "full" fail the compile when a
+                            prepfuse op would run eagerly or a node a CUDA graph cannot
+                            hold (.item(), a CPU scalar ...) sits in a captured region
 
 What was fused, and where: ``last_reports()`` (the graphs of the latest compile),
 ``reports()`` (every graph since ``clear_reports()``), both ``Reports`` with ``format()``;
@@ -34,9 +46,11 @@ from typing import Any, Mapping
 
 import torch
 
-from prepfuse._compat import inductor_config_keys, inductor_mode_options, register_dynamo_backend
+from prepfuse._compat import graph_partition_patches, inductor_config_keys, inductor_mode_options, register_dynamo_backend
+from prepfuse.fx_passes.partitions import CUDAGRAPH_MODES, PlacementPolicy, normalize_op_name
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
-from prepfuse.fx_passes.registry import get_pass, registered_passes
+from prepfuse.fx_passes.placement import PlacementPass
+from prepfuse.fx_passes.registry import get_pass, placement_position, registered_passes
 from prepfuse.fx_passes.report import GraphReport, Reports
 
 __all__ = [
@@ -54,6 +68,10 @@ _RESERVED_CONFIG = {
     "post_grad_custom_post_pass": "prepfuse installs its pass manager there; add passes with register_pass",
     "enable_auto_functionalized_v2": "use the auto_functionalized_v2 option",
 }
+# Inductor settings cudagraphs="piecewise" owns (_compat.graph_partition_patches).
+_PIECEWISE_CONFIG = ("graph_partition", "custom_should_partition_ops", "triton.cudagraphs",
+                     "triton.cudagraph_trees", "triton.reorder_for_reducing_graph_partitions",
+                     "reorder_for_peak_memory")
 _MAX_KEPT_REPORTS = 4096
 
 
@@ -67,6 +85,8 @@ class PrepfuseOptions:
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     strict: bool = False
     record_graphs: bool = False
+    splitting_ops: tuple[str, ...] = ()
+    cudagraphs: str = "none"
 
     def __post_init__(self) -> None:
         available = registered_passes()
@@ -99,6 +119,31 @@ class PrepfuseOptions:
             if key not in known:
                 raise ValueError(f"inductor_config: {key!r} is not an Inductor config name (torch._inductor.config)")
         object.__setattr__(self, "inductor_config", MappingProxyType(dict(self.inductor_config)))
+        self._validate_placement()
+
+    def _validate_placement(self) -> None:
+        if not isinstance(self.cudagraphs, str) or self.cudagraphs not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraphs: expected one of {', '.join(map(repr, CUDAGRAPH_MODES))}, got {self.cudagraphs!r}")
+        ops = self.splitting_ops
+        if isinstance(ops, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not isinstance(ops, (list, tuple)):
+            raise ValueError(f"splitting_ops: expected a list of ops, got {ops!r}")
+        names = tuple(normalize_op_name(op, option="splitting_ops") for op in ops)
+        if len(set(names)) != len(names):
+            raise ValueError(f"splitting_ops: an op is named twice in {names}")
+        object.__setattr__(self, "splitting_ops", names)
+        if self.cudagraphs == "full" and names:
+            raise ValueError(
+                "splitting_ops: cudagraphs='full' captures the whole forward, splitting ops included; "
+                "use cudagraphs='piecewise' to run them eagerly between captured partitions"
+            )
+        if self.cudagraphs == "piecewise":
+            for key in _PIECEWISE_CONFIG:
+                if key in self.inductor_config:
+                    raise ValueError(f"inductor_config: {key!r} is set by cudagraphs='piecewise'")
+
+    @property
+    def placement(self) -> PlacementPolicy:
+        return PlacementPolicy(self.splitting_ops, self.cudagraphs)
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | PrepfuseOptions | None) -> PrepfuseOptions:
@@ -125,13 +170,18 @@ class PrepfuseOptions:
         patches = dict(self.inductor_config)
         if self.auto_functionalized_v2 is not None:
             patches["enable_auto_functionalized_v2"] = self.auto_functionalized_v2
+        if self.cudagraphs == "piecewise":
+            patches.update(graph_partition_patches(self.splitting_ops))
         if self.needs_passes_to_run:
             patches["fx_graph_cache"] = False  # also bypasses the AOTAutograd cache
         return patches
 
     def cache_key(self) -> tuple:
         """What, besides the passes, makes compiled code differ (enters the uuid)."""
-        return (self.passes, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict)
+        return (
+            self.passes, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict,
+            self.splitting_ops, self.cudagraphs,
+        )
 
 
 class _ReportLog:
@@ -177,13 +227,17 @@ class PrepfuseBackend:
     def pass_manager(self, on_report=None) -> PrepfusePassManager:
         """A fresh manager with fresh pass instances, as one compile uses."""
         opts = self.options
+        passes = [get_pass(name)() for name in opts.passes]
+        if opts.splitting_ops:
+            passes.insert(placement_position(list(opts.passes)), PlacementPass(opts.placement))
         return PrepfusePassManager(
-            [get_pass(name)() for name in opts.passes],
+            passes,
             debug_dir=opts.debug_dir,
             record_graphs=opts.record_graphs,
             strict=opts.strict,
             settings=opts.cache_key(),
             on_report=on_report,
+            placement=opts.placement,
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):

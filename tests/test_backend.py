@@ -125,6 +125,16 @@ def test_default_options_run_every_registered_pass_defunctionalize_last():
         ({"inductor_config": {"post_grad_custom_post_pass": None}}, r"is set by the backend"),
         ({"inductor_config": {"enable_auto_functionalized_v2": False}}, r"use the auto_functionalized_v2 option"),
         ({"debug_dir": 3}, r"debug_dir: expected a path"),
+        ({"cudagraphs": "partial"}, r"cudagraphs: expected one of 'none', 'piecewise', 'full', got 'partial'"),
+        ({"cudagraphs": True}, r"cudagraphs: expected one of"),
+        ({"splitting_ops": "prepfuse_test::attention"}, r"splitting_ops: expected a list of ops"),
+        ({"splitting_ops": ["attention"]}, r"splitting_ops: expected ops or 'namespace::name\[.overload\]' strings"),
+        ({"splitting_ops": ["nowhere::attention"]}, r"splitting_ops: no op 'nowhere::attention' is registered"),
+        ({"splitting_ops": ["aten::mm.no_such_overload"]}, r"splitting_ops: no op 'aten::mm.no_such_overload'"),
+        ({"splitting_ops": ["aten::mm", "aten::mm"]}, r"splitting_ops: an op is named twice"),
+        ({"splitting_ops": ["aten::mm"], "cudagraphs": "full"}, r"splitting_ops: cudagraphs='full' captures the whole forward"),
+        ({"cudagraphs": "piecewise", "inductor_config": {"graph_partition": False}},
+         r"inductor_config: 'graph_partition' is set by cudagraphs='piecewise'"),
     ],
 )
 def test_options_validated(options, message):
@@ -194,6 +204,9 @@ def test_uuid_is_stable():
         {"auto_functionalized_v2": False},
         {"inductor_config": {"max_autotune": True}},
         {"strict": True},
+        {"splitting_ops": ["aten::mm"]},
+        {"cudagraphs": "piecewise"},
+        {"cudagraphs": "full"},
     ],
 )
 def test_uuid_changes_with_options(options):

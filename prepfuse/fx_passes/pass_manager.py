@@ -14,10 +14,15 @@ The backend installs one ``PrepfusePassManager`` as Inductor's
            report.txt
 
 4. with ``strict``, fails the compile if an ``auto_functionalized`` call of a prepfuse
-   op survived (so a new op the passes do not handle cannot slip through silently).
+   op survived (so a new op the passes do not handle cannot slip through silently),
+5. with a ``placement`` policy (``splitting_ops`` / ``cudagraphs``), assigns each node of
+   the final graph its CUDA-graph partition (``partitions.py``), puts each prepfuse op's
+   partition in the report, and fails the compile when a prepfuse op would run outside
+   every captured partition or an uncapturable node sits inside one (``placement.py``).
 
 ``uuid()`` hashes this module, every pass's own uuid (its source, patterns and settings)
-in running order, and the manager's settings, so Inductor's FX graph cache never serves
+in running order, the placement policy (its settings and the partition rules' source)
+and the manager's settings, so Inductor's FX graph cache never serves
 code compiled by different passes.
 """
 
@@ -38,6 +43,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from prepfuse._compat import current_compile_id
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.graph_print import normalized_graph
+from prepfuse.fx_passes.partitions import PlacementPolicy, plan_partitions, static_placeholders
+from prepfuse.fx_passes import placement as placement_module
+from prepfuse.fx_passes.placement import check_placement, raise_on_problems
 from prepfuse.fx_passes.report import GraphReport
 
 log = logging.getLogger("prepfuse.passes")
@@ -64,6 +72,7 @@ class PrepfusePassManager(CustomGraphPass):
         strict: bool = False,
         settings: tuple = (),
         on_report: Callable[[GraphReport], None] | None = None,
+        placement: PlacementPolicy | None = None,
     ) -> None:
         names = [p.name for p in passes]
         if len(set(names)) != len(names):
@@ -74,6 +83,7 @@ class PrepfusePassManager(CustomGraphPass):
         self.strict = strict
         self.settings = settings
         self.on_report = on_report
+        self.placement = placement if placement is not None and placement.active else None
         self.reports: list[GraphReport] = []
 
     @property
@@ -93,6 +103,10 @@ class PrepfusePassManager(CustomGraphPass):
             if dump_to:
                 _write(os.path.join(dump_to, f"{i:02d}_{p.name}.after.py"), _graph_text(graph))
         report.finish(graph)
+        problems: list[str] = []
+        if self.placement is not None:
+            report.placement = plan_partitions(graph, self.placement, static_placeholders(graph))
+            problems = check_placement(report.placement)
         if self.record_graphs:
             report.graph = normalized_graph(graph)
         if dump_to:
@@ -109,12 +123,17 @@ class PrepfusePassManager(CustomGraphPass):
                 + "\n"
                 + report.format(verbose=True)
             )
+        if problems:
+            raise_on_problems(report.placement, problems, report.format(verbose=True))
 
     def uuid(self) -> str:
         digest = hashlib.sha256()
         digest.update(inspect.getsource(sys.modules[__name__]).encode())
         for p in self.passes:
             digest.update(f"{p.name}:{p.uuid()};".encode())
+        if self.placement is not None:
+            digest.update(f"placement:{self.placement.uuid()};".encode())
+            digest.update(inspect.getsource(placement_module).encode())  # the check
         digest.update(repr((self.strict, self.settings)).encode())
         return digest.hexdigest()
 

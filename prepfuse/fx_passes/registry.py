@@ -8,6 +8,11 @@ An error *inside* an existing pass module is not hidden.
 
 Engines add their own passes with ``register_pass`` (a class decorator); they run after
 the built-in pattern passes and before ``defunctionalize``, in registration order.
+
+``placement`` is not in the registry: it needs the backend's ``splitting_ops``, so the
+backend adds it itself (``placement_position``), after every pattern pass (it must see
+their fused ops) and before ``defunctionalize`` (it reads the functional graph), and
+only when splitting ops are given; otherwise the pass list is as if it did not exist.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ BUILTIN_PASSES: dict[str, tuple[str, str]] = {
     "defunctionalize": ("prepfuse.fx_passes.defunctionalize", "DefunctionalizePass"),
 }
 LAST_PASS = "defunctionalize"
+PLACEMENT_PASS = "placement"  # added by the backend, never registered
 
 _REGISTRY: dict[str, type[PrepfusePass]] = {}
 _builtins_loaded = False
@@ -31,6 +37,8 @@ def register_pass(cls: type[PrepfusePass]) -> type[PrepfusePass]:
     """Register ``cls`` under ``cls.name``; registering the same class twice is a no-op."""
     if not (isinstance(cls, type) and issubclass(cls, PrepfusePass)):
         raise TypeError(f"register_pass expects a PrepfusePass subclass, got {cls!r}")
+    if cls.name == PLACEMENT_PASS:
+        raise ValueError(f"{PLACEMENT_PASS!r} is the backend's own pass (set splitting_ops); choose another name")
     existing = _REGISTRY.get(cls.name)
     if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
         raise ValueError(f"a pass named {cls.name!r} is already registered ({existing.__module__}.{existing.__qualname__})")
@@ -71,6 +79,13 @@ def registered_passes() -> dict[str, type[PrepfusePass]]:
 
 def get_pass(name: str) -> type[PrepfusePass]:
     passes = registered_passes()
+    if name == PLACEMENT_PASS:
+        raise ValueError(f"{PLACEMENT_PASS!r} is not named in passes: the backend adds it when splitting_ops are given")
     if name not in passes:
         raise ValueError(f"unknown prepfuse pass {name!r}; available: {', '.join(passes) or '(none)'}")
     return passes[name]
+
+
+def placement_position(passes: list[str]) -> int:
+    """Where the ``placement`` pass goes in ``passes``: before ``defunctionalize``, else last."""
+    return passes.index(LAST_PASS) if LAST_PASS in passes else len(passes)

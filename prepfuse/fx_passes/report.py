@@ -27,6 +27,7 @@ import torch.fx
 from prepfuse.fx_passes.base import PassEvent, PrepfusePass
 from prepfuse.fx_passes.graph_print import target_name
 from prepfuse.fx_passes.mutation_info import functionalized_op
+from prepfuse.fx_passes.partitions import PartitionPlan
 from prepfuse.ops import NAMESPACE
 
 log = logging.getLogger("prepfuse.report")
@@ -77,6 +78,7 @@ class GraphReport:
     functionalized_left: list[str] = field(default_factory=list)  # auto_functionalized prepfuse nodes left
     cached: bool = False  # served from Inductor's cache: no pass ran, nothing below is known
     graph: str | None = None  # normalized post-pass graph, when the backend records graphs
+    placement: PartitionPlan | None = None  # partitions, when splitting_ops or cudagraphs are set
 
     # -- filling ------------------------------------------------------------------
     def add_pass(self, p: PrepfusePass, stack_traces: dict[str, str]) -> None:
@@ -95,6 +97,12 @@ class GraphReport:
         self.ops_after = dict(ops)
 
     # -- reading ------------------------------------------------------------------
+    def partition_of(self) -> dict[str, int | None]:
+        """prepfuse call (node name) -> its captured partition index (None: runs eagerly)."""
+        if self.placement is None:
+            return {}
+        return {p.node: p.partition for p in self.placement.prepfuse_placements()}
+
     def matches(self, pattern: str | None = None) -> list[Rewrite]:
         """Matched rewrites, all or those of one pattern (or one pass, by its name)."""
         return [r for r in self.rewrites if r.kind == "matched" and pattern in (None, r.pattern, r.pass_name)]
@@ -138,6 +146,8 @@ class GraphReport:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(self.ops_after.items())) or "none"
         lines.append(f"  prepfuse ops in the compiled graph: {ops}")
         lines.append(f"  auto_functionalized prepfuse calls left: {', '.join(self.functionalized_left) or 'none'}")
+        if self.placement is not None:
+            lines += _placement_lines(self.placement)
         return "\n".join(lines)
 
 
@@ -178,6 +188,21 @@ class Reports(Sequence[GraphReport]):
         if not self._reports:
             return "prepfuse: no graph compiled"
         return "\n".join(rep.format(verbose) for rep in self)
+
+
+def _placement_lines(plan: PartitionPlan) -> list[str]:
+    policy = plan.policy
+    split = ", ".join(policy.splitting_ops) or "none"
+    lines = [f"  cudagraphs={policy.cudagraphs}, splitting ops: {split}; partitions: {plan.layout()}"]
+    rows = [("prepfuse op", "node", "partition")]
+    for p in plan.prepfuse_placements():
+        where = "eager" if p.partition is None else f"captured {p.partition}"
+        if policy.cudagraphs == "none" and p.partition is not None:
+            where = f"{p.partition} (not captured: cudagraphs='none')"
+        rows.append((p.target, p.node, where))
+    if len(rows) > 1:
+        lines += _table(rows, indent=4)
+    return lines
 
 
 def _rewrite_from_event(event: PassEvent, stack_traces: dict[str, str]) -> Rewrite:
