@@ -24,6 +24,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 # name -> (module, class), in default running order
 BUILTIN_PASSES: dict[str, tuple[str, str]] = {
     "fuse_dsv4_prep": ("prepfuse.fx_passes.fuse_dsv4_prep", "FuseDsv4PrepPass"),
+    "fuse_dsv4_indexer_prep": ("prepfuse.fx_passes.fuse_dsv4_indexer_prep", "FuseDsv4IndexerPrepPass"),
     "defunctionalize": ("prepfuse.fx_passes.defunctionalize", "DefunctionalizePass"),
 }
 LAST_PASS = "defunctionalize"

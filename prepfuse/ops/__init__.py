@@ -11,6 +11,16 @@ from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
     dsv4_qnorm_rope_kv_insert_reference,
     dsv4_qnorm_rope_kv_insert_triton,
 )
+from prepfuse.ops.dsv4_indexer_rope_fp8_insert import (
+    DSV4_INDEXER_ROPE_FP8_INSERT,
+    dsv4_indexer_rope_fp8_insert_reference,
+    dsv4_indexer_rope_fp8_insert_triton,
+)
+from prepfuse.ops.dsv4_indexer_rope_mxfp4_insert import (
+    DSV4_INDEXER_ROPE_MXFP4_INSERT,
+    dsv4_indexer_rope_mxfp4_insert_reference,
+    dsv4_indexer_rope_mxfp4_insert_triton,
+)
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import (
     GQA_QKNORM_ROPE_KV_INSERT,
     gqa_qknorm_rope_kv_insert_reference,
@@ -23,6 +33,12 @@ __all__ = [
     "DSV4_QNORM_ROPE_KV_INSERT",
     "dsv4_qnorm_rope_kv_insert_reference",
     "dsv4_qnorm_rope_kv_insert_triton",
+    "DSV4_INDEXER_ROPE_FP8_INSERT",
+    "dsv4_indexer_rope_fp8_insert_reference",
+    "dsv4_indexer_rope_fp8_insert_triton",
+    "DSV4_INDEXER_ROPE_MXFP4_INSERT",
+    "dsv4_indexer_rope_mxfp4_insert_reference",
+    "dsv4_indexer_rope_mxfp4_insert_triton",
     "GQA_QKNORM_ROPE_KV_INSERT",
     "gqa_qknorm_rope_kv_insert_reference",
     "gqa_qknorm_rope_kv_insert_triton",

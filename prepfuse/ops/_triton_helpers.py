@@ -65,3 +65,40 @@ if has_triton():
             return tl.inline_asm_elementwise(
                 "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
             )
+
+    @triton.jit
+    def _ceil_log2_ratio(amax, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr):
+        """ceil(log2(amax / fmt_max)) for a normal, positive fp32 ``amax``, read off its bits.
+
+        ``fmt_max = m0 * 2^MAX_EXP`` with significand ``m0``; ``MAX_MANT`` is ``m0``'s 23
+        mantissa bits (448 = 1.75 * 2^8: 8, 0x600000; 6 = 1.5 * 2^2: 2, 0x400000). With
+        amax = m * 2^E the answer is E - MAX_EXP, plus one when m > m0. No division or
+        log2 whose rounding could flip the ceiling at exact powers of two.
+        """
+        bits = amax.to(tl.int32, bitcast=True)
+        return ((bits >> 23) & 0xFF) - 127 - MAX_EXP + ((bits & 0x7FFFFF) > MAX_MANT).to(tl.int32)
+
+    @triton.jit
+    def _exp2_int(e):
+        """2^e as fp32, exactly, for an int32 ``e`` in [-126, 127]."""
+        return ((e + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _to_e2m1_code(v):
+        """fp32 in [-6, 6] -> e2m1 nibble (0..15), round to nearest even, saturating.
+
+        The 8 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} are codes 0..7; the code is the count
+        of midpoints below |v|, where a midpoint next to an odd code counts on equality
+        (a tie goes to the even code). Comparisons only, so GPU and interpreter agree with
+        PTX ``cvt.rn.satfinite.e2m1x2.f32`` by construction. Bit 3 is v's sign bit, so a
+        negative value that rounds to zero keeps its sign (-0.0 is code 8), as IEEE
+        rounding does.
+        """
+        a = tl.abs(v)
+        code = (
+            (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32)
+        )
+        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+        return code | (sign << 3)

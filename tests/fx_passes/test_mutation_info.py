@@ -34,8 +34,14 @@ from prepfuse.fx_passes.mutation_info import (
     v1_output_indices,
     v2_output_indices,
 )
-from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, GQA_QKNORM_ROPE_KV_INSERT, registered_ops
-from prepfuse.testing import make_dsv4_inputs, make_gqa_inputs
+from prepfuse.ops import (
+    DSV4_INDEXER_ROPE_FP8_INSERT,
+    DSV4_INDEXER_ROPE_MXFP4_INSERT,
+    DSV4_QNORM_ROPE_KV_INSERT,
+    GQA_QKNORM_ROPE_KV_INSERT,
+    registered_ops,
+)
+from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
 
 AF_V1, AF_V2 = auto_functionalized_ops()
 VERSIONS = ["v1", "v2"]
@@ -172,7 +178,19 @@ REGISTERED_OP_INPUTS: dict[torch._ops.OpOverload, Callable[[], tuple]] = {
     DSV4_QNORM_ROPE_KV_INSERT: lambda: make_dsv4_inputs(7, 3, 8, 16, "cpu", num_inserted=5).args(),
     # k_cache and v_cache are two views of one [NB, 2, BS, Hkv, D] buffer: one shared base
     GQA_QKNORM_ROPE_KV_INSERT: lambda: make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5).args(),
+    DSV4_INDEXER_ROPE_FP8_INSERT: lambda: make_dsv4_indexer_inputs("fp8", 7, 3, 16, "cpu", num_k=5).args(),
+    DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: make_dsv4_indexer_inputs("mxfp4", 7, 3, 16, "cpu", num_k=5).args(),
 }
+
+
+def test_dsv4_indexer_mutated_args_follow_the_schema():
+    assert mutated_args(DSV4_INDEXER_ROPE_FP8_INSERT) == (
+        MutatedArg(3, "q_out", "a"), MutatedArg(4, "weights_out", "b"), MutatedArg(5, "k_cache", "c"),
+    )
+    assert mutated_args(DSV4_INDEXER_ROPE_MXFP4_INSERT) == (
+        MutatedArg(3, "q_out", "a"), MutatedArg(4, "q_scale", "b"), MutatedArg(5, "weights_out", "c"),
+        MutatedArg(6, "k_cache", "d"),
+    )
 
 
 @pytest.mark.parametrize("version", VERSIONS)

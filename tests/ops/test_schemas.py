@@ -26,8 +26,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
-from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, GQA_QKNORM_ROPE_KV_INSERT, NAMESPACE, registered_ops
-from prepfuse.testing import make_dsv4_inputs, make_gqa_inputs
+from prepfuse.ops import (
+    DSV4_INDEXER_ROPE_FP8_INSERT,
+    DSV4_INDEXER_ROPE_MXFP4_INSERT,
+    DSV4_QNORM_ROPE_KV_INSERT,
+    GQA_QKNORM_ROPE_KV_INSERT,
+    NAMESPACE,
+    registered_ops,
+)
+from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "schemas.txt"
 GOLDEN_HEADER = (
@@ -180,8 +187,19 @@ def _gqa_opcheck_samples() -> list[tuple]:
     return [qwen3.args(), llama.args(), single.args()]
 
 
+def _dsv4_indexer_opcheck_samples(fmt: str) -> list[tuple]:
+    # irregular: 7 tokens, 3 heads, 5 key rows of which 4 inserted, one skipped
+    partial = make_dsv4_indexer_inputs(fmt, 7, 3, 16, "cpu", num_k=5, num_inserted=4)
+    partial.slot_mapping[1] = -1
+    # decode-like: one token, 64 heads, fp32 weights, one key row
+    decode = make_dsv4_indexer_inputs(fmt, 1, 64, 64, "cpu", num_k=1, skip_fraction=0.0, weights_dtype=torch.float32)
+    return [partial.args(), decode.args()]
+
+
 OPCHECK_SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[tuple]]] = {
     DSV4_QNORM_ROPE_KV_INSERT: _dsv4_opcheck_samples,
+    DSV4_INDEXER_ROPE_FP8_INSERT: lambda: _dsv4_indexer_opcheck_samples("fp8"),
+    DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_opcheck_samples("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_opcheck_samples,
 }
 
@@ -225,8 +243,18 @@ def _gqa_bad_shapes() -> tuple[tuple, tuple, str]:
     return good, inputs.args(), r"v_cache: dimension 0 must be k_cache's size 0"
 
 
+def _dsv4_indexer_bad_shapes(fmt: str) -> tuple[tuple, tuple, str]:
+    """(valid args, args whose weights_out has one head fewer than q, expected message)."""
+    inputs = make_dsv4_indexer_inputs(fmt, 7, 3, 16, "cpu", num_k=5)
+    good = inputs.args()
+    inputs.weights_out = inputs.weights_out[:, :2]
+    return good, inputs.args(), r"weights_out: dimension 1 must be H, q's head count"
+
+
 FAKE_SHAPE_CHECKS: dict[torch._ops.OpOverload, Callable[[], tuple[tuple, tuple, str]]] = {
     DSV4_QNORM_ROPE_KV_INSERT: _dsv4_bad_shapes,
+    DSV4_INDEXER_ROPE_FP8_INSERT: lambda: _dsv4_indexer_bad_shapes("fp8"),
+    DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_bad_shapes("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_bad_shapes,
 }
 

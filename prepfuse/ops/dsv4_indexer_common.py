@@ -1,0 +1,410 @@
+"""What the two DeepSeek-V4 indexer ops share: the math, one kernel, one launcher, the checks.
+
+The ops (``dsv4_indexer_rope_fp8_insert``, ``dsv4_indexer_rope_mxfp4_insert``) prepare the
+lightning indexer of DeepSeek-V4's compress-ratio-4 layers in one launch: the indexer
+queries are rotated and quantised for the MQA-logits kernel (DeepGEMM
+``fp8_fp4_mqa_logits``), their head weights are scaled, and the compressed indexer keys
+are rotated, quantised and inserted into the paged indexer cache. They differ only in
+the format; this module holds everything else, so the two stay one design.
+
+Shapes (``T`` tokens, ``H`` indexer heads, 64 in DeepSeek-V4; ``Tk`` compressed key rows)::
+
+    q              [T, H, 128]   bf16   indexer queries (wq_b output), last dim dense
+    weights        [T, H]        bf16 or fp32   per-head logit weights (weights_proj)
+    k              [Tk, 128]     bf16   compressed, RMS-normed indexer keys, last dim dense
+    slot_mapping   [Tk']         int64  Tk' <= Tk; row r of k goes to slot slot_mapping[r];
+                                        a negative slot skips the row
+    positions      [T]           int64  RoPE position of each query token
+    k_positions    [Tk]          int64  RoPE position of each key row (the compressor's
+                                        position: (p // 4) * 4 in vLLM)
+    cos_sin_cache  [P, 64]       fp32   per position: 32 cos, then 32 sin
+
+Math, per query head and per key row (x: 128 values, fp32)::
+
+    GPT-J (interleaved) RoPE on the LAST 64 dims: for pair p in 0..31,
+        e, o = x[64+2p], x[65+2p]
+        x[64+2p], x[65+2p] = e*cos[p] - o*sin[p], e*sin[p] + o*cos[p]
+    (dims 0..63 pass through), then every value is rounded to bf16.
+
+    fp8 (per row of 128): amax = max(max|x|, 1e-4); e = ceil(log2(amax / 448))
+        code = e4m3(clamp(x * 2^-e, -448, 448))  (round to nearest even); scale = 2^e
+    mxfp4 (per block of 32): amax = max(max|x|, 6 * 2^-126);
+        e = clamp(ceil(log2(amax / 6)), -127, 127)
+        nibble = e2m1(x * 2^-e)  (round to nearest even, saturating at +-6; bit 3 the sign)
+        byte j of a block = nibble(x[2j]) | nibble(x[2j+1]) << 4  (even element low)
+        scale byte = e + 127 (UE8M0: value = nibble * 2^(byte - 127))
+
+Choices and sources (vLLM is the production reference; see docs/ops.md):
+
+- RoPE: last 64 dims, interleaved, as vLLM's DeepSeek-V4 ``fused_indexer_q.py`` and
+  ``fused_compress_quant_cache.py`` (and DeepSeek-V4's main attention). DeepSeek-V3.2's
+  indexer differs (non-interleaved, first 64 dims).
+- The rotated values are rounded to bf16 before the amax and the quantisation, as both
+  vLLM kernels do (the reference model computes RoPE in bf16).
+- No Hadamard rotation. DeepSeek's reference model applies ``rotate_activation`` to the
+  indexer q and k after RoPE; vLLM's fused kernels do not (vLLM PR #55459, open, adds it).
+  The rotation is orthogonal, so q.k is unchanged in exact arithmetic; it only spreads
+  outliers before quantisation. The ops follow vLLM's kernels; the rotation would sit
+  between RoPE and quantisation, so a caller cannot apply it outside the op: it would
+  be a flag changing every output byte, with its own oracle.
+- Paged cache, per block of ``block_size`` slots (vLLM's indexer layout, V3.2 and V4):
+  fp8: ``block_size * 128`` code bytes (slot-major), then ``block_size`` fp32 scales
+  (little-endian), 132 bytes per slot; mxfp4: ``block_size * 64`` packed bytes, then
+  ``block_size * 4`` UE8M0 bytes, 68 bytes per slot. ``k_cache`` is ``[NB, S]`` uint8 with
+  ``S = stride(0) >= block_size * slot bytes``; bytes of other slots, of skipped rows
+  and past ``block_size * slot bytes`` are never written.
+- Scale rules: fp8 ``2^ceil(log2(max(amax, 1e-4) / 448))`` per token and head (vLLM's
+  ``use_ue8m0``); mxfp4 ``2^ceil(log2(max(amax, 6 * 2^-126) / 6))`` per 32 values (the
+  floor from DeepSeek-V4's ``inference/kernel.py``, as vLLM cites it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prepfuse._compat import has_triton, triton_interpret_mode
+from prepfuse.ops._checks import (
+    can_read_index_values,
+    check_size,
+    check_slot_and_position_values,
+    check_tensor,
+    check_unit_last_stride,
+    require,
+)
+
+HEAD_DIM = 128
+ROPE_DIM = 64
+NOPE_DIM = HEAD_DIM - ROPE_DIM  # 64: the first 64 dims are not rotated
+FP8_MAX = 448.0
+FP8_AMAX_FLOOR = 1e-4
+FP8_SLOT_BYTES = HEAD_DIM + 4  # 128 codes + one fp32 scale
+MXFP4_BLOCK = 32
+MXFP4_BLOCKS = HEAD_DIM // MXFP4_BLOCK  # 4
+MXFP4_PACKED = HEAD_DIM // 2  # 64 bytes, two nibbles each
+MXFP4_SLOT_BYTES = MXFP4_PACKED + MXFP4_BLOCKS  # 64 packed + 4 UE8M0 bytes
+E2M1_MAX = 6.0
+MXFP4_AMAX_FLOOR = 6.0 * 2.0**-126
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel (both formats; MXFP4 is a constexpr)
+# --------------------------------------------------------------------------------------
+if has_triton():
+    import triton
+    import triton.language as tl
+
+    from prepfuse.ops._triton_helpers import _ceil_log2_ratio, _exp2_int, _mul_rn, _to_bf16, _to_e2m1_code, _to_e4m3_bits
+
+    @triton.jit
+    def _load_rope_pairs(row_ptr, p, mask, cs_row, SOFT_ROUNDING: tl.constexpr):
+        """Values 2p and 2p+1 of rows at ``row_ptr`` (fp32), pairs p >= 32 rotated (GPT-J
+        with cos/sin[p - 32]), all rounded to bf16. ``p`` is [1, 4, 16]: the 64 pairs laid
+        out as 4 blocks of 16, so one mxfp4 block is one [16] row of even and odd values."""
+        even = tl.load(row_ptr + 2 * p, mask=mask, other=0.0).to(tl.float32)
+        odd = tl.load(row_ptr + 2 * p + 1, mask=mask, other=0.0).to(tl.float32)
+        in_rope = p >= 32  # dims 64..127
+        idx = tl.where(in_rope, p - 32, 0)
+        cos = tl.load(cs_row + idx, mask=in_rope, other=1.0)
+        sin = tl.load(cs_row + 32 + idx, mask=in_rope, other=0.0)
+        rot_even = _mul_rn(even, cos, SOFT_ROUNDING) - _mul_rn(odd, sin, SOFT_ROUNDING)
+        rot_odd = _mul_rn(even, sin, SOFT_ROUNDING) + _mul_rn(odd, cos, SOFT_ROUNDING)
+        # NoPE pairs pass through untouched (e - o*0 would turn -0.0 into +0.0)
+        even = tl.where(in_rope, _to_bf16(rot_even, SOFT_ROUNDING).to(tl.float32), even)
+        odd = tl.where(in_rope, _to_bf16(rot_odd, SOFT_ROUNDING).to(tl.float32), odd)
+        return even, odd
+
+    @triton.jit
+    def _quant_fp8_rows(even, odd, SOFT_ROUNDING: tl.constexpr):
+        """[R, 4, 16] even/odd values -> (codes even, codes odd, exponent [R]), one scale per row."""
+        amax = tl.maximum(tl.max(tl.max(tl.abs(even), axis=2), axis=1), tl.max(tl.max(tl.abs(odd), axis=2), axis=1))
+        e = _ceil_log2_ratio(tl.maximum(amax, 1e-4), 8, 0x600000)  # 448 = 1.75 * 2^8
+        inv = _exp2_int(-e)[:, None, None]
+        code_even = _to_e4m3_bits(tl.minimum(tl.maximum(even * inv, -448.0), 448.0), SOFT_ROUNDING)
+        code_odd = _to_e4m3_bits(tl.minimum(tl.maximum(odd * inv, -448.0), 448.0), SOFT_ROUNDING)
+        return code_even, code_odd, e
+
+    @triton.jit
+    def _quant_mxfp4_rows(even, odd):
+        """[R, 4, 16] even/odd values -> (packed bytes [R, 4, 16], exponents [R, 4])."""
+        amax = tl.maximum(tl.max(tl.abs(even), axis=2), tl.max(tl.abs(odd), axis=2))
+        e = _ceil_log2_ratio(tl.maximum(amax, 6.0 * 2.0**-126), 2, 0x400000)  # 6 = 1.5 * 2^2
+        e = tl.minimum(tl.maximum(e, -127), 127)  # never binds for finite bf16 input
+        inv = _exp2_int(-e)[:, :, None]
+        packed = _to_e2m1_code(even * inv) | (_to_e2m1_code(odd * inv) << 4)
+        return packed.to(tl.uint8), e
+
+    @triton.jit
+    def _dsv4_indexer_rope_quant_insert_kernel(
+        q_ptr,  # [T, H, 128] bf16
+        w_ptr,  # [T, H] bf16 or fp32
+        k_ptr,  # [Tk, 128] bf16
+        q_out_ptr,  # [T, H, 128] e4m3 bytes (fp8) or [T, H, 64] packed bytes (mxfp4)
+        q_scale_ptr,  # [T, H, 4] uint8 UE8M0 (mxfp4; unused for fp8)
+        w_out_ptr,  # [T, H] fp32
+        cache_ptr,  # [NB, S] uint8
+        slot_ptr,  # [Tk'] int64
+        pos_ptr,  # [T] int64
+        k_pos_ptr,  # [Tk] int64
+        cos_sin_ptr,  # [P, 64] fp32
+        H,  # indexer heads
+        n_q_programs,  # T * N_QCOLS: programs that prepare q; the rest insert k rows
+        n_insert,  # Tk': rows of k inserted into the cache
+        n_slots,  # NB * block_size: slots the cache holds
+        max_pos,  # P: rows of cos_sin_cache
+        stride_qt,  # elements between tokens of q
+        stride_qh,  # elements between heads of q
+        stride_wt,  # elements between tokens of weights
+        stride_kt,  # elements between rows of k
+        stride_ot,  # bytes between tokens of q_out
+        stride_oh,  # bytes between heads of q_out
+        stride_st,  # bytes between tokens of q_scale
+        stride_sh,  # bytes between heads of q_scale
+        stride_wot,  # elements between tokens of weights_out
+        stride_cache_block,  # bytes between cache blocks (S)
+        stride_cs,  # elements between positions of cos_sin_cache
+        weights_scale,  # fp32 factor of weights_out (softmax scale * head scale)
+        block_size,  # slots per cache block
+        BLOCK_H: tl.constexpr,  # query heads per program
+        N_QCOLS: tl.constexpr,  # programs per token on the q side: cdiv(H, BLOCK_H)
+        MXFP4: tl.constexpr,  # the format: mxfp4, else fp8
+        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+    ):
+        # A 1-D grid: programs [0, T * N_QCOLS) rotate, quantise and store BLOCK_H heads of
+        # one token's q (columns fastest, so q streams in address order); the Tk programs
+        # after them each insert one k row. q and k rows are independent (k rows are
+        # compressed tokens, fewer than T), so neither side waits for the other.
+        pid = tl.program_id(0).to(tl.int64)
+        p = (tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]  # [1, 4, 16] pairs
+        if pid < n_q_programs:
+            t = pid // N_QCOLS
+            heads = (pid % N_QCOLS) * BLOCK_H + tl.arange(0, BLOCK_H)
+            in_h = heads < H
+            # Out-of-range positions are rejected on the host when it can read them; here
+            # they are clamped only so that no read leaves cos_sin_cache.
+            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
+            rows = q_ptr + t * stride_qt + heads[:, None, None] * stride_qh
+            even, odd = _load_rope_pairs(rows, p, in_h[:, None, None], cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
+            w = tl.load(w_ptr + t * stride_wt + heads, mask=in_h, other=0.0).to(tl.float32)
+            out = q_out_ptr + t * stride_ot + heads[:, None, None] * stride_oh
+            if MXFP4:
+                packed, e = _quant_mxfp4_rows(even, odd)
+                tl.store(out + p, packed, mask=in_h[:, None, None])
+                b = tl.arange(0, 4)[None, :]
+                scales = q_scale_ptr + t * stride_st + heads[:, None] * stride_sh + b
+                tl.store(scales, (e + 127).to(tl.uint8), mask=in_h[:, None])
+                # the block scales travel with q: weights carry no q scale
+                w_out = w * weights_scale
+            else:
+                code_even, code_odd, e = _quant_fp8_rows(even, odd, SOFT_ROUNDING)
+                tl.store(out + 2 * p, code_even, mask=in_h[:, None, None])
+                tl.store(out + 2 * p + 1, code_odd, mask=in_h[:, None, None])
+                # the head's scale 2^e is folded into its weight (exact: a power of two)
+                w_out = (w * _exp2_int(e)) * weights_scale
+            tl.store(w_out_ptr + t * stride_wot + heads, w_out, mask=in_h)
+        else:
+            r = pid - n_q_programs
+            slot = tl.load(slot_ptr + r, mask=r < n_insert, other=-1)
+            if (slot >= 0) & (slot < n_slots):
+                blk = slot // block_size
+                row = slot % block_size
+                pos = tl.minimum(tl.maximum(tl.load(k_pos_ptr + r), 0), max_pos - 1)
+                # the row as one "head": [1, 4, 16] pairs, so the q side's helpers apply as they are
+                even, odd = _load_rope_pairs(k_ptr + r * stride_kt, p, p >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
+                block = cache_ptr + blk * stride_cache_block
+                b = tl.arange(0, 4)[None, :]
+                if MXFP4:
+                    packed, e = _quant_mxfp4_rows(even, odd)
+                    tl.store(block + row * 64 + p, packed)
+                    tl.store(block + block_size * 64 + row * 4 + b, (e + 127).to(tl.uint8))
+                else:
+                    code_even, code_odd, e = _quant_fp8_rows(even, odd, SOFT_ROUNDING)
+                    data = block + row * 128
+                    tl.store(data + 2 * p, code_even)
+                    tl.store(data + 2 * p + 1, code_odd)
+                    # the fp32 scale 2^e as 4 little-endian bytes (byte stores: no alignment needed)
+                    bits = (e + 127).to(tl.uint32)[:, None] << 23
+                    tl.store(block + block_size * 128 + row * 4 + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8))
+
+
+def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
+    """(heads per program, warps per program): the DeepSeek-V4 MLA op's table (few heads
+    per program at small T, four at large T), not yet tuned on a GPU for this op."""
+    if num_tokens <= 4:
+        block_h = 1
+    elif num_tokens <= 128:
+        block_h = 2
+    else:
+        block_h = 4
+    return min(block_h, triton.next_power_of_2(num_heads)), 2
+
+
+def launch_indexer_kernel(
+    q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
+    cos_sin_cache, weights_scale, block_size, *, mxfp4: bool, launch_config: tuple[int, int] | None = None,
+) -> None:
+    """The one launch of both ops (q side and k side together). Inputs are not checked here.
+
+    ``q_out`` and ``q_scale`` are passed as byte views; ``q_scale`` is ignored for fp8.
+    Traffic per token: reads 256*H (q) + 2-4*H (weights) + 256 (cos/sin) bytes, writes
+    128*H (fp8) or 68*H (mxfp4) + 4*H bytes; per k row reads 256 + 256, writes 132 or 68.
+    """
+    num_tokens, num_heads, _ = q.shape
+    num_k = k.shape[0]
+    if num_tokens == 0 and num_k == 0:
+        return
+    block_h, num_warps = launch_config or _launch_config(num_tokens, num_heads)
+    n_qcols = triton.cdiv(num_heads, block_h)
+    n_q_programs = num_tokens * n_qcols
+    q_bytes = q_out.view(torch.uint8)
+    scale_bytes = q_scale if q_scale is not None else q_bytes  # a placeholder the fp8 branch never touches
+    _dsv4_indexer_rope_quant_insert_kernel[(n_q_programs + num_k,)](
+        q, weights, k, q_bytes, scale_bytes, weights_out, k_cache, slot_mapping, positions, k_positions,
+        cos_sin_cache,
+        num_heads, n_q_programs, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos_sin_cache.shape[0],
+        q.stride(0), q.stride(1), weights.stride(0), k.stride(0),
+        q_bytes.stride(0), q_bytes.stride(1), scale_bytes.stride(0), scale_bytes.stride(1),
+        weights_out.stride(0), k_cache.stride(0), cos_sin_cache.stride(0),
+        weights_scale, block_size,
+        BLOCK_H=block_h,
+        N_QCOLS=n_qcols,
+        MXFP4=mxfp4,
+        SOFT_ROUNDING=triton_interpret_mode(),
+        num_warps=num_warps,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Reference pieces: plain PyTorch, any device, the text above step by step
+# --------------------------------------------------------------------------------------
+def rope_tail_reference(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """``x [..., 128]`` (any float) with GPT-J RoPE on dims 64..127, rounded to bf16, as fp32.
+
+    ``x`` is [T, H, 128] or [T, 128]; ``positions`` [T] picks the cos/sin rows.
+    """
+    x = x.float()
+    cs = cos_sin_cache[positions]
+    if x.dim() == 3:
+        cs = cs.unsqueeze(1)
+    cos, sin = cs[..., : ROPE_DIM // 2], cs[..., ROPE_DIM // 2 :]
+    e, o = x[..., NOPE_DIM::2], x[..., NOPE_DIM + 1 :: 2]
+    rope = torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :NOPE_DIM], rope), dim=-1).to(torch.bfloat16).float()
+
+
+def fp8_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power-of-two scale per row of ``x [..., 128]`` fp32: (e4m3 codes [..., 128] uint8,
+    scales [...] fp32 = 2^ceil(log2(max(amax, 1e-4) / 448)))."""
+    amax = x.abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR)
+    e = torch.ceil(torch.log2(amax / FP8_MAX))
+    scaled = (x * torch.exp2(-e).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    return scaled.to(torch.float8_e4m3fn).view(torch.uint8), torch.exp2(e)
+
+
+def e2m1_codes_reference(v: torch.Tensor) -> torch.Tensor:
+    """fp32 in [-6, 6] -> e2m1 nibbles (uint8 0..15), round to nearest even, saturating;
+    bit 3 is the sign bit of ``v`` (so -0.0 and negatives rounding to zero give 8)."""
+    a = v.abs()
+    thresholds = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+    code = sum(((a >= m) if ties_up else (a > m)).to(torch.uint8) for m, ties_up in thresholds)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def mxfp4_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of 32 of ``x [..., 128]`` fp32: (packed [..., 64] uint8, UE8M0 bytes [..., 4])."""
+    blocks = x.unflatten(-1, (MXFP4_BLOCKS, MXFP4_BLOCK))
+    amax = blocks.abs().amax(dim=-1).clamp_min(MXFP4_AMAX_FLOOR)
+    e = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-127, 127)
+    codes = e2m1_codes_reference(blocks * torch.exp2(-e).unsqueeze(-1))
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # even element in the low nibble
+    return packed.flatten(-2), (e + 127).to(torch.uint8)
+
+
+def write_cache_rows(
+    k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int
+) -> None:
+    """Write rows (data [Tk', D] and scale bytes [Tk', 4], uint8) into their slots of the
+    indexer cache (each block: ``block_size * D`` data bytes, then ``block_size * 4`` scale
+    bytes); negative slots are skipped (a boolean mask: a host sync on CUDA, the oracle's
+    way, not a capturable path)."""
+    keep = slots >= 0
+    data, scales, slots = data[keep], scales[keep], slots[keep]
+    width = data.shape[1]
+    blk, row = (slots // block_size).unsqueeze(1), (slots % block_size).unsqueeze(1)
+    k_cache[blk, row * width + torch.arange(width, device=slots.device)] = data
+    k_cache[blk, block_size * width + row * 4 + torch.arange(4, device=slots.device)] = scales
+
+
+# --------------------------------------------------------------------------------------
+# Checks shared by both ops
+# --------------------------------------------------------------------------------------
+def check_common_inputs(
+    q, weights, k, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
+    weights_scale, block_size, *, slot_bytes: int,
+) -> None:
+    """Dtypes, shapes, devices and strides of everything but the format's q outputs;
+    raises ValueError naming the argument. Runs in eager and in the fake impls."""
+    device = q.device
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=device)
+    if not isinstance(weights, torch.Tensor) or weights.dtype not in (torch.bfloat16, torch.float32):
+        got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"weights: expected dtype torch.bfloat16 or torch.float32, got {got}")
+    check_tensor("weights", weights, dtype=weights.dtype, ndim=2, device=device)
+    check_tensor("k", k, dtype=torch.bfloat16, ndim=2, device=device)
+    check_tensor("weights_out", weights_out, dtype=torch.float32, ndim=2, device=device)
+    check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
+    check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=device)
+    check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
+    check_tensor("k_positions", k_positions, dtype=torch.int64, ndim=1, device=device)
+    check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    check_size("q", q, 2, HEAD_DIM, "the indexer head dim")
+    check_size("weights", weights, 0, num_tokens, "T, q's token count")
+    check_size("weights", weights, 1, num_heads, "H, q's head count")
+    check_size("k", k, 1, HEAD_DIM, "the indexer head dim")
+    check_size("weights_out", weights_out, 0, num_tokens, "T, q's token count")
+    check_size("weights_out", weights_out, 1, num_heads, "H, q's head count")
+    check_size("positions", positions, 0, num_tokens, "T, q's token count")
+    check_size("k_positions", k_positions, 0, k.shape[0], "Tk, k's row count")
+    require(
+        slot_mapping.shape[0] <= k.shape[0],
+        f"slot_mapping: has {slot_mapping.shape[0]} rows, more than k's {k.shape[0]} rows",
+    )
+    check_size("cos_sin_cache", cos_sin_cache, 1, ROPE_DIM, "32 cos + 32 sin values")
+    named = (
+        ("q", q), ("weights", weights), ("k", k), ("weights_out", weights_out), ("k_cache", k_cache),
+        ("slot_mapping", slot_mapping), ("positions", positions), ("k_positions", k_positions),
+        ("cos_sin_cache", cos_sin_cache),
+    )
+    for name, t in named:
+        check_unit_last_stride(name, t)
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+    require(
+        k_cache.stride(0) >= block_size * slot_bytes and k_cache.shape[1] >= block_size * slot_bytes,
+        f"k_cache: a block of {block_size} slots needs {block_size * slot_bytes} bytes "
+        f"({slot_bytes} per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
+    )
+    if isinstance(weights_scale, bool) or not isinstance(weights_scale, (int, float)) or not (
+        abs(weights_scale) < float("inf")
+    ):
+        raise ValueError(f"weights_scale: must be a finite float, got {weights_scale!r}")
+
+
+def check_q_output(name: str, t: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, last: int, what: str) -> None:
+    """A [T, H, last] output of q's tokens and heads, dense rows."""
+    check_tensor(name, t, dtype=dtype, ndim=3, device=q.device)
+    check_size(name, t, 0, q.shape[0], "T, q's token count")
+    check_size(name, t, 1, q.shape[1], "H, q's head count")
+    check_size(name, t, 2, last, what)
+    check_unit_last_stride(name, t)
+
+
+def check_index_values(k_cache, slot_mapping, positions, k_positions, cos_sin_cache, block_size) -> None:
+    """Slot and position values in range (eager use; skipped while capturing a graph)."""
+    check_slot_and_position_values(slot_mapping, k_cache.shape[0], block_size, positions, cos_sin_cache.shape[0])
+    if k_positions.numel() and can_read_index_values(k_positions):
+        lo, hi = int(k_positions.min()), int(k_positions.max())
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise ValueError(
+                f"k_positions: values must lie in [0, {cos_sin_cache.shape[0]}) (rows of cos_sin_cache), got [{lo}, {hi}]"
+            )

@@ -1,0 +1,259 @@
+"""``FuseDsv4IndexerPrepPass``: unfused DeepSeek-V4 indexer preparation (FP8) becomes one op call.
+
+Every compiled case asserts what a pass test asserts:
+
+- numerics, compiled vs eager on fresh random inputs (all slots valid: eager code cannot
+  skip one): q codes, folded weights and cache bytes identical -- there are no sums in
+  this math, so the fused op and the model code agree bit for bit; look-alikes, left
+  unfused, are Inductor's code against eager, within one e4m3 code;
+- the exact ``matched_count`` and the pattern of each call;
+- the golden normalized post-pass graph (``EXPECTTEST_ACCEPT=1`` regenerates them).
+
+Shapes are small (T=7, H=3, Tk=5, block 16) and Inductor's FX graph cache is off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import expecttest
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.testing import FileCheck
+
+from prepfuse.backend import PrepfuseBackend
+from prepfuse.fx_passes.fuse_dsv4_indexer_prep import FuseDsv4IndexerPrepPass
+from prepfuse.fx_passes.registry import registered_passes
+from prepfuse.models import dsv4_indexer as model
+from prepfuse.models.dsv4_indexer import INDEXER_LOOKALIKES, INDEXER_SPELLINGS, indexer_fp8_cache
+from prepfuse.testing import e4m3_code_diff, make_dsv4_indexer_inputs
+
+T, H, TK, BLOCK, SCALE = 7, 3, 5, 16, 0.01
+PASS = FuseDsv4IndexerPrepPass.name
+SPELLINGS = {s.name: s for s in INDEXER_SPELLINGS}
+LOOKALIKES = {s.name: s for s in INDEXER_LOOKALIKES}
+
+GOLDEN_Q_AND_K = """\
+arg0 = placeholder()
+arg1 = placeholder()
+arg2 = placeholder()
+arg3 = placeholder()
+arg4 = placeholder()
+arg5 = placeholder()
+arg6 = placeholder()
+arg7 = placeholder()
+empty = aten.empty.memory_format([7, 3, 128], dtype=float8_e4m3fn, device='cpu', pin_memory=False)
+empty_1 = aten.empty.memory_format([7, 3], dtype=float32, device='cpu', pin_memory=False)
+auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_indexer_rope_fp8_insert.default, q=arg0, weights=arg1, k=arg2, slot_mapping=arg3, positions=arg4, k_positions=arg5, cos_sin_cache=arg6, weights_scale=0.01, block_size=16, _q_out_base_index=0, _weights_out_base_index=1, _k_cache_base_index=2, _all_bases=[empty, empty_1, arg7])
+getitem = getitem(auto_functionalized_v2, 1)
+getitem_1 = getitem(auto_functionalized_v2, 2)
+getitem_2 = getitem(auto_functionalized_v2, 3)
+copy_ = aten.copy_.default(arg7, getitem_2)
+return (getitem, getitem_1)"""
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def prep(spelling):
+    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
+        q_fp8, w = model.indexer_q_prep(q, weights, positions, cos_sin_cache, SCALE, spelling)
+        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, BLOCK, spelling)
+        return q_fp8, w
+    return fn
+
+
+def q_only(spelling):
+    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
+        return model.indexer_q_prep(q, weights, positions, cos_sin_cache, SCALE, spelling)
+    return fn
+
+
+def k_only(spelling):
+    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
+        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, BLOCK, spelling)
+    return fn
+
+
+@dataclasses.dataclass
+class Run:
+    out: tuple | None
+    cache: torch.Tensor
+    ref_out: tuple | None
+    ref_cache: torch.Tensor
+    report: object
+
+    @property
+    def matched(self) -> int:
+        return self.report.matched_counts.get(PASS, 0)
+
+    def events(self, kind: str) -> list:
+        return [(r.pattern, r.why) if kind == "declined" else r.pattern
+                for r in self.report.rewrites if r.pass_name == PASS and r.kind == kind]
+
+
+def make_inputs(**kwargs):
+    inputs = make_dsv4_indexer_inputs("fp8", T, H, BLOCK, "cpu", num_k=TK, skip_fraction=0.0, **kwargs)
+    num_blocks = inputs.k_cache.shape[0]
+    return dataclasses.replace(inputs, k_cache=indexer_fp8_cache(num_blocks, BLOCK))
+
+
+def run(fn, inputs=None, *, passes=(PASS,), v2=True) -> Run:
+    """``fn`` compiled by the prepfuse backend and eagerly, each on its own copy of the cache."""
+    inputs = make_inputs() if inputs is None else inputs
+    backend = PrepfuseBackend({"passes": passes, "record_graphs": True, "auto_functionalized_v2": v2})
+    cache, ref_cache = inputs.k_cache.clone(), inputs.k_cache.clone()
+    rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
+    out = torch.compile(fn, backend=backend, fullgraph=True)(inputs.q, inputs.weights, inputs.k, cache, *rest)
+    ref_out = fn(inputs.q, inputs.weights, inputs.k, ref_cache, *rest)
+    (report,) = backend.reports
+    return Run(out, cache, ref_out, ref_cache, report)
+
+
+def assert_same_as_eager(r: Run) -> None:
+    if r.out is not None:
+        (q, w), (ref_q, ref_w) = r.out, r.ref_out
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), int((q.view(torch.uint8) != ref_q.view(torch.uint8)).sum())
+        assert torch.equal(w.view(torch.int32), ref_w.view(torch.int32))
+    assert torch.equal(r.cache, r.ref_cache), int((r.cache != r.ref_cache).sum())
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_fuses_into_one_call(name):
+    r = run(prep(SPELLINGS[name]))
+    assert_same_as_eager(r)
+    assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q+k"]
+    expecttest.assert_expected_inline(r.report.graph, GOLDEN_Q_AND_K)
+
+
+def test_functionalization_v1():
+    r = run(prep(INDEXER_SPELLINGS[1]), v2=False)
+    assert_same_as_eager(r)
+    assert r.matched == 1
+    expecttest.assert_expected_inline(r.report.graph, """\
+arg0 = placeholder()
+arg1 = placeholder()
+arg2 = placeholder()
+arg3 = placeholder()
+arg4 = placeholder()
+arg5 = placeholder()
+arg6 = placeholder()
+arg7 = placeholder()
+empty = aten.empty.memory_format([7, 3, 128], dtype=float8_e4m3fn, device='cpu', pin_memory=False)
+empty_1 = aten.empty.memory_format([7, 3], dtype=float32, device='cpu', pin_memory=False)
+auto_functionalized = auto_functionalized(prepfuse.dsv4_indexer_rope_fp8_insert.default, q=arg0, weights=arg1, k=arg2, q_out=empty, weights_out=empty_1, k_cache=arg3, slot_mapping=arg4, positions=arg5, k_positions=arg6, cos_sin_cache=arg7, weights_scale=0.01, block_size=16)
+getitem = getitem(auto_functionalized, 1)
+getitem_1 = getitem(auto_functionalized, 2)
+getitem_2 = getitem(auto_functionalized, 3)
+copy_ = aten.copy_.default(arg3, getitem_2)
+return (getitem, getitem_1)""")
+
+
+def test_runs_in_place_after_defunctionalize():
+    """With the default pass list, Inductor's code is the op call alone: no kernel, copy or clone."""
+    inputs = make_inputs()
+    cache, ref_cache = inputs.k_cache.clone(), inputs.k_cache.clone()
+    fn = prep(INDEXER_SPELLINGS[0])
+    backend = PrepfuseBackend({"strict": True})
+    rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
+    out, (code,) = run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True),
+                                    inputs.q, inputs.weights, inputs.k, cache, *rest)
+    ref = fn(inputs.q, inputs.weights, inputs.k, ref_cache, *rest)
+    assert_same_as_eager(Run(out, cache, ref, ref_cache, None))
+    (report,) = backend.reports
+    assert report.matched_counts[PASS] == 1 and report.matched_counts["defunctionalize"] == 1
+    assert sum(report.matched_counts.values()) == 2  # no other pass rewrote anything
+    (FileCheck().check_count("torch.ops.prepfuse.dsv4_indexer_rope_fp8_insert.default(", 1, exactly=True)
+     .check_not("copy_").check_not("clone").run(code))
+    FileCheck().check_not("cpp_fused").run(code)
+
+
+def test_q_side_alone():
+    r = run(q_only(INDEXER_SPELLINGS[2]))
+    assert_same_as_eager(r)
+    assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q"]
+    expecttest.assert_expected_inline(r.report.graph, """\
+arg0 = placeholder()
+arg1 = placeholder()
+arg2 = placeholder()
+arg3 = placeholder()
+empty = aten.empty.memory_format([0, 128], dtype=bfloat16, device='cpu', pin_memory=False)
+empty_1 = aten.empty.memory_format([0], dtype=int64, device='cpu', pin_memory=False)
+empty_2 = aten.empty.memory_format([0], dtype=int64, device='cpu', pin_memory=False)
+empty_3 = aten.empty.memory_format([1, 132], dtype=uint8, device='cpu', pin_memory=False)
+empty_4 = aten.empty.memory_format([7, 3, 128], dtype=float8_e4m3fn, device='cpu', pin_memory=False)
+empty_5 = aten.empty.memory_format([7, 3], dtype=float32, device='cpu', pin_memory=False)
+auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_indexer_rope_fp8_insert.default, q=arg0, weights=arg1, k=empty, slot_mapping=empty_2, positions=arg2, k_positions=empty_1, cos_sin_cache=arg3, weights_scale=0.01, block_size=1, _q_out_base_index=0, _weights_out_base_index=1, _k_cache_base_index=2, _all_bases=[empty_4, empty_5, empty_3])
+getitem = getitem(auto_functionalized_v2, 1)
+getitem_1 = getitem(auto_functionalized_v2, 2)
+return (getitem, getitem_1)""")
+
+
+def test_k_side_alone_with_fewer_slots_than_rows():
+    """slot_mapping has Tk' < Tk rows: the op inserts ``k[:Tk']`` at ``k_positions[:Tk']``."""
+    r = run(k_only(INDEXER_SPELLINGS[3]), make_inputs(num_inserted=3))
+    assert_same_as_eager(r)
+    assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_k"]
+    expecttest.assert_expected_inline(r.report.graph, """\
+arg0 = placeholder()
+arg1 = placeholder()
+arg2 = placeholder()
+arg3 = placeholder()
+arg4 = placeholder()
+slice = aten.slice.Tensor(arg0, 0, 0, 3)
+slice_1 = aten.slice.Tensor(arg1, 0, 0, 3)
+empty = aten.empty.memory_format([0, 1, 128], dtype=bfloat16, device='cpu', pin_memory=False)
+empty_1 = aten.empty.memory_format([0, 1], dtype=float32, device='cpu', pin_memory=False)
+empty_2 = aten.empty.memory_format([0], dtype=int64, device='cpu', pin_memory=False)
+empty_3 = aten.empty.memory_format([0, 1, 128], dtype=float8_e4m3fn, device='cpu', pin_memory=False)
+empty_4 = aten.empty.memory_format([0, 1], dtype=float32, device='cpu', pin_memory=False)
+auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_indexer_rope_fp8_insert.default, q=empty, weights=empty_1, k=slice, slot_mapping=arg2, positions=empty_2, k_positions=slice_1, cos_sin_cache=arg3, weights_scale=1.0, block_size=16, _q_out_base_index=0, _weights_out_base_index=1, _k_cache_base_index=2, _all_bases=[empty_3, empty_4, arg4])
+getitem = getitem(auto_functionalized_v2, 3)
+copy_ = aten.copy_.default(arg4, getitem)
+return ()""")
+
+
+@pytest.mark.parametrize("name", list(LOOKALIKES))
+def test_lookalikes_are_left_alone(name):
+    r = run(prep(LOOKALIKES[name]))
+    assert r.matched == 0
+    declined = r.events("declined")
+    assert {p for p, _ in declined} == {"dsv4_indexer_q", "dsv4_indexer_k"}, declined
+    why = {
+        "neox_rope": "NeoX rotate-half",
+        "rope_first_64": "the first 64 dims are rotated",
+        "no_bf16_round": "not a bf16 round trip",
+        "amax_floor_1e-6": "amax floor 1e-06",
+    }[name]
+    assert all(why in w for _, w in declined), declined
+    # Inductor's code for the unfused math against eager: one e4m3 code at most
+    (q, w), (ref_q, ref_w) = r.out, r.ref_out
+    assert int(e4m3_code_diff(q.view(torch.uint8), ref_q.view(torch.uint8)).max()) <= 1
+    torch.testing.assert_close(w, ref_w)
+    assert int(e4m3_code_diff(r.cache, r.ref_cache).max()) <= 1
+
+
+def test_weights_scaled_twice_declines_the_q_side():
+    """Two readers scale the exponent into weights: the pass cannot tell which is the fold."""
+    spelling = INDEXER_SPELLINGS[0]
+
+    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
+        cs = cos_sin_cache[positions]
+        y = model.rope_tail(q.float(), cs[:, :32].unsqueeze(1), cs[:, 32:].unsqueeze(1), spelling)
+        q_fp8, e = model.fp8_row_quant(y, spelling)
+        return q_fp8, weights.float() * torch.exp2(e) * SCALE, weights.float() * torch.exp2(e) * 2.0
+
+    r = run(fn)
+    assert r.matched == 0
+    assert r.events("declined") == [("dsv4_indexer_q", "weights: 2 products weights * 2^e * scale read the q exponent, expected one")]
+
+
+def test_registered_before_defunctionalize():
+    names = list(registered_passes())
+    assert names.index(PASS) < names.index("defunctionalize")
