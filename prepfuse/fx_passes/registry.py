@@ -19,6 +19,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 # name -> (module, class), in default running order
 BUILTIN_PASSES: dict[str, tuple[str, str]] = {
     "fuse_dsv4_prep": ("prepfuse.fx_passes.fuse_dsv4_prep", "FuseDsv4PrepPass"),
+    "fuse_gqa_prep": ("prepfuse.fx_passes.fuse_gqa_prep", "FuseGqaPrepPass"),
     "defunctionalize": ("prepfuse.fx_passes.defunctionalize", "DefunctionalizePass"),
 }
 LAST_PASS = "defunctionalize"

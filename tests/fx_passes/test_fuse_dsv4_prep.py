@@ -246,7 +246,7 @@ def test_runs_in_place_after_defunctionalize(v2):
     ref = fn(inputs.q, inputs.kv, ref_cache, *args[3:])
     assert_close_to_eager(Run(inputs, out, cache, ref, ref_cache, None))
     (report,) = backend.reports
-    assert report.matched_counts == {PASS: 1, "defunctionalize": 1}
+    assert {name: n for name, n in report.matched_counts.items() if n} == {PASS: 1, "defunctionalize": 1}
     (FileCheck().check_count("torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert.default(", 1, exactly=True)
      .check_not("copy_").check_not("clone").run(code))
     FileCheck().check_not("cpp_fused").run(code)
@@ -357,7 +357,7 @@ def test_unfused_baseline_writes_the_callers_buffers(v2):
     # the baseline computes 1 / sqrt as the op does: identical bytes
     assert torch.equal(compiled.q_out, eager.q_out) and torch.equal(compiled.k_cache, eager.k_cache)
     (report,) = backend.reports
-    assert report.matched_counts == {PASS: 1, "defunctionalize": 1}
+    assert {name: n for name, n in report.matched_counts.items() if n} == {PASS: 1, "defunctionalize": 1}
     expecttest.assert_expected_inline(report.graph, """\
 arg0 = placeholder()
 arg1 = placeholder()
@@ -466,7 +466,7 @@ def test_attention_block_dynamic():
     out, (code,) = run_and_get_code(torch.compile(block, backend=backend, fullgraph=True), x, *args, caches)
     ref = block(x, *args, ref_caches)
     (report,) = backend.reports
-    assert report.matched_counts == {PASS: 2, "defunctionalize": 2}
+    assert {name: n for name, n in report.matched_counts.items() if n} == {PASS: 2, "defunctionalize": 2}
     assert [r.pattern for r in report.rewrites if r.pass_name == PASS and r.kind == "matched"] == ["dsv4_q+kv"] * 2
     FileCheck().check_count("torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert.default(", 2, exactly=True).run(code)
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)
