@@ -2,12 +2,13 @@
 # Everything one device-tool call does on the GPU machine, in order, logging under $OUT:
 #   env  - GPU, driver, torch and triton versions
 #   tests - the whole pytest suite on CUDA (GPU-marked tests run, interpreter ones skip)
-#   sanitize - compute-sanitizer memcheck and racecheck on small shapes of the fused op
+#   sanitize - compute-sanitizer memcheck and racecheck on small shapes of each op (bench/sanitize_*.py)
 #   sweep - the launch-configuration sweep of the fused kernel
 #   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
 #   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
 #   gqa   - the GQA op's benchmark (JSON, PNG, benchmarks_gqa.md into $OUT)
 #   gqa-sweep - the GQA kernel's launch-configuration sweep
+#   indexer - the DeepSeek-V4 indexer ops' benchmark
 #   demo  - the README's main command's python part
 # Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
 # No pip there: pure-python wheels carried in .whl/ are unpacked to /tmp/site.
@@ -40,8 +41,10 @@ for what in "${steps[@]}"; do
     sanitize)
         for tool in memcheck racecheck; do
             step "sanitize $tool"
-            compute-sanitizer --tool "$tool" --error-exitcode 3 python3 bench/sanitize_dsv4_qnorm_rope_kv_insert.py 2>&1 \
-                | tail -n 15 | tee -a "$log" || status=1
+            for script in bench/sanitize_*.py; do
+                compute-sanitizer --tool "$tool" --error-exitcode 3 python3 "$script" 2>&1 \
+                    | tail -n 15 | tee -a "$log" || status=1
+            done
         done
         ;;
     sweep)
@@ -68,6 +71,10 @@ for what in "${steps[@]}"; do
     gqa-sweep)
         step gqa-sweep
         python3 bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config --tokens 1,64,4096,16384 --models qwen3-8b,qwen3-8b-fp8 --out-dir "$OUT" 2>&1 | tail -n 20 | tee -a "$log" || status=1
+        ;;
+    indexer)
+        step indexer
+        python3 bench/bench_dsv4_indexer_rope_quant_insert.py --out-dir "$OUT" 2>&1 | tail -n 30 | tee -a "$log" || status=1
         ;;
     demo)
         step demo

@@ -1,7 +1,8 @@
 """The README's main command: run every available implementation of each fused op on
 fresh random data and print how they compare (and, on a GPU, how fast they are); then
-compile an example model with ``backend="prepfuse"``, show what was fused and where,
-and check it against eager (timed beside ``torch.compile``'s default on a GPU).
+compile the example models (DeepSeek-V4-style, Qwen3-style, Llama-style) with
+``backend="prepfuse"``, show what was fused and where, and check each against eager
+(timed beside ``torch.compile``'s default on a GPU).
 
 Run as ``python -m prepfuse.demo`` (``scripts/demo.sh`` sets up the environment first).
 """
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, "-m", "prepfuse.demo", *(argv if argv is not None else sys.argv[1:])])
     from prepfuse.demo_dsv4 import run_dsv4_demo
-    from prepfuse.demo_model import run_model_demo
+    from prepfuse.demo_model import run_gqa_models_demo, run_model_demo
 
     device = torch.device("cuda" if on_gpu else "cpu")
     print(f"prepfuse demo: torch {torch.__version__}, device {device}, triton {'yes' if has_triton() else 'no'}")
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = args.heads or (64 if on_gpu else 3)
     ok = run_dsv4_demo(device, tokens, heads, args.block_size)
     ok &= run_model_demo(device)
+    ok &= run_gqa_models_demo(device)
     print("\ndemo:", "all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

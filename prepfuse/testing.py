@@ -556,3 +556,20 @@ def compare_dsv4_indexer(a: Dsv4IndexerInputs, b: Dsv4IndexerInputs) -> dict[str
             x, y = x.view(torch.int32), y.view(torch.int32)
         diffs[name] = int((x != y).sum())
     return diffs
+def bf16_rope_pair_bound(x: torch.Tensor, rotary_dim: int, is_neox: bool, factor: float = 1.25 * 2**-7) -> torch.Tensor:
+    """How far Hugging Face's all-bf16 RoPE of ``x [..., D]`` may be from the GQA op's fp32
+    rotation, per value: ``factor * (|a| + |b|)`` on rotated dims (``a``, ``b`` the value's
+    pair: ``(i, i + R/2)`` NeoX, ``(2i, 2i + 1)`` GPT-J), 0 on pass-through dims.
+
+    HF casts cos/sin to bf16 and rounds both products and their sum in bf16; with the op's
+    final rounding that is four relative errors of at most 2^-9 each, 2^-7 in all (the op's
+    docstring measured 0.0081); ``factor`` leaves a hair above it.
+    """
+    a = x[..., :rotary_dim].float().abs()
+    if is_neox:
+        partner = torch.cat((a[..., rotary_dim // 2 :], a[..., : rotary_dim // 2]), dim=-1)
+    else:
+        partner = a.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    bound = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    bound[..., :rotary_dim] = factor * (a + partner)
+    return bound

@@ -3,7 +3,7 @@
 import torch
 
 from prepfuse.demo_dsv4 import run_dsv4_demo
-from prepfuse.demo_model import run_model_demo
+from prepfuse.demo_model import run_gqa_models_demo, run_model_demo
 
 
 def test_op_demo_passes_on_cpu():
@@ -12,3 +12,7 @@ def test_op_demo_passes_on_cpu():
 
 def test_model_demo_fuses_every_layer_and_matches_eager():
     assert run_model_demo(torch.device("cpu"), num_layers=2)
+
+
+def test_gqa_models_demo_fuses_every_layer_and_matches_eager():
+    assert run_gqa_models_demo(torch.device("cpu"), num_layers=2)

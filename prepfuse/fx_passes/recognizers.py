@@ -455,3 +455,122 @@ def row_layout(view_node, root) -> tuple[int, int, int]:
     expect(v.dim() == 3 and v.stride(2) == 1 and v.stride(0) == r.stride(0),
            f"write: the view has shape {tuple(v.shape)} strides {tuple(v.stride())}, not [blocks, rows, bytes] of a block row")
     return v.storage_offset() - r.storage_offset(), v.stride(1), v.shape[2]
+
+
+# --------------------------------------------------------------------------------------
+# NeoX (rotate-half) RoPE, weighted RMSNorm, paged slot indices
+# --------------------------------------------------------------------------------------
+def repeated_halves(node) -> tuple[torch.fx.Node, torch.dtype | None]:
+    """(c, cast) for ``cat((c, c), -1)`` optionally cast to ``cast`` (Hugging Face's
+    ``emb = cat((freqs, freqs), -1)`` then ``.to(x.dtype)``). Decomposition turns a cat of
+    one tensor with itself into ``reshape(expand(c.unsqueeze(-2), [.., 2, n]))``."""
+    cast = None
+    if is_op(node, *CONVERTS):
+        cast, node = val(node).dtype, node.args[0]
+    if is_op(node, aten.cat.default) and len(node.args[0]) == 2 and node.args[0][0] is node.args[0][1]:
+        return node.args[0][0], cast
+    expect(is_op(node, *RESHAPES), f"rope: cos/sin {describe(node)} is not the half table repeated, cat((c, c), -1)")
+    expanded = strip(node.args[0], aten.clone.default)
+    expect(is_op(expanded, aten.expand.default) and is_op(expanded.args[0], aten.unsqueeze.default),
+           f"rope: cos/sin {describe(node)} is not the half table repeated, cat((c, c), -1)")
+    half = expanded.args[0]
+    ndim = len(shape(half))
+    expect(_dim(half.args[1], ndim) == ndim - 2 and shape(expanded)[-2] == 2,
+           f"rope: cos/sin {describe(node)} repeats its table {shape(expanded)[-2]} times along another dim")
+    return half.args[0], cast
+
+
+def _half(node, first: bool):
+    """x for ``x[..., :n]`` (first) or ``x[..., n:]`` of a ``2n``-wide ``x``, else None."""
+    found = last_dim_slice(node)
+    if found is None:
+        return None
+    src, start, end, step = found
+    width = shape(src)[-1]
+    want = (0, width // 2) if first else (width // 2, width)
+    return src if (start, end, step) == (*want, 1) and width % 2 == 0 else None
+
+
+def rope_neox(out) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.dtype | None]:
+    """(x, cos, sin, cast) for NeoX (rotate-half) RoPE ``out`` of ``x [..., 2n]``; ``cos``,
+    ``sin`` are the ``[..., n]`` halves, ``cast`` the dtype they were cast to (or None).
+
+    Hugging Face form: ``x * cat((c, c)) + rotate_half(x) * cat((s, s))`` with
+    ``rotate_half(x) = cat((-x[..., n:], x[..., :n]), -1)``. vLLM's ``forward_native`` form:
+    ``cat((x1*c - x2*s, x2*c + x1*s), -1)`` with ``x1, x2 = x.chunk(2, -1)``. GPT-J
+    interleaved pairs are not this (``rope_gptj``).
+    """
+    if is_op(out, aten.cat.default):
+        parts = out.args[0]
+        expect(len(parts) == 2 and is_op(parts[0], aten.sub.Tensor) and is_op(parts[1], aten.add.Tensor),
+               f"rope: {describe(out)} is not cat((x1*cos - x2*sin, x2*cos + x1*sin))")
+        re, im = parts
+        prods = [re.args[0], re.args[1], *im.args]
+        expect(all(is_op(m, aten.mul.Tensor) for m in prods), "rope: rotated halves are not sums of products")
+        x1, cos = split_operands(prods[0], lambda n: _half(n, True) is not None)
+        x2, sin = split_operands(prods[1], lambda n: _half(n, False) is not None)
+        expect(x1 is not None and x2 is not None and _half(x1, True) is _half(x2, False),
+               "rope: not the two halves (x[..., :n], x[..., n:]) of one tensor")
+        expect({frozenset(m.args[:2]) for m in prods[2:]} == {frozenset((x2, cos)), frozenset((x1, sin))},
+               "rope: second half is not x2*cos + x1*sin")
+        return _half(x1, True), cos, sin, None
+    expect(is_op(out, aten.add.Tensor) and all(is_op(a, aten.mul.Tensor) for a in out.args[:2]),
+           f"rope: {describe(out)} is not x * cos + rotate_half(x) * sin")
+    a, b = out.args[:2]
+
+    def rotated_of(m):
+        rh, other = split_operands(m, lambda n: is_op(n, aten.cat.default))
+        return (rh, other) if rh is not None else (None, None)
+
+    rh, sin_full = rotated_of(b)
+    plain = a
+    if rh is None:
+        rh, sin_full = rotated_of(a)
+        plain = b
+    expect(rh is not None and len(rh.args[0]) == 2, "rope: no rotate_half(x) * sin term")
+    neg, x1 = rh.args[0]
+    expect(is_op(neg, aten.neg.default), f"rope: rotate_half is cat({describe(neg)}, ..), not cat((-x2, x1), -1)")
+    x = _half(neg.args[0], False)
+    expect(x is not None and _half(x1, True) is x, "rope: rotate_half is not cat((-x[..., n:], x[..., :n]), -1)")
+    x_again, cos_full = split_operands(plain, lambda n: n is x)
+    expect(x_again is x, "rope: the cos term does not multiply the rotated tensor itself")
+    cos, cast = repeated_halves(strip(cos_full, aten.unsqueeze.default))
+    sin, sin_cast = repeated_halves(strip(sin_full, aten.unsqueeze.default))
+    expect(cast == sin_cast, f"rope: cos is cast to {cast}, sin to {sin_cast}")
+    return x, cos, sin, cast
+
+
+def weighted_rms_norm(out) -> tuple[torch.fx.Node, torch.fx.Node, float]:
+    """(x, weight, eps) for Hugging Face's ``Qwen3RMSNorm`` / ``LlamaRMSNorm`` of bf16 ``x``:
+    ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(bf16)``
+    -- the normalised value is rounded *before* the weight multiply. A weight applied in
+    fp32 before one rounding (``F.rms_norm`` with a weight, some ports) rounds differently."""
+    if is_op(out, *CONVERTS) and is_op(out.args[0], aten.mul.Tensor):
+        inner = out.args[0]
+        w, _ = split_operands(inner, lambda n: isinstance(n, torch.fx.Node) and len(shape(n)) == 1)
+        expect(w is None, "norm: the weight multiplies in fp32 before the rounding to bf16; "
+                          "Qwen3RMSNorm rounds the normalised value first, then multiplies")
+    expect(is_op(out, aten.mul.Tensor), f"norm: {describe(out)} is not weight * normed")
+    w, normed = split_operands(out, lambda n: isinstance(n, torch.fx.Node) and len(shape(n)) == 1)
+    expect(w is not None, f"norm: {describe(out)} has no 1-d weight operand")
+    y = convert_source(normed, val(out).dtype)
+    expect(y is not None, f"norm: weight multiplies {describe(normed)}, not the normalised value rounded to {val(out).dtype}")
+    xf, eps = rms_norm(y)
+    x = convert_source(xf, torch.float32)
+    expect(x is not None, f"norm: the normalised {describe(xf)} is not an fp32 cast of the input")
+    return x, w, eps
+
+
+def paged_slots(indices, block_size: int) -> torch.fx.Node:
+    """``slots`` for the index pair ``(slots // block_size, slots % block_size)`` (either index
+    may be recomputed from the same slots: functionalization does not share them)."""
+    expect(len(indices) == 2 and all(isinstance(i, torch.fx.Node) for i in indices),
+           f"write: indices {[describe(i) for i in indices]}, expected [slot // block_size, slot % block_size]")
+    blk, row = indices
+    expect(is_op(blk, aten.div.Tensor_mode) and blk.kwargs.get("rounding_mode") == "floor" and blk.args[1] == block_size,
+           f"write: block index {describe(blk)} is not slot // {block_size}")
+    expect(is_op(row, aten.remainder.Scalar, aten.remainder.Tensor) and row.args[1] == block_size
+           and row.args[0] is blk.args[0], f"write: row index {describe(row)} is not slot % {block_size} of the same slots")
+    sv = val(blk.args[0])
+    expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
+    return blk.args[0]

@@ -13,6 +13,14 @@ from prepfuse.models.dsv4 import (
     dsv4_q_prep,
     fp8_ds_mla_cache,
 )
+from prepfuse.models.gqa import (
+    EXAMPLE_MODELS,
+    GQA_LOOKALIKES,
+    GQA_SPELLINGS,
+    GqaAttentionBlock,
+    GqaSpelling,
+    gqa_prep,
+)
 
 __all__ = [
     "DSV4_LOOKALIKES",
@@ -22,4 +30,10 @@ __all__ = [
     "dsv4_kv_insert",
     "dsv4_q_prep",
     "fp8_ds_mla_cache",
+    "EXAMPLE_MODELS",
+    "GQA_LOOKALIKES",
+    "GQA_SPELLINGS",
+    "GqaAttentionBlock",
+    "GqaSpelling",
+    "gqa_prep",
 ]

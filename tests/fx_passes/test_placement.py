@@ -156,7 +156,8 @@ def test_prep_written_after_attention_moves_ahead_of_it(v2):
     assert r.events("matched") == ["ahead of prepfuse_test.attention.default"]
     assert r.report.partition_of() == {"dsv4_qnorm_rope_kv_insert_default": 0}
     assert r.report.placement.layout() == "captured 0 | eager prepfuse_test.attention.default | captured 1"
-    assert r.report.passes == ("fuse_dsv4_prep", "placement", "defunctionalize")
+    # every registered pattern pass, then placement, then defunctionalize
+    assert "fuse_dsv4_prep" in r.report.passes and r.report.passes[-2:] == ("placement", "defunctionalize")
     expecttest.assert_expected_inline(r.report.graph, """\
 arg0 = placeholder()
 arg1 = placeholder()
@@ -375,7 +376,8 @@ def test_item_is_fine_without_cudagraphs():
 def test_full_mode_is_one_captured_region():
     r = run(prep_after_attention, cudagraphs="full", splitting_ops=())
     assert_close_to_eager(r)
-    assert r.report.passes == ("fuse_dsv4_prep", "defunctionalize")  # nothing to move without splitting ops
+    assert "placement" not in r.report.passes  # nothing to move without splitting ops
+    assert "fuse_dsv4_prep" in r.report.passes and r.report.passes[-1] == "defunctionalize"
     assert r.report.placement.layout() == "captured 0"
     assert r.report.partition_of() == {"dsv4_qnorm_rope_kv_insert_default": 0}
 

@@ -1,0 +1,319 @@
+"""GQA (Qwen3 / Llama style) attention-input preparation, unfused, as model authors write it.
+
+The math is the op's (``prepfuse/ops/gqa_qknorm_rope_kv_insert.py``) in plain PyTorch,
+the Hugging Face way: split the fused qkv projection, a weighted per-head RMSNorm module
+on q and k (Qwen3; Llama has none), RoPE with cos/sin gathered by position from a vLLM
+``[P, R]`` table (``R/2`` cos then ``R/2`` sin), and the paged-cache write as index
+assignment ``cache[slot // bs, slot % bs] = rows`` into ``[num_blocks, bs, Hkv, D]``.
+A spelling is a row of a table (:class:`GqaSpelling`), not a copied class:
+
+==========  ============================================================================
+axis        choices
+==========  ============================================================================
+norm        ``hf``: ``Qwen3RMSNorm`` (``weight * (x.float() * rsqrt(x.float().pow(2).mean(
+            -1, keepdim=True) + eps)).to(bf16)``); ``none``: Llama, no q/k norm
+split       ``split``: ``qkv.split([Hq*D, Hkv*D, Hkv*D], -1)``; ``slice``: ``qkv[:, :Hq*D]`` ..
+rope        ``hf_bf16``: HF ``q * cos + rotate_half(q) * sin`` with cos/sin cast to bf16
+            (``cat((c, c), -1).to(q.dtype)``), all in bf16;
+            ``hf_fp32``: the same formula on ``q.float()`` with the fp32 table, one rounding;
+            ``halves``: vLLM's ``x1, x2 = chunk(x, 2); cat((x1*c - x2*s, x2*c + x1*s))`` in fp32;
+            ``gptj``: interleaved pairs ``x[..., ::2]``, ``x[..., 1::2]``,
+            ``stack(.., -1).flatten(-2)``, in fp32
+rotary_dim  ``None`` (all of D) or ``R < D``: rotate ``x[..., :R]``, ``cat`` the rest back
+cache       bf16, or fp8 e4m3 ``(x.float() / kv_scale).clamp(-448, 448).to(e4m3)``
+            with ``kv_scale`` a device fp32 tensor ``[1]``
+==========  ============================================================================
+
+Against the op. Norm: the ``hf`` norm is the op's, step for step (same bits on the CPU:
+``torch.rsqrt`` there is the correctly rounded ``1/sqrt`` the op computes, see the op's
+docstring). RoPE: ``hf_fp32``, ``halves`` and ``gptj`` equal the op bit for bit. ``hf_bf16``
+rounds cos/sin to bf16 and each product and the sum in bf16; the op rounds once from fp32:
+they differ on about 40% of the rotated values, by at most about ``2^-7 * (|a| + |b|)``
+(``|a|``, ``|b|`` the pair's inputs). Fusing ``hf_bf16`` code changes its numerics by that
+much (the op is the more accurate). fp8: identical to the op's quantisation of the bf16 rows.
+
+:data:`GQA_LOOKALIKES` look the same and compute something else (eps differing between q
+and k norm, a rotation by minus the angle, the weight multiplied before the bf16 rounding,
+a cache with heads before slots, a multiply by ``1/kv_scale``, fp16); the pass must leave
+them alone.
+
+Negative slots. The op skips a row whose slot is negative. Eager index assignment cannot
+skip it without a host sync, so these spellings assume every slot is valid: a negative
+slot here is written through Python's index wraparound (slot -1 becomes the last row of
+the last block). After the pass fuses the write, that row is skipped instead -- what
+engines mean by -1, not what this eager code does (``docs/passes.md`` states it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
+
+_NORMS = ("hf", "none", "weight_in_fp32")
+_SPLITS = ("split", "slice")
+_ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_reversed")
+_CACHE_LAYOUTS = ("slots_heads", "heads_slots")
+_FP8_SCALINGS = ("div", "mul_reciprocal")
+
+
+@dataclass(frozen=True)
+class GqaSpelling:
+    """One way of writing GQA preparation (see the module docstring's table)."""
+
+    name: str
+    norm: str = "hf"
+    split: str = "split"
+    rope: str = "hf_bf16"
+    rotary_dim: int | None = None  # None: the whole head
+    cache_dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.bfloat16  # look-alike: float16
+    k_eps: float | None = None  # look-alike: a k norm eps other than q's
+    cache_layout: str = "slots_heads"  # look-alike: [NB, Hkv, bs, D]
+    fp8_scaling: str = "div"  # look-alike: x * (1 / kv_scale)
+
+    def __post_init__(self) -> None:
+        for axis, allowed in (("norm", _NORMS), ("split", _SPLITS), ("rope", _ROPES),
+                              ("cache_layout", _CACHE_LAYOUTS), ("fp8_scaling", _FP8_SCALINGS)):
+            if getattr(self, axis) not in allowed:
+                raise ValueError(f"{axis}: must be one of {allowed}, got {getattr(self, axis)!r}")
+        if self.cache_dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.float16):
+            raise ValueError(f"cache_dtype: must be torch.bfloat16 or torch.float8_e4m3fn (float16: look-alike), "
+                             f"got {self.cache_dtype}")
+        if self.rotary_dim is not None and (self.rotary_dim <= 0 or self.rotary_dim % 2):
+            raise ValueError(f"rotary_dim: must be a positive even int or None, got {self.rotary_dim}")
+
+    @property
+    def has_norm(self) -> bool:
+        return self.norm != "none"
+
+    @property
+    def is_neox(self) -> bool:
+        return self.rope != "gptj"
+
+
+# Spellings of the real math; together they use every choice of every axis.
+GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
+    GqaSpelling("qwen3-hf"),  # Qwen3 as Hugging Face writes it
+    GqaSpelling("qwen3-hf_fp32-slice-fp8", rope="hf_fp32", split="slice", cache_dtype=torch.float8_e4m3fn),
+    GqaSpelling("llama-hf", norm="none"),  # Llama: no q/k norm
+    GqaSpelling("llama-halves-partial-fp8", norm="none", rope="halves", rotary_dim=32, cache_dtype=torch.float8_e4m3fn),
+    GqaSpelling("qwen3-gptj-slice", rope="gptj", split="slice"),
+    GqaSpelling("llama-gptj-partial", norm="none", rope="gptj", rotary_dim=32),
+    GqaSpelling("qwen3-hf-partial", rotary_dim=32),
+)
+
+# Code that looks like the above and computes something else: never fused.
+GQA_LOOKALIKES: tuple[GqaSpelling, ...] = (
+    GqaSpelling("k_norm_eps_differs", rope="hf_fp32", k_eps=1e-5),
+    GqaSpelling("rotate_half_reversed", rope="hf_reversed"),
+    GqaSpelling("weight_in_fp32", norm="weight_in_fp32", rope="hf_fp32"),
+    GqaSpelling("cache_heads_before_slots", cache_layout="heads_slots"),
+    GqaSpelling("fp8_mul_reciprocal", rope="hf_fp32", cache_dtype=torch.float8_e4m3fn, fp8_scaling="mul_reciprocal"),
+    GqaSpelling("float16", dtype=torch.float16, cache_dtype=torch.float16),
+)
+
+
+# --------------------------------------------------------------------------------------
+# The steps, each in every spelling
+# --------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Hugging Face's ``Qwen3RMSNorm`` (= ``LlamaRMSNorm``): normalise in fp32, round to the
+    input dtype, then multiply by the weight in that dtype."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, norm: str = "hf") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.variance_epsilon, self.norm = eps, norm
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.norm == "weight_in_fp32":  # look-alike: one rounding after the weight
+            return (self.weight.float() * hidden_states).to(input_dtype)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def split_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, spelling: GqaSpelling):
+    """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of the fused projection's output."""
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    if spelling.split == "split":
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    else:
+        q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+    num_tokens = qkv.shape[0]
+    return (q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``rotate_half``."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (cos, sin), [T, R/2] fp32 each, gathered by position."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    return cos, sin
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spelling: GqaSpelling) -> torch.Tensor:
+    """Rotate bf16 heads ``x [T, H, D]`` (the first ``rotary_dim`` dims) by ``cos, sin [T, R/2]``."""
+    rot_dim = spelling.rotary_dim or x.shape[-1]
+    rot, rest = (x, None) if rot_dim == x.shape[-1] else (x[..., :rot_dim], x[..., rot_dim:])
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # every head
+    if spelling.rope in ("hf_bf16", "hf_reversed"):  # HF: cos/sin in the activation dtype, three roundings
+        cos, sin = torch.cat((cos, cos), dim=-1).to(x.dtype), torch.cat((sin, sin), dim=-1).to(x.dtype)
+        rotated = rotate_half(rot) if spelling.rope == "hf_bf16" else -rotate_half(rot)  # look-alike: rotates by -angle
+        out = (rot * cos) + (rotated * sin)
+    elif spelling.rope == "hf_fp32":
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        h = rot.float()
+        out = ((h * cos) + (rotate_half(h) * sin)).to(x.dtype)
+    elif spelling.rope == "halves":  # vLLM's forward_native
+        x1, x2 = torch.chunk(rot.float(), 2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    else:  # gptj: interleaved pairs
+        h = rot.float()
+        e, o = h[..., ::2], h[..., 1::2]
+        out = torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2).to(x.dtype)
+    return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def cache_rows(x: torch.Tensor, kv_scale: torch.Tensor | None, spelling: GqaSpelling) -> torch.Tensor:
+    """bf16 rows as the cache stores them: as is, or e4m3 of ``clamp(x / kv_scale, +-448)``."""
+    if spelling.cache_dtype != torch.float8_e4m3fn:
+        return x
+    if spelling.fp8_scaling == "div":
+        scaled = x.float() / kv_scale
+    else:  # look-alike: rounds differently from a true division
+        scaled = x.float() * (1.0 / kv_scale)
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def insert(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, spelling: GqaSpelling) -> None:
+    """``cache[slot // bs, slot % bs] = rows`` for the first ``len(slot_mapping)`` rows
+    (every slot valid, see the module docstring)."""
+    n = slot_mapping.shape[0]
+    if spelling.cache_layout == "slots_heads":  # [NB, bs, Hkv, D]
+        block_size = cache.shape[1]
+        cache[slot_mapping // block_size, slot_mapping % block_size] = rows[:n]
+    else:  # look-alike: [NB, Hkv, bs, D]
+        block_size = cache.shape[2]
+        cache[slot_mapping // block_size, :, slot_mapping % block_size] = rows[:n]
+
+
+def gqa_prep(
+    qkv: torch.Tensor,
+    q_norm: nn.Module | None,
+    k_norm: nn.Module | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    num_q_heads: int,
+    num_kv_heads: int,
+    spelling: GqaSpelling,
+) -> torch.Tensor:
+    """qkv [T, (Hq + 2*Hkv)*D] -> the prepared q [T, Hq, D]; k and v of the first
+    ``len(slot_mapping)`` tokens written into the caches."""
+    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    q, k, v = split_qkv(qkv, num_q_heads, num_kv_heads, head_dim, spelling)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    cos, sin = cos_sin(cos_sin_cache, positions)
+    q, k = rope(q, cos, sin, spelling), rope(k, cos, sin, spelling)
+    insert(k_cache, cache_rows(k, kv_scale, spelling), slot_mapping, spelling)
+    insert(v_cache, cache_rows(v, kv_scale, spelling), slot_mapping, spelling)
+    return q
+
+
+def make_norms(head_dim: int, eps: float, spelling: GqaSpelling, generator: torch.Generator):
+    """(q_norm, k_norm) modules with random weights near 1, or (None, None) without norm."""
+    if not spelling.has_norm:
+        return None, None
+    norms = []
+    for norm_eps in (eps, eps if spelling.k_eps is None else spelling.k_eps):
+        weight = (1 + 0.3 * torch.randn(head_dim, generator=generator)).to(spelling.dtype)
+        norms.append(RMSNorm(weight, norm_eps, spelling.norm))
+    return tuple(norms)
+
+
+def kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, spelling: GqaSpelling,
+             device=None) -> torch.Tensor:
+    """A zeroed paged cache in the spelling's layout and dtype."""
+    shape = ((num_blocks, block_size, num_kv_heads, head_dim) if spelling.cache_layout == "slots_heads"
+             else (num_blocks, num_kv_heads, block_size, head_dim))
+    return torch.zeros(shape, device=device).to(spelling.cache_dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Example models: an attention block that uses the preparation
+# --------------------------------------------------------------------------------------
+class GqaAttentionLayer(nn.Module):
+    """The fused qkv projection, the preparation, and causal-free attention over the
+    cache's just-written rows (read back through q and the bf16 k, v)."""
+
+    def __init__(self, dim: int, num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 spelling: GqaSpelling, generator: torch.Generator) -> None:
+        super().__init__()
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim: must be one of {HEAD_DIMS}, got {head_dim}")
+        self.num_q_heads, self.num_kv_heads, self.head_dim, self.spelling = num_q_heads, num_kv_heads, head_dim, spelling
+
+        def weight(*shape):
+            return nn.Parameter((torch.randn(*shape, generator=generator) * shape[-1] ** -0.5).to(spelling.dtype),
+                                requires_grad=False)
+
+        self.wqkv = weight((num_q_heads + 2 * num_kv_heads) * head_dim, dim)
+        self.wo = weight(dim, num_q_heads * head_dim)
+        self.q_norm, self.k_norm = make_norms(head_dim, eps, spelling, generator)
+
+    def forward(self, x, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, kv_scale=None):
+        qkv = F.linear(x, self.wqkv)
+        q = gqa_prep(qkv, self.q_norm, self.k_norm, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
+                     kv_scale, self.num_q_heads, self.num_kv_heads, self.spelling)
+        # attention-like consumer of the prepared q: each q head against its group's v
+        v = qkv[:, -self.num_kv_heads * self.head_dim :].view(-1, self.num_kv_heads, self.head_dim)
+        v = v.repeat_interleave(self.num_q_heads // self.num_kv_heads, dim=1)
+        scores = torch.einsum("thd,shd->hts", q, v).float() * self.head_dim**-0.5
+        out = torch.einsum("hts,shd->thd", scores.softmax(-1).to(v.dtype), v)
+        return x + F.linear(out.flatten(1), self.wo)
+
+
+class GqaAttentionBlock(nn.Module):
+    """A few :class:`GqaAttentionLayer` with random weights, one (k, v) cache pair each."""
+
+    def __init__(self, num_layers: int = 2, dim: int = 64, num_q_heads: int = 4, num_kv_heads: int = 2,
+                 head_dim: int = 64, eps: float = 1e-6, spelling: GqaSpelling = GQA_SPELLINGS[0], seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.spelling = spelling
+        self.layers = nn.ModuleList(
+            GqaAttentionLayer(dim, num_q_heads, num_kv_heads, head_dim, eps, spelling, generator)
+            for _ in range(num_layers)
+        )
+
+    def forward(self, x, positions, slot_mapping, cos_sin_cache, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_scale=None):
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+            x = layer(x, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, kv_scale)
+        return x
+
+
+# The demo's example models: a Qwen3-style and a Llama-style block.
+EXAMPLE_MODELS: dict[str, GqaSpelling] = {
+    "Qwen3-style (q/k RMSNorm, NeoX RoPE, bf16 cache)": GQA_SPELLINGS[0],
+    "Llama-style (no q/k norm, NeoX RoPE, fp8 cache)": GqaSpelling("llama-hf-fp8", norm="none",
+                                                                   cache_dtype=torch.float8_e4m3fn),
+}
