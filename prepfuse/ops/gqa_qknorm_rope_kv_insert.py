@@ -255,18 +255,19 @@ if has_triton():
                         row + (Hq + heads) * HEAD_DIM, real, k_w_ptr, cs_row, eps,
                         HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
                     )
-                    dst = k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads[:, None] * stride_kh
+                    # (k_rows, v_dst: one name per branch; triton wants a name's type equal in both)
+                    k_rows = k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads[:, None] * stride_kh
                     r = tl.arange(0, ROT_DIM)
-                    _store_cache_rows(dst + r[None, :], rot, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+                    _store_cache_rows(k_rows + r[None, :], rot, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
                     if ROT_DIM < HEAD_DIM:
-                        _store_cache_rows(dst + d[None, :], normed, real[:, None] & (d >= ROT_DIM)[None, :],
+                        _store_cache_rows(k_rows + d[None, :], normed, real[:, None] & (d >= ROT_DIM)[None, :],
                                           scale_ptr, CACHE_FP8, SOFT_ROUNDING)
                 else:
                     heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
                     real = heads < Hkv
                     v = tl.load(row + (Hq + Hkv + heads)[:, None] * HEAD_DIM + d[None, :], mask=real[:, None])
-                    dst = v_cache_ptr + blk * stride_vb + slot_row * stride_vr + heads[:, None] * stride_vh + d[None, :]
-                    _store_cache_rows(dst, v, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+                    v_dst = v_cache_ptr + blk * stride_vb + slot_row * stride_vr + heads[:, None] * stride_vh + d[None, :]
+                    _store_cache_rows(v_dst, v, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
 
 
 def _launch_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, int]:

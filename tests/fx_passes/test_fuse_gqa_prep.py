@@ -602,7 +602,10 @@ def test_spelling_fuses_on_cuda(name, v2, device, num_tokens):
     slots = r.case.slot_mapping
 
     def assert_within(got, want, rope_input):
-        bound = 2 * pair_bound(rope_input, spelling) + want.float().abs() * 2**-7
+        # 2^-6 |want|, not one ULP (2^-7): with the weighted norm a one-ULP flip of the
+        # normed value becomes w * (n + ulp), rounded again: up to two ULPs of the result
+        # (seen on an H200 in a pass-through dim of the partial-rotary spelling)
+        bound = 2 * pair_bound(rope_input, spelling) + want.float().abs() * 2**-6
         assert ((got.float() - want.float()).abs() <= bound).all()
 
     assert_within(first(r.out), first(r.ref_out), q_in)
