@@ -173,3 +173,45 @@ def static_input_indices() -> tuple[frozenset[int], int] | None:
     if metadata is None or indices is None:
         return None
     return frozenset(indices), len(metadata.input_info)
+
+
+def register_unpooled_fallback(op) -> None:
+    """Lower ``op`` in Inductor as an extern call whose output buffer is never reused.
+
+    Inductor reuses a dead buffer's memory for a later buffer of the same size (and lets
+    a pointwise kernel write in place into a dead input). For an op whose output is a
+    view of persistent memory shared with other calls (``prepfuse::scratch``), that
+    would let Inductor's own buffers overwrite bytes another handout owns. The output is
+    therefore added to ``V.graph.never_reuse_buffers`` (present, with the same meaning,
+    in torch 2.11 through 2.14). Safe to call more than once.
+    """
+    from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
+    from torch._inductor.virtualized import V
+
+    if getattr(lowerings.get(op), "_prepfuse_unpooled", False):
+        return  # already ours (a plain fallback Inductor made for an earlier graph is replaced)
+    fallback = fallback_handler(op, add_to_fallback_set=False)
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _lower(*args, **kwargs):
+        out = fallback(*args, **kwargs)
+        V.graph.never_reuse_buffers.add(out.get_name())
+        return out
+
+    lowerings[op]._prepfuse_unpooled = True
+
+
+def inductor_reads_inputs_when_it_runs(target) -> bool:
+    """Whether Inductor lowers calls of ``target`` so that they read their inputs when
+    they run, from realized buffers: an extern or fallback kernel (no lowering, or a
+    fallback handler: custom ops, unlowered aten ops) or a matmul (Inductor realizes its
+    inputs for the extern call or template). Anything else may be inlined lazily into a
+    later kernel, which then reads the inputs at *its* position in the schedule.
+    """
+    from torch._inductor.lowering import lowerings
+
+    aten = torch.ops.aten
+    if target in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
+        return True
+    lowering = lowerings.get(target)
+    return lowering is None or getattr(lowering, "_is_fallback_handler", False)

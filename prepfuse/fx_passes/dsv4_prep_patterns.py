@@ -62,7 +62,7 @@ def match_q_side(cat: torch.fx.Node) -> QSide:
         prepared = cat(y[..., :448], stack(e*c - o*s, e*s + o*c).flatten(-2)).to(bf16)
         out = pad(prepared, heads H -> HP)
       ->
-        q_out = empty(T, HP, 512)                        # prepfuse_q_out_scratch
+        q_out = scratch(T, HP, 512)                      # prepfuse_q_out_scratch (arena view)
         af = auto_functionalized(dsv4_qnorm_rope_kv_insert, q, kv=.., q_out, k_cache=.., ..)
         out = af[q_out]
     """

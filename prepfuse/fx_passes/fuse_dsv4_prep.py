@@ -32,6 +32,13 @@ call's inputs; otherwise, and for a side matched alone, the call gets an empty o
 side: no q heads (``q``, ``q_out`` of shape ``[T, 0, 512]``) or no inserted rows
 (``slot_mapping`` of length 0, a dummy one-block cache, any bf16 ``[T, 512]`` as kv).
 
+q_out: arena memory (``scratch_buffer``: a ``prepfuse::scratch`` node, reservation
+``dsv4_qnorm_rope_kv_insert.q_out.<k>``, or the q_out an earlier call of the graph wrote
+when nothing reads that any more), so no padded q is allocated per call after the KV
+cache was sized; or, when the unfused code writes a caller's ``[T, HP, 512]`` buffer
+whole, that buffer. See
+``docs/cudagraphs.md`` for the arena's lifetimes.
+
 Negative slots: the eager write ``cache[slot // bs, slot % bs] = row`` sends slot -1 to
 the last row of the last block (Python index wraparound); the fused op skips negative
 slots. The model code this pass fuses must pass valid slots, or mean "skip" by -1.
@@ -46,19 +53,22 @@ import torch.fx
 from torch._guards import detect_fake_mode
 
 from prepfuse._compat import auto_functionalized_ops
-from prepfuse.fx_passes import dsv4_prep_patterns, recognizers
+from prepfuse.fx_passes import dsv4_prep_patterns, recognizers, scratch_node
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.dsv4_prep_patterns import (
     KvSide, NoMatch, QSide, cache_write, first_rows_of, head_padding, match_kv_side, match_q_side,
 )
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
 from prepfuse.fx_passes.recognizers import aten, is_op, same_size, shape, val
-from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT
+from prepfuse.fx_passes.scratch_node import scratch_buffer
+from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SLOT_BYTES
 
-# q_out is a fresh per-graph buffer for now; a reserved scratch arena (allocated before
-# KV-cache sizing, SPEC section 2 lesson 2) will replace this node by name.
+# q_out comes from the scratch arena (reserved before KV-cache sizing, SPEC section 2
+# lesson 2): reservations "dsv4_qnorm_rope_kv_insert.q_out.<k>"; the node keeps this
+# name in debug dumps.
 Q_SCRATCH_NAME = "prepfuse_q_out_scratch"
+Q_SCRATCH_BASE = "dsv4_qnorm_rope_kv_insert.q_out"
 
 
 class FuseDsv4PrepPass(PrepfusePass):
@@ -69,11 +79,11 @@ class FuseDsv4PrepPass(PrepfusePass):
     """
 
     name = "fuse_dsv4_prep"
-    uuid_sources = (dsv4_prep_patterns, recognizers)
+    uuid_sources = (dsv4_prep_patterns, recognizers, scratch_node)
 
     def settings(self) -> tuple:
-        # the emitted call's schema: an op change must invalidate cached compiled graphs too
-        return (str(DSV4_QNORM_ROPE_KV_INSERT._schema),)
+        # the emitted calls' schemas: an op change must invalidate cached compiled graphs too
+        return (str(DSV4_QNORM_ROPE_KV_INSERT._schema), str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
         self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -143,8 +153,11 @@ class FuseDsv4PrepPass(PrepfusePass):
             tokens = emit.size(kv.kv, 0)
             q_in = emit.empty([tokens, 0, HEAD_DIM], torch.bfloat16, kv.kv)
             padded_heads, positions, table, eps, buffer = 0, kv.positions, kv.cos_sin_cache, 0.0, None
-        if buffer is None or val(buffer).stride(-1) != 1:
-            buffer = emit.empty([tokens, padded_heads, HEAD_DIM], torch.bfloat16, q_in, name=Q_SCRATCH_NAME if q else None)
+        if q is None:  # no heads: a zero-byte q_out, nothing to reserve
+            buffer = emit.empty([tokens, 0, HEAD_DIM], torch.bfloat16, q_in)
+        elif buffer is None or val(buffer).stride(-1) != 1:
+            buffer = emit.scratch(Q_SCRATCH_BASE, [tokens, padded_heads, HEAD_DIM], torch.bfloat16, q_in,
+                                  name=Q_SCRATCH_NAME)
         q_out = buffer
         if kv is not None:
             k_cache, slots, block_size = kv.cache_in, kv.slots, kv.block_size
@@ -243,8 +256,15 @@ class _Emitter:
         size = shape(tensor)[dim]
         return size if isinstance(size, int) else self.node(aten.sym_size.int, tensor, dim)
 
-    def empty(self, sizes, dtype, like: torch.fx.Node, name: str | None = None) -> torch.fx.Node:
-        return self.node(aten.empty.memory_format, sizes, name=name, dtype=dtype, device=val(like).device, pin_memory=False)
+    def empty(self, sizes, dtype, like: torch.fx.Node) -> torch.fx.Node:
+        return self.node(aten.empty.memory_format, sizes, dtype=dtype, device=val(like).device, pin_memory=False)
+
+    def scratch(self, base: str, sizes, dtype, like: torch.fx.Node, name: str) -> torch.fx.Node:
+        """An arena-backed output buffer (``scratch_buffer``): no allocation per call."""
+        node = scratch_buffer(self.graph, self.point, base, sizes, dtype, val(like).device, node_name=name)
+        if node.target is SCRATCH and self.stack_trace and "stack_trace" not in node.meta:
+            node.meta["stack_trace"] = self.stack_trace
+        return node
 
     def functional_call(self, op, kwargs: dict) -> dict[str, torch.fx.Node]:
         """``auto_functionalized[_v2](op, ..)`` and a getitem per written argument, by name.

@@ -2,7 +2,8 @@
 
 Importing this package registers every op once per process. Each op's module holds its
 math, kernel, reference implementation, checks and registration; the overload
-constants below are what passes and tests refer to.
+constants below are what passes and tests refer to. ``SCRATCH`` is no fused op: it is
+the graph node through which passes take output buffers from the scratch arena.
 """
 
 from prepfuse.ops._library import NAMESPACE, registered_ops
@@ -26,6 +27,7 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import (
     gqa_qknorm_rope_kv_insert_reference,
     gqa_qknorm_rope_kv_insert_triton,
 )
+from prepfuse.ops.scratch import SCRATCH
 
 __all__ = [
     "NAMESPACE",
@@ -42,4 +44,5 @@ __all__ = [
     "GQA_QKNORM_ROPE_KV_INSERT",
     "gqa_qknorm_rope_kv_insert_reference",
     "gqa_qknorm_rope_kv_insert_triton",
+    "SCRATCH",
 ]

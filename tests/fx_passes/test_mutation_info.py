@@ -39,6 +39,7 @@ from prepfuse.ops import (
     DSV4_INDEXER_ROPE_MXFP4_INSERT,
     DSV4_QNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT,
+    SCRATCH,
     registered_ops,
 )
 from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
@@ -193,9 +194,16 @@ def test_dsv4_indexer_mutated_args_follow_the_schema():
     )
 
 
+# ops that write no argument (functionalization calls them as they are): no metadata
+WRITES_NOTHING = (SCRATCH,)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("op", registered_ops(), ids=str)
 def test_registered_op_metadata_matches_functionalization(op, version):
+    if op in WRITES_NOTHING:
+        assert mutated_args(op) == () and v1_output_indices(op) == {}
+        return
     if op not in REGISTERED_OP_INPUTS:
         pytest.fail(f"add sample inputs for {op} to REGISTERED_OP_INPUTS in {__file__}")
     node = check_metadata_against_graph(lambda *args: op(*args), REGISTERED_OP_INPUTS[op](), version)

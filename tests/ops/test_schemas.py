@@ -32,8 +32,10 @@ from prepfuse.ops import (
     DSV4_QNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT,
     NAMESPACE,
+    SCRATCH,
     registered_ops,
 )
+from prepfuse.scratch import ScratchArena, use_arena
 from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "schemas.txt"
@@ -196,11 +198,21 @@ def _dsv4_indexer_opcheck_samples(fmt: str) -> list[tuple]:
     return [partial.args(), decode.args()]
 
 
+def _scratch_opcheck_samples() -> list[tuple]:
+    # a padded q as the DeepSeek-V4 pass takes it, another dtype and rank, zero tokens
+    return [
+        ("dsv4_qnorm_rope_kv_insert.q_out.0", [7, 8, 512], torch.bfloat16, torch.device("cpu")),
+        ("opcheck.other", [5, 3], torch.float32, torch.device("cpu")),
+        ("opcheck.empty", [0, 8, 512], torch.bfloat16, torch.device("cpu")),
+    ]
+
+
 OPCHECK_SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[tuple]]] = {
     DSV4_QNORM_ROPE_KV_INSERT: _dsv4_opcheck_samples,
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: _dsv4_indexer_opcheck_samples("fp8"),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_opcheck_samples("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_opcheck_samples,
+    SCRATCH: _scratch_opcheck_samples,
 }
 
 
@@ -210,8 +222,9 @@ def test_opcheck(op):
         pytest.fail(f"add opcheck samples for {op} to OPCHECK_SAMPLES in {__file__}")
     samples = OPCHECK_SAMPLES[op]()
     assert len(samples) >= 2, f"{op}: give opcheck at least two sample sets"
-    for args in samples:
-        torch.library.opcheck(op, args, test_utils=opcheck_utils(args))
+    with use_arena(ScratchArena()):  # scratch's views come from a throwaway arena
+        for args in samples:
+            torch.library.opcheck(op, args, test_utils=opcheck_utils(args))
 
 
 def opcheck_utils(args: tuple) -> tuple[str, ...]:
@@ -251,11 +264,19 @@ def _dsv4_indexer_bad_shapes(fmt: str) -> tuple[tuple, tuple, str]:
     return good, inputs.args(), r"weights_out: dimension 1 must be H, q's head count"
 
 
+def _scratch_bad_shapes() -> tuple[tuple, tuple, str]:
+    """(valid args, args with a negative size, expected message)."""
+    cpu = torch.device("cpu")
+    good, bad = ("x", [7, 8, 512], torch.bfloat16, cpu), ("x", [7, -8, 512], torch.bfloat16, cpu)
+    return good, bad, r"shape: sizes must be >= 0"
+
+
 FAKE_SHAPE_CHECKS: dict[torch._ops.OpOverload, Callable[[], tuple[tuple, tuple, str]]] = {
     DSV4_QNORM_ROPE_KV_INSERT: _dsv4_bad_shapes,
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: _dsv4_indexer_bad_shapes("fp8"),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_bad_shapes("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_bad_shapes,
+    SCRATCH: _scratch_bad_shapes,
 }
 
 

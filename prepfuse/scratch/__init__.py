@@ -1,0 +1,13 @@
+"""Reserved scratch memory for fused ops' outputs (issue #4): the arena, and which one is current.
+
+``ScratchArena`` (``arena.py``) holds named reservations and hands out views;
+``current_arena`` / ``use_arena`` (``current.py``) say which arena the
+``prepfuse::scratch`` op (``prepfuse/ops/scratch.py``) takes from. Passes emit that op
+with ``prepfuse.fx_passes.scratch_node.scratch_buffer``. The contract is in
+``docs/cudagraphs.md``.
+"""
+
+from prepfuse.scratch.arena import Reservation, ScratchArena
+from prepfuse.scratch.current import current_arena, default_arena, use_arena
+
+__all__ = ["Reservation", "ScratchArena", "current_arena", "default_arena", "use_arena"]

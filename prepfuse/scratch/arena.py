@@ -1,0 +1,235 @@
+"""A scratch arena: named, persistent buffers that fused ops write instead of allocating.
+
+Why it exists (SPEC section 2, lessons 1 and 2). An op that allocates its padded q on
+every call allocates *after* the engine has sized its KV cache from the memory left
+over, and OOMs under long context. The fix is to reserve that scratch during the
+profiling run, so the caching allocator already holds it (``memory_reserved`` counts
+it) when the KV cache is sized, and to hand out views of it on every forward. Sharing
+scratch is what broke the model-wide pool before: views of the same bytes were live at
+once on two streams. So the arena keeps three rules:
+
+- **Names never overlap.** Each (name, device) has its own storage; two names are two
+  allocations, so scratch that can be live at the same time (different names) can
+  never share a byte. A name's handout is live from one ``take`` to the next ``take``
+  of the same name: the caller (or the pass that emits the ``take``) gives two
+  handouts that must be live together two names.
+- **Reuse across streams is ordered.** ``take`` on stream S of a name whose previous
+  handout was used on stream U != S makes S wait for an event recorded on U at that
+  moment, i.e. for everything the host had queued on U by then, its reads of the old
+  handout included. ``record_stream`` adds a stream that reads a handout without having
+  taken it (a consumer on a side stream), as the caching allocator's ``record_stream``
+  does for its blocks.
+- **Frozen means fixed.** Before ``freeze()`` a ``take`` larger than the reservation grows
+  it (the profiling run, with the largest token count, sizes each name). After
+  ``freeze()`` nothing is allocated again: a view of at most the reserved bytes is handed
+  out, at the same address every time (CUDA-graph replays rely on it), and a larger
+  request is a ``RuntimeError`` naming the name and both sizes, never a silent
+  allocation.
+
+Capture. A ``take`` inside a CUDA-graph capture must fit the reservation (growing
+would allocate inside the capture): warm up, or ``reserve``, first. The captured graph
+writes that storage on every replay, so the arena keeps it: a later growth (before
+``freeze()``) gives the name new storage and retires the captured one, never freeing
+it, and only a frozen arena guarantees that every graph shares one address. Inside a
+capture only streams taking part in that capture are ordered with events; work queued
+before the capture began is finished by then (``torch.cuda.graph`` synchronizes the
+device when it starts), and a capture cannot wait for work outside it.
+Replays are invisible to the arena: eager work on another stream that takes a name a
+graph replays on must be ordered by the engine, or ``record_stream`` the replay stream.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+_ALIGN = 512  # bytes; the caching allocator's own granularity, so growth never wastes a block
+
+
+@dataclass
+class Reservation:
+    """One name's storage on one device and the streams its current handout is used on."""
+
+    name: str
+    device: torch.device
+    storage: torch.Tensor  # uint8 [nbytes]
+    captured: bool = False  # a CUDA graph captured this storage's address
+    retired: list = field(default_factory=list)  # captured storages replaced by growth, kept alive
+    users: dict = field(default_factory=dict)  # stream id -> torch.cuda.Stream
+    events: dict = field(default_factory=dict)  # stream id -> a reusable torch.cuda.Event
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a view of this name may use."""
+        return self.storage.numel()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held: the storage and any retired storage a CUDA graph still writes."""
+        return self.nbytes + sum(t.numel() for t in self.retired)
+
+    @property
+    def address_range(self) -> tuple[int, int]:
+        """[first byte, one past the last byte) of the reserved storage."""
+        start = self.storage.data_ptr()
+        return start, start + self.nbytes
+
+
+class ScratchArena:
+    """Named scratch buffers, reserved once and handed out as views on every call.
+
+    ``take(name, shape, dtype, device)`` returns a contiguous view of ``name``'s storage;
+    ``reserve`` sizes a name ahead of time; ``freeze()`` ends growth. See the module
+    docstring for lifetimes, streams and capture.
+
+    ``order_streams=False`` turns the cross-stream event ordering off. It exists only so
+    a test can show that its workload corrupts without the ordering (i.e. that the test
+    would catch a regression); nothing else should set it.
+    """
+
+    def __init__(self, *, order_streams: bool = True) -> None:
+        self._reservations: dict[tuple[str, torch.device], Reservation] = {}
+        self._frozen = False
+        self._order_streams = order_streams
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------------
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def freeze(self) -> None:
+        """End growth: from now on every ``take`` fits its reservation or raises."""
+        self._frozen = True
+
+    def reservations(self) -> list[Reservation]:
+        """Every reservation, by name then device."""
+        return sorted(self._reservations.values(), key=lambda r: (r.name, str(r.device)))
+
+    def reserved_bytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes held, on ``device`` or on every device (retired captured storage included)."""
+        device = None if device is None else _device(device)
+        return sum(r.held_bytes for r in self._reservations.values() if device is None or r.device == device)
+
+    def reserve(self, name: str, shape, dtype: torch.dtype, device) -> None:
+        """Make ``name`` on ``device`` hold at least a ``shape`` ``dtype`` tensor.
+
+        Before ``freeze()`` this grows the reservation when needed; after it, it checks
+        that the reservation already fits (``RuntimeError`` if not)."""
+        name, nbytes, device = _checked(name, shape, dtype, device)
+        with self._lock:
+            self._fitting(name, nbytes, device, shape, dtype)
+
+    def take(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """A contiguous ``shape`` ``dtype`` view of ``name``'s storage on ``device``.
+
+        Its bytes are whatever the previous handout left (zeros when just reserved).
+        The view stays valid until the next ``take`` of the same name; on CUDA the
+        current stream first waits for the streams that used the previous handout."""
+        name, nbytes, device = _checked(name, shape, dtype, device)
+        with self._lock:
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            reservation = self._fitting(name, nbytes, device, shape, dtype, capturing)
+            if capturing:
+                reservation.captured = True
+            if device.type == "cuda":
+                self._hand_over(reservation, torch.cuda.current_stream(device))
+            return reservation.storage[:nbytes].view(dtype).view(shape)
+
+    def record_stream(self, name: str, device, stream: torch.cuda.Stream) -> None:
+        """Mark ``stream`` as reading ``name``'s current handout, so that the next ``take``
+        from any other stream waits for what ``stream`` has queued by then."""
+        key = (name, _device(device))
+        if key not in self._reservations:
+            raise ValueError(f"name: no reservation {name!r} on {key[1]}")
+        with self._lock:
+            self._reservations[key].users[stream.stream_id] = stream
+
+    # ----------------------------------------------------------------------------------
+    def _fitting(self, name: str, nbytes: int, device: torch.device, shape, dtype,
+                 capturing: bool = False) -> Reservation:
+        """The reservation of (name, device), grown to ``nbytes`` if the arena may grow."""
+        reservation = self._reservations.get((name, device))
+        have = 0 if reservation is None else reservation.nbytes
+        if reservation is not None and nbytes <= have:
+            return reservation
+        if self._frozen and nbytes > 0:
+            raise RuntimeError(
+                f"scratch arena: {name!r} on {device} needs {nbytes} bytes ({tuple(shape)} {dtype}) but only {have} "
+                "were reserved before freeze(); reserve it during the profiling run, with the largest token count"
+            )
+        if capturing and nbytes > 0:
+            raise RuntimeError(
+                f"scratch arena: {name!r} on {device} needs {nbytes} bytes ({tuple(shape)} {dtype}) inside a "
+                f"CUDA-graph capture but only {have} are reserved; growing would allocate inside the capture: warm up (or "
+                "reserve) with this size before capturing"
+            )
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        storage = torch.zeros(size, dtype=torch.uint8, device=device)
+        if reservation is None:
+            reservation = self._reservations[(name, device)] = Reservation(name, device, storage)
+        else:
+            if reservation.captured:  # a graph replays into the old storage: keep it alive
+                reservation.retired.append(reservation.storage)
+                reservation.captured = False
+            # otherwise the old storage goes back to the caching allocator once its views are gone
+            reservation.storage = storage
+        return reservation
+
+    def _hand_over(self, reservation: Reservation, stream: torch.cuda.Stream) -> None:
+        """Order ``stream`` after every other stream that used the previous handout."""
+        if self._order_streams:
+            capturing = torch.cuda.is_current_stream_capturing()
+            for stream_id, user in reservation.users.items():
+                if stream_id == stream.stream_id or (capturing and not _is_capturing(user)):
+                    continue
+                event = reservation.events.get(stream_id)
+                if event is None:
+                    event = reservation.events[stream_id] = torch.cuda.Event()
+                event.record(user)
+                stream.wait_event(event)
+        reservation.users = {stream.stream_id: stream}
+
+
+def _is_capturing(stream: torch.cuda.Stream) -> bool:
+    """Whether ``stream`` is capturing now. The legacy default stream never is (capturing
+    on it is illegal), and asking about it while another stream captures is an error."""
+    if stream.cuda_stream == 0:
+        return False
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _device(device) -> torch.device:
+    """``device`` as a torch.device with an index on CUDA (so "cuda" and "cuda:0" are one key)."""
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as err:
+        raise ValueError(f"device: expected a torch.device or device string, got {device!r}") from err
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _checked(name, shape, dtype, device) -> tuple[str, int, torch.device]:
+    """(name, bytes a ``shape`` ``dtype`` tensor needs, device), or ValueError naming the argument."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    check_shape(shape)
+    return name, math.prod(shape) * dtype.itemsize, _device(device)
+
+
+def check_shape(shape) -> None:
+    """ValueError unless ``shape`` is a sequence of sizes, none known to be negative."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise ValueError(f"shape: expected a sequence of sizes, got {shape!r}")
+    for size in shape:
+        if not isinstance(size, (int, torch.SymInt)) or isinstance(size, bool):
+            raise ValueError(f"shape: sizes must be ints, got {size!r} in {list(shape)!r}")
+        if isinstance(size, int) and size < 0:
+            raise ValueError(f"shape: sizes must be >= 0, got {list(shape)!r}")
