@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from prepfuse.fx_passes import dsv4_indexer_patterns, dsv4_prep_patterns, recognizers
+from prepfuse.fx_passes import dsv4_indexer_patterns, dsv4_prep_patterns, recognizers, scratch_node
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.dsv4_indexer_patterns import KSide, NoMatch, QSide, find_writes, match_k_side, match_q_side
 from prepfuse.fx_passes.fuse_dsv4_prep import _Emitter  # node emission with fake values, shared
 from prepfuse.fx_passes.recognizers import convert_source, shape
-from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT
+from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, SCRATCH
 from prepfuse.ops.dsv4_indexer_common import FP8_SLOT_BYTES, HEAD_DIM
 
 
@@ -47,10 +47,10 @@ class FuseDsv4IndexerPrepPass(PrepfusePass):
     """
 
     name = "fuse_dsv4_indexer_prep"
-    uuid_sources = (dsv4_indexer_patterns, dsv4_prep_patterns, recognizers)
+    uuid_sources = (dsv4_indexer_patterns, dsv4_prep_patterns, recognizers, scratch_node)
 
     def settings(self) -> tuple:
-        return (str(DSV4_INDEXER_ROPE_FP8_INSERT._schema),)
+        return (str(DSV4_INDEXER_ROPE_FP8_INSERT._schema), str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
         q_sides, k_sides = self._find(graph)
@@ -117,8 +117,11 @@ class FuseDsv4IndexerPrepPass(PrepfusePass):
             k_cache, block_size = emit.empty([1, FP8_SLOT_BYTES], torch.uint8, like), 1
         args = dict(
             q=q_in, weights=weights, k=k_in,
-            q_out=emit.empty([tokens, heads, HEAD_DIM], torch.float8_e4m3fn, like),
-            weights_out=emit.empty([tokens, heads], torch.float32, like),
+            # outputs in scratch-arena memory (reserved before KV sizing), not allocated per call
+            q_out=emit.scratch("dsv4_indexer_rope_fp8_insert.q_out", [tokens, heads, HEAD_DIM], torch.float8_e4m3fn,
+                               like, name="prepfuse_indexer_q_out_scratch"),
+            weights_out=emit.scratch("dsv4_indexer_rope_fp8_insert.weights_out", [tokens, heads], torch.float32,
+                                     like, name="prepfuse_indexer_weights_out_scratch"),
             k_cache=k_cache, slot_mapping=slots, positions=positions, k_positions=k_positions,
             cos_sin_cache=q.cos_sin_cache if q else k.cos_sin_cache, weights_scale=weights_scale,
             block_size=block_size,

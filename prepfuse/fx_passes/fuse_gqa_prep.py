@@ -37,14 +37,14 @@ import torch
 import torch.fx
 
 from prepfuse._compat import auto_functionalized_ops
-from prepfuse.fx_passes import gqa_prep_patterns, recognizers
+from prepfuse.fx_passes import gqa_prep_patterns, recognizers, scratch_node
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.dsv4_prep_patterns import first_rows_of
 from prepfuse.fx_passes.fuse_dsv4_prep import _Emitter
 from prepfuse.fx_passes.gqa_prep_patterns import CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads
 from prepfuse.fx_passes.mutation_info import output_indices
 from prepfuse.fx_passes.recognizers import aten, expect, same_size, scatter_back, shape, val, view_chain
-from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT
+from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, SCRATCH
 
 PATTERN = "gqa"
 # q_out is a fresh per-graph buffer for now; a reserved scratch arena (allocated before
@@ -62,11 +62,11 @@ class FuseGqaPrepPass(PrepfusePass):
 
     name = "fuse_gqa_prep"
     # the pattern modules, and what this pass borrows from the DeepSeek-V4 pass
-    uuid_sources = (gqa_prep_patterns, recognizers, _Emitter, first_rows_of)
+    uuid_sources = (gqa_prep_patterns, recognizers, scratch_node, _Emitter, first_rows_of)
 
     def settings(self) -> tuple:
         # the emitted call's schema: an op change must invalidate cached compiled graphs too
-        return (str(GQA_QKNORM_ROPE_KV_INSERT._schema),)
+        return (str(GQA_QKNORM_ROPE_KV_INSERT._schema), str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
         self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -184,10 +184,12 @@ class FuseGqaPrepPass(PrepfusePass):
 
 
 def q_out_buffer(emit: _Emitter, q: Heads) -> torch.fx.Node:
-    """The op's ``q_out [T, Hq, D]``: a fresh per-graph buffer (the one place to change
-    when a reserved scratch arena provides it)."""
+    """The op's ``q_out [T, Hq, D]``: scratch-arena memory (reservation
+    ``gqa_qknorm_rope_kv_insert.q_out.<k>``, reserved before KV sizing; see
+    ``fx_passes/scratch_node.py``), never a per-call allocation."""
     tokens = emit.size(q.qkv, 0)
-    return emit.empty([tokens, q.num_heads, q.head_dim], torch.bfloat16, q.qkv, name=Q_SCRATCH_NAME)
+    return emit.scratch("gqa_qknorm_rope_kv_insert.q_out", [tokens, q.num_heads, q.head_dim], torch.bfloat16, q.qkv,
+                        name=Q_SCRATCH_NAME)
 
 
 def _v_write_of(k: Heads, k_write: CacheWrite, v_writes: list[CacheWrite], used: set) -> CacheWrite:
