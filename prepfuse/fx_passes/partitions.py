@@ -54,10 +54,16 @@ def _op_of(node: torch.fx.Node) -> torch._ops.OpOverload | None:
     return functionalized_op(node)
 
 
-def is_prepfuse_node(node: torch.fx.Node) -> bool:
-    """A call of any ``prepfuse`` op (fused ops, scratch allocation ...), in place or functional."""
+def is_prep_call(node: torch.fx.Node) -> bool:
+    """A ``prepfuse`` call that does work: its op writes an argument (a fused op, in place
+    or functional). An op that writes nothing (``prepfuse::scratch``, an arena view) is
+    an allocation: the placement pass moves it only along with its consumer."""
     op = _op_of(node)
-    return op is not None and op.namespace == NAMESPACE
+    return (
+        op is not None
+        and op.namespace == NAMESPACE
+        and any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+    )
 
 
 def op_names(op: torch._ops.OpOverload) -> tuple[str, str]:
@@ -221,6 +227,6 @@ def plan_partitions(
                 unsafe_reason(node, device) or input_mutation_reason(node, non_static) or ""),
             source=short_source(node.meta.get("stack_trace")),
         ))
-        if is_prepfuse_node(node):
+        if is_prep_call(node):  # fused calls; an arena view (prepfuse::scratch) is no work
             plan.prepfuse_nodes.append(node.name)
     return plan

@@ -42,7 +42,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.buffer_access import read_storages, written_storages
 from prepfuse.fx_passes.graph_print import target_name
 from prepfuse.fx_passes.mutation_info import functionalized_op
-from prepfuse.fx_passes.partitions import PartitionPlan, PlacementPolicy, is_prepfuse_node
+from prepfuse.fx_passes.partitions import PartitionPlan, PlacementPolicy, is_prep_call
 
 log = logging.getLogger("prepfuse.passes")
 
@@ -82,7 +82,7 @@ class PlacementPass(PrepfusePass):
                 k += 1
             else:
                 segment[n] = k
-        needed = _ancestors([n for n in nodes if is_prepfuse_node(n) and segment.get(n, 0) > 0])
+        needed = _ancestors([n for n in nodes if is_prep_call(n) and segment.get(n, 0) > 0])
 
         access = _BufferAccess(nodes)
         # bound[n]: the earliest segment n may run in, and the dependency that sets it
@@ -97,7 +97,7 @@ class PlacementPass(PrepfusePass):
         for n in reversed(nodes):
             if n not in bound:
                 continue
-            if is_prepfuse_node(n) and bound[n][0] < segment[n]:
+            if is_prep_call(n) and bound[n][0] < segment[n]:
                 target[n] = bound[n][0]
             later = [target[u] for u in n.users if u in target]
             if later:
@@ -106,10 +106,10 @@ class PlacementPass(PrepfusePass):
         for n in nodes:
             if n in target and target[n] < segment[n]:
                 splits[target[n]].prepend(n)
-                if is_prepfuse_node(n):
+                if is_prep_call(n):
                     moved += 1
                     self.log.matched(self.name, f"ahead of {_op_name(splits[target[n]])}", n)
-            elif is_prepfuse_node(n) and n in bound and segment[n] > 0:
+            elif is_prep_call(n) and n in bound and segment[n] > 0:
                 self.log.declined(self.name, f"after {_op_name(splits[segment[n] - 1])}", n, f"it {bound[n][1]}")
         return moved
 

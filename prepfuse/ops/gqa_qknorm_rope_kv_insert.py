@@ -271,16 +271,24 @@ if has_triton():
 
 
 def _launch_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, int]:
-    """(heads per program, warps per program). Not yet swept on a GPU: the dsv4 op's
-    table (bench/README.md) scaled to head size, i.e. about 512 values per program at
-    large T (bandwidth bound), a single head at T <= 4 (latency bound), two warps."""
+    """(heads per program, warps per program), from the H200 sweep
+    (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
+    ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200.json``).
+
+    Large T is bandwidth bound and the kernel's per-value work is not small (norm, two
+    roundings, the rotation, fp8 division): one warp per program carrying about 1024
+    values (8 heads of 128) beat every wider configuration (Qwen3-8B, T=16384: 122 us
+    against 140 us at 4 heads x 2 warps; Llama-3-8B 118 against 131). At T <= 4 one head
+    per program spreads a token over the most programs (latency bound); in between, 256
+    values per program on two warps.
+    """
     if num_tokens <= 4:
-        block_h = 1
+        block_h, num_warps = 1, 2
     elif num_tokens <= 128:
-        block_h = max(1, 256 // head_dim)
+        block_h, num_warps = max(1, 256 // head_dim), 2
     else:
-        block_h = max(2, 512 // head_dim)
-    return min(block_h, triton.next_power_of_2(max_heads)), 2
+        block_h, num_warps = max(1, 1024 // head_dim), 1
+    return min(block_h, triton.next_power_of_2(max_heads)), num_warps
 
 
 def gqa_qknorm_rope_kv_insert_triton(

@@ -167,11 +167,11 @@ arg4 = placeholder()
 arg5 = placeholder()
 arg6 = placeholder()
 mul = aten.mul.Tensor(arg0, 2)
-empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg1, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
+scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
+dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg1, arg2, scratch, arg3, arg4, arg5, arg6, 1e-06, 16)
 attention = prepfuse_test.attention.default(mul, arg0)
 add = aten.add.Tensor(attention, 1)
-return (add, empty)""")
+return (add, scratch)""")
 
 
 def test_report_gives_the_partition_of_each_prepfuse_op():
@@ -249,9 +249,9 @@ arg5 = placeholder()
 arg6 = placeholder()
 mul = aten.mul.Tensor(arg0, 2)
 attention = prepfuse_test.attention.default(arg1, mul)
-empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
-return (empty,)""")
+scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
+dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, scratch, arg3, arg4, arg5, arg6, 1e-06, 16)
+return (scratch,)""")
 
 
 @pytest.mark.parametrize("v2", [pytest.param(False, id="v1"), pytest.param(True, id="v2")])
@@ -275,9 +275,9 @@ arg5 = placeholder()
 arg6 = placeholder()
 mul = aten.mul.Tensor(arg0, 2)
 attention = prepfuse_test.attention.default(mul, arg1)
-empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, empty, arg1, arg4, arg5, arg6, 1e-06, 16)
-return (attention, empty)""")
+scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
+dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, scratch, arg1, arg4, arg5, arg6, 1e-06, 16)
+return (attention, scratch)""")
 
 
 def test_prep_moves_back_to_the_partition_after_its_last_dependency():
@@ -299,11 +299,11 @@ arg5 = placeholder()
 arg6 = placeholder()
 mul = aten.mul.Tensor(arg0, 2)
 attention = prepfuse_test.attention.default(arg1, mul)
-empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
+scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
+dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, scratch, arg3, arg4, arg5, arg6, 1e-06, 16)
 attention_1 = prepfuse_test.attention.default(mul, arg0)
 sub = aten.sub.Tensor(attention_1, 1)
-return (sub, empty)""")
+return (sub, scratch)""")
 
 
 # --------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def test_layers_of_one_graph_share_one_reservation(arena):
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)  # as test_attention_block_dynamic
     assert [r.name for r in arena.reservations()] == [Q_OUT_0]
     (report,) = backend.reports
-    assert report.matched_counts == {"fuse_dsv4_prep": 2}
+    assert {k: v for k, v in report.matched_counts.items() if v} == {"fuse_dsv4_prep": 2}
     lines = [line.split(", q=")[0] + (", _all_bases=" + line.split("_all_bases=")[1] if "_all_bases" in line else "")
              for line in report.graph.splitlines() if "scratch" in line or "auto_functionalized" in line]
     expecttest.assert_expected_inline("\n".join(lines), """\
@@ -200,7 +200,7 @@ def test_a_call_reuses_an_earlier_buffer_only_when_nothing_reads_it_later(arena,
     out = torch.compile(fn, backend=backend, fullgraph=True)(a.q, qb, a.positions, a.cos_sin_cache)
     ref = fn(a.q, qb, a.positions, a.cos_sin_cache)
     (report,) = backend.reports
-    assert report.matched_counts == {"fuse_dsv4_prep": 2, "defunctionalize": 2}
+    assert {k: v for k, v in report.matched_counts.items() if v} == {"fuse_dsv4_prep": 2, "defunctionalize": 2}
     assert [r.name for r in arena.reservations()] == names
     if readers == "cast_then_together":  # bf16 * bf16 is exact in fp32; each factor within 1 ULP
         torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
