@@ -15,7 +15,9 @@ The backend installs one ``PrepfusePassManager`` as Inductor's
 
 4. with ``strict``, fails the compile if an ``auto_functionalized`` call of a prepfuse
    op survived (so a new op the passes do not handle cannot slip through silently),
-5. with a ``placement`` policy (``splitting_ops`` / ``cudagraphs``), assigns each node of
+5. with ``cudagraphs="piecewise"``, turns arena views into graph buffers, which
+   cudagraph trees keep in their pool (``scratch_node.scratch_to_pool_buffers``),
+6. with a ``placement`` policy (``splitting_ops`` / ``cudagraphs``), assigns each node of
    the final graph its CUDA-graph partition (``partitions.py``), puts each prepfuse op's
    partition in the report, and fails the compile when a prepfuse op would run outside
    every captured partition or an uncapturable node sits inside one (``placement.py``).
@@ -46,6 +48,7 @@ from prepfuse.fx_passes.graph_print import normalized_graph
 from prepfuse.fx_passes.partitions import PlacementPolicy, plan_partitions, static_placeholders
 from prepfuse.fx_passes import placement as placement_module
 from prepfuse.fx_passes.placement import check_placement, raise_on_problems
+from prepfuse.fx_passes.scratch_node import scratch_to_pool_buffers
 from prepfuse.fx_passes.report import GraphReport
 
 log = logging.getLogger("prepfuse.passes")
@@ -102,6 +105,11 @@ class PrepfusePassManager(CustomGraphPass):
             report.add_pass(p, stack_traces)
             if dump_to:
                 _write(os.path.join(dump_to, f"{i:02d}_{p.name}.after.py"), _graph_text(graph))
+        if self.placement is not None and self.placement.cudagraphs == "piecewise":
+            # cudagraph trees own every partition's buffers (see scratch_to_pool_buffers)
+            moved = scratch_to_pool_buffers(graph)
+            if moved:
+                log.debug("cudagraphs='piecewise': %d scratch views -> cudagraph-tree pool buffers", moved)
         report.finish(graph)
         problems: list[str] = []
         if self.placement is not None:
@@ -134,6 +142,7 @@ class PrepfusePassManager(CustomGraphPass):
         if self.placement is not None:
             digest.update(f"placement:{self.placement.uuid()};".encode())
             digest.update(inspect.getsource(placement_module).encode())  # the check
+            digest.update(inspect.getsource(scratch_to_pool_buffers).encode())
         digest.update(repr((self.strict, self.settings)).encode())
         return digest.hexdigest()
 

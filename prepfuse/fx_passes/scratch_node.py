@@ -39,7 +39,7 @@ from prepfuse.fx_passes.mutation_info import functionalized_op, mutated_inputs, 
 from prepfuse.ops import SCRATCH
 from prepfuse.ops.scratch import ensure_inductor_lowering
 
-__all__ = ["scratch_buffer", "emit_scratch", "scratch_name", "scratch_nodes"]
+__all__ = ["scratch_buffer", "emit_scratch", "scratch_name", "scratch_nodes", "scratch_to_pool_buffers"]
 
 aten = torch.ops.aten
 # ops that read only a tensor's metadata, never its bytes
@@ -170,3 +170,28 @@ def _reads_when_it_runs(node: torch.fx.Node) -> bool:
     if functionalized_op(node) is not None:  # a prepfuse call: an extern kernel
         return True
     return isinstance(node.target, torch._ops.OpOverload) and inductor_reads_inputs_when_it_runs(node.target)
+
+
+def scratch_to_pool_buffers(graph: torch.fx.Graph) -> int:
+    """Replace every ``prepfuse::scratch`` view by a graph buffer (``aten.empty``); return how many.
+
+    For ``cudagraphs="piecewise"``: Inductor's cudagraph trees own the memory of every
+    buffer a captured partition produces, in the tree's private pool, and refuse a
+    partition output (the padded q handed to the eager attention op, or returned) that
+    lives elsewhere: "storage data ptrs are not allocated in pool" (seen on an H200 with
+    torch 2.11). Under the trees the pool plays the arena's part: allocated once at
+    capture, the same addresses on every replay, no allocation per call. Sizes are the
+    scratch node's own (ints or SymInt nodes).
+    """
+    replaced = 0
+    for node in scratch_nodes(graph):
+        _, sizes, dtype, device = node.args
+        with graph.inserting_before(node):
+            empty = graph.call_function(
+                aten.empty.memory_format, (list(sizes),), {"dtype": dtype, "device": device, "pin_memory": False}
+            )
+        empty.meta.update(node.meta)
+        node.replace_all_uses_with(empty)
+        graph.erase_node(node)
+        replaced += 1
+    return replaced

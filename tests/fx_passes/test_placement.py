@@ -167,11 +167,11 @@ arg4 = placeholder()
 arg5 = placeholder()
 arg6 = placeholder()
 mul = aten.mul.Tensor(arg0, 2)
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg1, arg2, scratch, arg3, arg4, arg5, arg6, 1e-06, 16)
+empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
+dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg1, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
 attention = prepfuse_test.attention.default(mul, arg0)
 add = aten.add.Tensor(attention, 1)
-return (add, scratch)""")
+return (add, empty)""")
 
 
 def test_report_gives_the_partition_of_each_prepfuse_op():
@@ -249,9 +249,9 @@ arg5 = placeholder()
 arg6 = placeholder()
 mul = aten.mul.Tensor(arg0, 2)
 attention = prepfuse_test.attention.default(arg1, mul)
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, scratch, arg3, arg4, arg5, arg6, 1e-06, 16)
-return (scratch,)""")
+empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
+dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
+return (empty,)""")
 
 
 @pytest.mark.parametrize("v2", [pytest.param(False, id="v1"), pytest.param(True, id="v2")])
@@ -275,9 +275,9 @@ arg5 = placeholder()
 arg6 = placeholder()
 mul = aten.mul.Tensor(arg0, 2)
 attention = prepfuse_test.attention.default(mul, arg1)
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, scratch, arg1, arg4, arg5, arg6, 1e-06, 16)
-return (attention, scratch)""")
+empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
+dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, empty, arg1, arg4, arg5, arg6, 1e-06, 16)
+return (attention, empty)""")
 
 
 def test_prep_moves_back_to_the_partition_after_its_last_dependency():
@@ -299,11 +299,11 @@ arg5 = placeholder()
 arg6 = placeholder()
 mul = aten.mul.Tensor(arg0, 2)
 attention = prepfuse_test.attention.default(arg1, mul)
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, scratch, arg3, arg4, arg5, arg6, 1e-06, 16)
+empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
+dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
 attention_1 = prepfuse_test.attention.default(mul, arg0)
 sub = aten.sub.Tensor(attention_1, 1)
-return (sub, scratch)""")
+return (sub, empty)""")
 
 
 # --------------------------------------------------------------------------------------
@@ -579,3 +579,17 @@ def test_piecewise_capture_on_gpu_matches_eager_and_the_plan(model_cls, partitio
         recorded += 1
         stack.extend(child for children in node.children.values() for child in children)
     assert recorded >= 2  # partition_0 and partition_1 (a re-record would add nodes, not a bug here)
+
+
+# --------------------------------------------------------------------------------------
+# Where q_out lives: the arena, or under cudagraph trees their pool
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cudagraphs, buffer", [("piecewise", "aten.empty.memory_format"), ("none", "prepfuse.scratch.default")])
+def test_q_out_is_a_pool_buffer_under_piecewise_capture(cudagraphs, buffer):
+    """Cudagraph trees refuse a partition output outside their pool (an H200 run:
+    "storage data ptrs are not allocated in pool"), so under cudagraphs='piecewise' the
+    fused op's q_out is a graph buffer, which the trees own; otherwise the arena's view."""
+    r = run(prep_after_attention, cudagraphs=cudagraphs)
+    assert_close_to_eager(r)
+    q_out_arg = [line for line in r.report.graph.splitlines() if line.startswith(("empty", "scratch"))]
+    assert len(q_out_arg) == 1 and buffer in q_out_arg[0], r.report.graph
