@@ -3,6 +3,7 @@
 ``torch.compile``'s default (Inductor alone), for decode (T=1, 64) and prefill (T=4096).
 
     PYTHONPATH=. python bench/bench_dsv4_prep_e2e.py --out-dir $OUT
+    PYTHONPATH=. python bench/bench_dsv4_prep_e2e.py --from-json bench/results/dsv4_prep_e2e_nvidia-h200.json
 
 The step is the model's own code, not the op: q [T, H, 512] and kv [T, 512] in, the
 padded q out and the fp8_ds_mla cache written; the prepfuse side is whatever the passes
@@ -68,6 +69,40 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_plot(data: dict, path: Path) -> None:
+    """Bars per T: one layer's prep step, backend=prepfuse vs torch.compile default (log us)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([x - 0.2 for x in xs], [r["prepfuse_us"] for r in rows], width=0.4, label='backend="prepfuse"')
+    ax.bar([x + 0.2 for x in xs], [r["inductor_us"] for r in rows], width=0.4, label="torch.compile default")
+    for x, r in zip(xs, rows):
+        ax.annotate(f"{r['inductor_us'] / r['prepfuse_us']:.1f}x", (x, max(r["prepfuse_us"], r["inductor_us"])),
+                    ha="center", va="bottom")
+    ax.set(xticks=list(xs), xticklabels=[f"T={r['T']}" for r in rows], yscale="log", ylabel="us per layer (median)",
+           title=f"DeepSeek-V4 attention-input prep, one layer (H={rows[0]['H']}), {data['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(data: dict, json_path: Path, docs: Path) -> None:
+    png = json_path.with_suffix(".png")
+    try:
+        render_plot(data, png)
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+    md = render_markdown(data) + f"\n![one layer's prep](../bench/results/{png.name})\n"
+    docs.write_text(md)
+    print(md)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=opbench._parse_int_list, default=list(TOKENS))
@@ -75,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--out-dir", default=str(HERE / "results"))
     parser.add_argument("--docs", default=str(HERE.parent / "docs" / "benchmarks_e2e.md"))
+    parser.add_argument("--from-json", default=None, help="regenerate the page and plot from a result file")
     args = parser.parse_args(argv)
+    if args.from_json:
+        path = Path(args.from_json)
+        write_reports(json.loads(path.read_text()), path, Path(args.docs))
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -110,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"dsv4_prep_e2e_{info['device_slug']}.json").write_text(json.dumps(data, indent=1))
-    Path(args.docs).write_text(render_markdown(data))
-    print(render_markdown(data))
+    json_path = out_dir / f"dsv4_prep_e2e_{info['device_slug']}.json"
+    json_path.write_text(json.dumps(data, indent=1))
+    write_reports(data, json_path, Path(args.docs))
     return 0
 
 
