@@ -416,18 +416,40 @@ def gqa_qknorm_rope_kv_insert_reference(
             cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps)
     check_inputs(*args)
     check_index_values(k_cache, slot_mapping, positions, cos_sin_cache)
+    q, k_rows, v_rows = prepared_rows_reference(
+        qkv, q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0],
+        num_q_heads, num_kv_heads, is_neox, eps,
+    )
+    q_out.copy_(q)
+    insert_cache_reference(k_cache, k_rows, slot_mapping)
+    insert_cache_reference(v_cache, v_rows, slot_mapping)
+
+
+def prepared_rows_reference(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    n_insert: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    is_neox: bool,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them):
+    everything the op computes before the writes, shared by the reference and the
+    benchmark's capturable unfused baseline (``prepfuse.unfused.gqa``)."""
     heads = qkv.unflatten(1, (num_q_heads + 2 * num_kv_heads, -1))  # [T, Hq + 2*Hkv, D]
     q, k, v = heads.split((num_q_heads, num_kv_heads, num_kv_heads), dim=1)
     if q_norm_weight is not None:
         q = rms_norm_reference(q, q_norm_weight, eps)
         k = rms_norm_reference(k, k_norm_weight, eps)
-    cs = cos_sin_cache[positions]
-    cos, sin = cs.chunk(2, dim=-1)
-    q_out.copy_(rope_reference(q, cos, sin, is_neox))
-    n_insert = slot_mapping.shape[0]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    q = rope_reference(q, cos, sin, is_neox)
     k = rope_reference(k[:n_insert], cos[:n_insert], sin[:n_insert], is_neox)
-    insert_cache_reference(k_cache, quantize_cache_reference(k, kv_scale), slot_mapping)
-    insert_cache_reference(v_cache, quantize_cache_reference(v[:n_insert], kv_scale), slot_mapping)
+    return q, quantize_cache_reference(k, kv_scale), quantize_cache_reference(v[:n_insert], kv_scale)
 
 
 # --------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 What ``prepfuse::gqa_qknorm_rope_kv_insert`` replaces: split of the fused qkv, per-head
 weighted RMSNorm of q and k (optional), RoPE, the q store, and the k/v insertion into
 paged caches (bf16, or fp8-e4m3 with a per-tensor scale), as separate PyTorch ops. The
-math is the op module's reference, step by step; only the insertion differs: no
+math is the op module's reference (``prepared_rows_reference``); only the insertion differs: no
 boolean-mask filtering of skipped rows, so it never reads a tensor on the host, can be
 captured in a CUDA graph and traced whole by ``torch.compile``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from prepfuse.ops.gqa_qknorm_rope_kv_insert import quantize_cache_reference, rms_norm_reference, rope_reference
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import prepared_rows_reference
 
 
 def gqa_prep_unfused(
@@ -33,19 +33,14 @@ def gqa_prep_unfused(
 ) -> None:
     """Same arguments and results as the op, for slot mappings whose slots are ALL valid
     and distinct (a negative slot would index the cache from its end). No input checks."""
-    # qkv: [T, (Hq + 2*Hkv) * D] -> q [T, Hq, D], k and v [T, Hkv, D]
-    heads = qkv.unflatten(1, (num_q_heads + 2 * num_kv_heads, -1))
-    q, k, v = heads.split((num_q_heads, num_kv_heads, num_kv_heads), dim=1)
-    if q_norm_weight is not None:
-        q = rms_norm_reference(q, q_norm_weight, eps)
-        k = rms_norm_reference(k, k_norm_weight, eps)
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    q_out.copy_(rope_reference(q, cos, sin, is_neox))
-    n = slot_mapping.shape[0]
-    k = rope_reference(k[:n], cos[:n], sin[:n], is_neox)
+    q, k_rows, v_rows = prepared_rows_reference(
+        qkv, q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0],
+        num_q_heads, num_kv_heads, is_neox, eps,
+    )
+    q_out.copy_(q)
     # caches: [NB, BS, Hkv, D]; slot s -> block s // BS, row s % BS (through uint8 views:
     # index_put has no float8 kernel)
     block_size = k_cache.shape[1]
     blk, row = slot_mapping // block_size, slot_mapping % block_size
-    k_cache.view(torch.uint8)[blk, row] = quantize_cache_reference(k, kv_scale).view(torch.uint8)
-    v_cache.view(torch.uint8)[blk, row] = quantize_cache_reference(v[:n], kv_scale).view(torch.uint8)
+    k_cache.view(torch.uint8)[blk, row] = k_rows.view(torch.uint8)
+    v_cache.view(torch.uint8)[blk, row] = v_rows.view(torch.uint8)
