@@ -1,6 +1,7 @@
 """The README's main command: run every available implementation of each fused op on
 fresh random data and print how they compare (and, on a GPU, how fast they are); then
-compile the example models (DeepSeek-V4-style, Qwen3-style, Llama-style) with
+compile the example models (DeepSeek-V4-style, Qwen3-style, Llama-style, and the
+DeepSeek-V4 indexer preparation) with
 ``backend="prepfuse"``, show what was fused and where, and check each against eager
 (timed beside ``torch.compile``'s default on a GPU).
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, "-m", "prepfuse.demo", *(argv if argv is not None else sys.argv[1:])])
     from prepfuse.demo_dsv4 import run_dsv4_demo
+    from prepfuse.demo_indexer import run_indexer_demo
     from prepfuse.demo_model import run_gqa_models_demo, run_model_demo
 
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = run_dsv4_demo(device, tokens, heads, args.block_size)
     ok &= run_model_demo(device)
     ok &= run_gqa_models_demo(device)
+    ok &= run_indexer_demo(device)
     print("\ndemo:", "all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -3,6 +3,7 @@
 import torch
 
 from prepfuse.demo_dsv4 import run_dsv4_demo
+from prepfuse.demo_indexer import run_indexer_demo
 from prepfuse.demo_model import run_gqa_models_demo, run_model_demo
 
 
@@ -16,3 +17,7 @@ def test_model_demo_fuses_every_layer_and_matches_eager():
 
 def test_gqa_models_demo_fuses_every_layer_and_matches_eager():
     assert run_gqa_models_demo(torch.device("cpu"), num_layers=2)
+
+
+def test_indexer_demo_fuses_every_layer_and_matches_eager():
+    assert run_indexer_demo(torch.device("cpu"), num_layers=2)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.dsv4_prep_patterns import cache_write
+from prepfuse.fx_passes.dsv4_prep_patterns import cache_write, put_rows
 from prepfuse.fx_passes.recognizers import (
     RESHAPES, NoMatch, aten, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
     rope_gptj, same_shape, same_size, same_value, scalar, shape, split_operands, strip, val,
@@ -207,11 +207,11 @@ def match_k_side(data_put: torch.fx.Node, writes: dict) -> KSide:
     expect(s_slots is slots, "write: codes and scales go to different slots")
     cache_in, cache_out = (root, s_new) if s_root is new_root else (s_root, new_root)
 
-    codes = data_put.args[2]
+    codes = put_rows(data_put)  # [n, 128] (one row: index_put's decomposition squeezed it)
     expect(is_op(codes, aten.view.dtype) and codes.args[1] == torch.uint8, f"k row: {describe(codes)} is not codes.view(uint8)")
     y, e = row_quant(codes.args[0])
     k, k_positions, table = rope_tail(y, rank=2)
-    scale_bytes = scale_put.args[2]
+    scale_bytes = put_rows(scale_put)
     expect(is_op(scale_bytes, aten.view.dtype) and scale_bytes.args[1] == torch.uint8,
            f"k scales: {describe(scale_bytes)} is not a view as uint8")
     power = strip(scale_bytes.args[0], aten.unsqueeze.default, *RESHAPES)

@@ -132,6 +132,17 @@ def test_spelling_fuses_into_one_call(name):
     expecttest.assert_expected_inline(r.report.graph, GOLDEN_Q_AND_K)
 
 
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_one_key_row_fuses(name):
+    """One compressed key row under static shapes: torch's index_put decomposition squeezes
+    the [1, 128] row to [128] (and the [1, 4] scale bytes to [4]); the k side still fuses."""
+    inputs = dataclasses.replace(make_inputs(), k=make_inputs().k[:1], k_positions=make_inputs().k_positions[:1])
+    inputs = dataclasses.replace(inputs, slot_mapping=inputs.slot_mapping[:1])
+    r = run(prep(SPELLINGS[name]), inputs)
+    assert_same_as_eager(r)
+    assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q+k"], r.events("declined")
+
+
 def test_functionalization_v1():
     r = run(prep(INDEXER_SPELLINGS[1]), v2=False)
     assert_same_as_eager(r)
