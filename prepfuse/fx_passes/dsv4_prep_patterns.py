@@ -17,7 +17,8 @@ import torch.fx
 from prepfuse.fx_passes import recognizers
 from prepfuse.fx_passes.recognizers import (
     NoMatch, aten, prims, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
-    rms_norm, rope_gptj, row_layout, same_shape, same_size, same_value, scatter_back, shape, split_operands, strip, val, view_chain, RESHAPES,
+    put_rows, rms_norm, rope_gptj, row_layout, same_shape, same_size, same_value, scatter_back, shape, split_operands,
+    strip, val, view_chain, RESHAPES,
 )
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
     AMAX_FLOOR, CACHE_ROW_BYTES, FP8_MAX, HEAD_DIM, N_QUANT_BLOCKS, NOPE_DIM, QUANT_BLOCK, ROPE_DIM, SCALE_BYTES,
@@ -209,20 +210,6 @@ def _slots(indices, block_size: int) -> torch.fx.Node:
     sv = val(blk.args[0])
     expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
     return blk.args[0]
-
-
-def put_rows(put) -> torch.fx.Node:
-    """The rows an index_put writes, ``[n, W]``.
-
-    With one slot (T=1 under static shapes) torch's index_put decomposition reshapes the
-    ``[1, W]`` rows to ``[W]`` (they broadcast over the single index): look through it.
-    """
-    values = put.args[2]
-    if len(shape(values)) == 1 and is_op(values, aten.reshape.default, aten.view.default, aten.squeeze.dim, aten.squeeze.default):
-        rows = values.args[0]
-        if len(shape(rows)) == 2 and shape(rows)[0] == 1 and shape(rows)[1] == shape(values)[0]:
-            return rows
-    return values
 
 
 def cache_write(put) -> tuple[torch.fx.Node, torch.fx.Node, int, int, int, int, torch.fx.Node]:

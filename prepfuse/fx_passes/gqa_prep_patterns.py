@@ -18,7 +18,8 @@ import torch.fx
 from prepfuse.fx_passes.dsv4_prep_patterns import first_rows_of
 from prepfuse.fx_passes.recognizers import (
     CONVERTS, RESHAPES, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe,
-    expect, is_op, last_dim_slice, paged_slots, rope_gptj, rope_neox, same_size, shape, val, weighted_rms_norm,
+    expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, shape, val,
+    weighted_rms_norm,
 )
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
 
@@ -133,7 +134,7 @@ def is_cache_write(node) -> bool:
     if not is_op(node, aten.index_put.default):
         return False
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    return not accumulate and len(shape(node.args[0])) == 4 and len(shape(node.args[2])) == 3
+    return not accumulate and len(shape(node.args[0])) == 4 and len(shape(put_rows(node))) == 3
 
 
 def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
@@ -163,7 +164,8 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         af = auto_functionalized(gqa_qknorm_rope_kv_insert, .., k_cache=k_cache, v_cache=v_cache, ..)
         (every reader of the written caches reads af[k_cache], af[v_cache])
     """
-    cache, indices, values = put.args[:3]
+    cache, indices = put.args[:2]
+    values = put_rows(put)  # [n, Hkv, D], also for a single slot
     cv = val(cache)
     expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
     expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")

@@ -574,3 +574,18 @@ def paged_slots(indices, block_size: int) -> torch.fx.Node:
     sv = val(blk.args[0])
     expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
     return blk.args[0]
+
+
+def put_rows(put) -> torch.fx.Node:
+    """The rows an ``index_put`` writes, one per index: ``[n, ...]``.
+
+    With a single index (one token, or one slot, under static shapes) torch's index_put
+    decomposition reshapes the ``[1, ...]`` rows to ``[...]``, which broadcast over the
+    single index: look through that reshape (seen for every pattern at T=1).
+    """
+    values = put.args[2]
+    if is_op(values, aten.reshape.default, aten.view.default, aten.squeeze.dim, aten.squeeze.default):
+        rows = values.args[0]
+        if tuple(shape(rows)) == (1, *shape(values)):
+            return rows
+    return values

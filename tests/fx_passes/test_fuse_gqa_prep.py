@@ -214,6 +214,17 @@ def test_spelling_fuses_into_one_call(name):
     assert [op for op in graph_ops(r.report.graph) if op != "placeholder"] == FUSED_OPS[1:]
 
 
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_one_token_fuses(name):
+    """One token under static shapes: torch's index_put decomposition squeezes the [1, Hkv, D]
+    rows of each cache write to [Hkv, D]; the writes are still anchors and the call fuses
+    (before, no write was even a candidate and nothing was logged)."""
+    spelling = SPELLINGS[name]
+    r = run(prep, make_case(spelling, num_tokens=1))
+    assert_close_to_eager(r)
+    assert r.matched == 1, r.events("declined")
+
+
 def test_qwen3_golden_graph():
     r = run(prep, make_case(SPELLINGS["qwen3-hf"]))
     assert r.matched == 1
@@ -581,6 +592,7 @@ def test_cache_writes_without_q_are_declined(caplog):
 # On CUDA: the Triton kernel in the compiled graph against eager CUDA PyTorch
 # --------------------------------------------------------------------------------------
 DEVICE_TOKENS = [
+    pytest.param("cuda", 1, id="cuda-T1", marks=pytest.mark.gpu),
     pytest.param("cuda", 7, id="cuda-T7", marks=pytest.mark.gpu),
     pytest.param("cuda", 1000, id="cuda-T1000", marks=pytest.mark.gpu),
 ]
