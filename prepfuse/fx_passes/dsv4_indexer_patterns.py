@@ -5,6 +5,10 @@
 ``prepfuse::dsv4_indexer_rope_fp8_insert`` needs or raises :class:`NoMatch` naming the step
 that differs. Built from the step recognisers of ``recognizers.py`` (RoPE, cos/sin rows,
 cache writes); ``fuse_dsv4_indexer_prep.py`` decides what to rewrite.
+
+Torch 2.11's Inductor removes the bf16 round trip ``bf16(cat(..)).float()`` before the
+quantisation (``_compat.inductor_drops_narrowing_round_trips``); where it does, ``rope_tail``
+reads the fp32 ``cat`` as the rounded rows the code wrote, and the fused op rounds them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.dsv4_prep_patterns import cache_write, put_rows
 from prepfuse.fx_passes.recognizers import (
     RESHAPES, NoMatch, aten, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
@@ -86,11 +91,18 @@ def row_quant(codes: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
 
 def rope_tail(y: torch.fx.Node, rank: int) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
     """(src, positions, cos_sin_cache) for ``y = bf16(cat(x[..., :64], rope(x[..., 64:]))).float()``,
-    ``x = src.float()``, ``src`` bf16 with dense rows, cos/sin gathered by positions."""
+    ``x = src.float()``, ``src`` bf16 with dense rows, cos/sin gathered by positions.
+
+    Where Inductor drops narrowing round trips (torch 2.11), ``y`` is the fp32 ``cat`` itself:
+    read as rounded, since the graph no longer tells it from code that skipped the rounding.
+    """
     rounded = convert_source(y, torch.float32)
-    expect(rounded is not None and val(rounded).dtype == torch.bfloat16,
-           f"rope: {describe(y)} is not a bf16 round trip of the rotated rows")
-    cat = convert_source(rounded, torch.bfloat16)
+    if rounded is None and inductor_drops_narrowing_round_trips() and is_op(y, aten.cat.default):
+        cat = y  # Inductor removed the round trip (``.to(bf16)`` had no other reader)
+    else:
+        expect(rounded is not None and val(rounded).dtype == torch.bfloat16,
+               f"rope: {describe(y)} is not a bf16 round trip of the rotated rows")
+        cat = convert_source(rounded, torch.bfloat16)
     expect(is_op(cat, aten.cat.default) and len(cat.args[0]) == 2,
            f"rope: {describe(cat)} is not a cat of NoPE and RoPE dims")
     parts = cat.args[0]
@@ -191,6 +203,7 @@ def match_k_side(data_put: torch.fx.Node, writes: dict) -> KSide:
         codes, e = quant(rope_tail(k[:n]))                          (as on the q side)
         cache[:, :bs*128].view(NB, bs, 128)[slots // bs, slots % bs] = codes.view(u8)
         cache[:, bs*128:bs*132].view(NB, bs, 4)[slots // bs, slots % bs] = exp2(e)[:, None].view(u8)
+            (or exp2(e).view(u8).view(n, 4): the same bytes)
         (or the byte-column form of both writes)
       ->
         af = auto_functionalized(dsv4_indexer_rope_fp8_insert, .., k=k[:n], k_cache=cache, slot_mapping=slots, ..)
@@ -211,7 +224,8 @@ def match_k_side(data_put: torch.fx.Node, writes: dict) -> KSide:
     expect(is_op(codes, aten.view.dtype) and codes.args[1] == torch.uint8, f"k row: {describe(codes)} is not codes.view(uint8)")
     y, e = row_quant(codes.args[0])
     k, k_positions, table = rope_tail(y, rank=2)
-    scale_bytes = put_rows(scale_put)
+    # exp2(e)[:, None].view(u8), or exp2(e).view(u8).view(n, 4); one row may come squeezed
+    scale_bytes = strip(put_rows(scale_put), *RESHAPES)
     expect(is_op(scale_bytes, aten.view.dtype) and scale_bytes.args[1] == torch.uint8,
            f"k scales: {describe(scale_bytes)} is not a view as uint8")
     power = strip(scale_bytes.args[0], aten.unsqueeze.default, *RESHAPES)

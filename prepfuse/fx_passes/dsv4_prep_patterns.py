@@ -14,17 +14,19 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes import recognizers
 from prepfuse.fx_passes.recognizers import (
     NoMatch, aten, prims, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
-    put_rows, rms_norm, rope_gptj, row_layout, same_shape, same_size, same_value, scatter_back, shape, split_operands,
-    strip, val, view_chain, RESHAPES,
+    last_dim_slice, put_rows, rms_norm, rope_gptj, row_layout, same_shape, same_size, same_value, scatter_back, shape,
+    split_operands, strip, val, view_chain, RESHAPES,
 )
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
     AMAX_FLOOR, CACHE_ROW_BYTES, FP8_MAX, HEAD_DIM, N_QUANT_BLOCKS, NOPE_DIM, QUANT_BLOCK, ROPE_DIM, SCALE_BYTES,
 )
 
-__all__ = ["NoMatch", "QSide", "KvSide", "Padding", "match_q_side", "head_padding", "match_kv_side", "cache_write", "first_rows_of"]
+__all__ = ["NoMatch", "QSide", "KvSide", "Padding", "match_q_side", "head_padding", "match_kv_side", "cache_write", "first_rows_of",
+           "kv_columns"]
 
 
 @dataclass
@@ -43,13 +45,16 @@ class KvSide:
     """The bytes of ``kv`` rows written at ``slots`` into ``cache_in``, giving ``cache_out``."""
 
     anchor: torch.fx.Node  # the index_put of the 576-byte rows
-    kv: torch.fx.Node  # bf16 [n, 512]
+    kv: torch.fx.Node  # bf16 [n, 512]; fp32 when ``round_kv``
     positions: torch.fx.Node  # int64 [n]
     cos_sin_cache: torch.fx.Node
     slots: torch.fx.Node  # int64 [n]
     block_size: int
     cache_in: torch.fx.Node
     cache_out: torch.fx.Node
+    # kv is fp32 rows the code rounded to bf16 before ``.float()``, a round trip Inductor
+    # dropped (torch 2.11, ``kv_columns``): the call rounds them first
+    round_kv: bool = False
 
 
 # --------------------------------------------------------------------------------------
@@ -189,7 +194,7 @@ def _quant_codes(codes) -> tuple[torch.fx.Node, torch.fx.Node]:
     block_src = amax.args[0].args[0]
     expect(same_value(block_src, blocks), "kv quant: amax is not of the scaled blocks")
     expect(is_op(blocks, *RESHAPES), f"kv quant: blocks {describe(blocks)} are not a view of the NoPE columns")
-    return bf16_columns(blocks.args[0], 0, NOPE_DIM, "kv NoPE"), e
+    return blocks.args[0], e
 
 
 def _cat_last(node, widths: tuple[int, int], what: str):
@@ -273,6 +278,7 @@ def match_kv_side(data_put: torch.fx.Node, writes: dict) -> KvSide:
     """Pattern (n rows, bs = block_size; the two writes in either order)::
 
         x = kv.float(); codes, e = quant(x[:, :448]); pe = rope(x[:, 448:], c, s).to(bf16)
+        (x maybe an fp32 kv whose .to(bf16).float() Inductor dropped: ``kv_columns``)
         data = cat(codes, pe.view(u8)); scales = cat((e + 127).clamp(0, 255).to(u8), zeros(n, 1))
         cache[:, :bs*576].view(NB, bs, 576)[slots // bs, slots % bs] = data
         cache[:, bs*576:bs*584].view(NB, bs, 8)[slots // bs, slots % bs] = scales
@@ -299,9 +305,9 @@ def match_kv_side(data_put: torch.fx.Node, writes: dict) -> KvSide:
     pe_rot = convert_source(rope_bytes.args[0], torch.bfloat16)
     expect(pe_rot is not None, "kv row: RoPE values are not rounded from fp32")
     pe, cos, sin = rope_gptj(pe_rot)
-    kv = bf16_columns(pe, NOPE_DIM, HEAD_DIM, "kv RoPE")
-    kv_nope, e = _quant_codes(codes)
-    expect(kv_nope is kv, "kv: NoPE and RoPE columns come from different tensors")
+    kv, round_kv = kv_columns(pe, NOPE_DIM, HEAD_DIM, "kv RoPE")
+    nope, e = _quant_codes(codes)
+    expect(kv_columns(nope, 0, NOPE_DIM, "kv NoPE") == (kv, round_kv), "kv: NoPE and RoPE columns come from different tensors")
     scale_bytes, zeros = _cat_last(put_rows(scale_put), (N_QUANT_BLOCKS, 1), "kv scales")
     clamped = convert_source(scale_bytes, torch.uint8)
     expect(clamped is not None, f"kv scales: {describe(scale_bytes)} is not a cast to uint8")
@@ -312,7 +318,24 @@ def match_kv_side(data_put: torch.fx.Node, writes: dict) -> KvSide:
     expect(same_size(rows, shape(slots)[0]), "kv: one slot per row expected")
     expect(val(kv).stride(-1) == 1, f"kv: strides {tuple(val(kv).stride())}, the op reads dense rows")
     table, positions = cos_sin_rows(cos, sin, rows, rank=2)
-    return KvSide(data_put, kv, positions, table, slots, bs, cache_in, cache_out)
+    return KvSide(data_put, kv, positions, table, slots, bs, cache_in, cache_out, round_kv)
+
+
+def kv_columns(node, start: int, end: int, what: str) -> tuple[torch.fx.Node, bool]:
+    """(kv, round_kv) for ``node = kv.float()[:, start:end]`` (or ``kv[:, start:end].float()``),
+    kv bf16: ``(kv, False)``.
+
+    Torch 2.11's Inductor drops the round trip of an upstream ``kv = norm(..).to(bf16)`` read
+    only by this ``kv.float()`` (``inductor_drops_narrowing_round_trips``): the columns are
+    then of the fp32 norm output itself, ``(kv_fp32, True)``, and the call rounds it to bf16
+    as the code says. The graph cannot tell that from code that never rounded kv.
+    """
+    if inductor_drops_narrowing_round_trips() and convert_source(node, torch.float32) is None:
+        found = last_dim_slice(node)
+        if found is not None and found[1:] == (start, end, 1) and val(found[0]).dtype == torch.float32 \
+                and convert_source(found[0], torch.float32) is None:
+            return found[0], True
+    return bf16_columns(node, start, end, what), False
 
 
 def first_rows_of(node, rows):

@@ -59,7 +59,7 @@ from prepfuse.fx_passes.dsv4_prep_patterns import (
     KvSide, NoMatch, QSide, cache_write, first_rows_of, head_padding, match_kv_side, match_q_side,
 )
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
-from prepfuse.fx_passes.recognizers import aten, is_op, same_size, shape, val
+from prepfuse.fx_passes.recognizers import aten, is_op, prims, same_size, shape, val
 from prepfuse.fx_passes.scratch_node import scratch_buffer
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SLOT_BYTES
@@ -161,6 +161,8 @@ class FuseDsv4PrepPass(PrepfusePass):
         q_out = buffer
         if kv is not None:
             k_cache, slots, block_size = kv.cache_in, kv.slots, kv.block_size
+            if kv.round_kv:  # the code's .to(bf16) of kv, which Inductor dropped (torch 2.11)
+                kv_in = emit.node(prims.convert_element_type.default, kv_in, torch.bfloat16)
         else:  # no rows inserted: the op reads no kv row and writes no cache byte
             kv_in = emit.node(aten.select.int, q.q, 1, 0)
             k_cache = emit.empty([1, SLOT_BYTES], torch.uint8, q.q)
@@ -256,8 +258,8 @@ class _Emitter:
         size = shape(tensor)[dim]
         return size if isinstance(size, int) else self.node(aten.sym_size.int, tensor, dim)
 
-    def empty(self, sizes, dtype, like: torch.fx.Node) -> torch.fx.Node:
-        return self.node(aten.empty.memory_format, sizes, dtype=dtype, device=val(like).device, pin_memory=False)
+    def empty(self, sizes, dtype, like: torch.fx.Node, name: str | None = None) -> torch.fx.Node:
+        return self.node(aten.empty.memory_format, sizes, name=name, dtype=dtype, device=val(like).device, pin_memory=False)
 
     def scratch(self, base: str, sizes, dtype, like: torch.fx.Node, name: str) -> torch.fx.Node:
         """An arena-backed output buffer (``scratch_buffer``): no allocation per call."""

@@ -6,6 +6,12 @@ the columns of the fused qkv it came from; ``match_cache_write`` reads one paged
 :class:`NoMatch` naming the step that differs; ``fuse_gqa_prep.py`` combines one q, one
 k write and one v write of the same qkv into one call. Built from the step recognisers
 of ``recognizers.py``.
+
+One torch difference shows here: torch 2.11's Inductor removes the bf16 round trip of
+``(k.to(bf16).float() / kv_scale)`` before an fp8 cache write (``_compat.
+inductor_drops_narrowing_round_trips``), so its graph quantises the fp32 rotation unrounded.
+Where it does, fp32 heads read only by such quantisations count as the bf16 heads the code
+rounded (``rounding_dropped``): the fused op rounds them to bf16 as the code says.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.dsv4_prep_patterns import first_rows_of
 from prepfuse.fx_passes.recognizers import (
     CONVERTS, RESHAPES, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe,
@@ -23,7 +30,7 @@ from prepfuse.fx_passes.recognizers import (
 )
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
 
-__all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "is_cache_write"]
+__all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "is_cache_write", "rounding_dropped"]
 
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -54,6 +61,7 @@ class CacheWrite:
     cache: torch.fx.Node  # the cache before the write, [NB, bs, Hkv, D]
     slots: torch.fx.Node  # int64 [n]
     rows: torch.fx.Node  # bf16 [n, Hkv, D] or [T, Hkv, D] (first n inserted), before quantisation
+    #   (fp32 where Inductor removed their bf16 round trip: ``rounding_dropped``)
     kv_scale: torch.fx.Node | None
 
 
@@ -90,19 +98,23 @@ def match_heads(prepared: torch.fx.Node) -> Heads:
         c, s = cos_sin_cache[positions].chunk(2, -1)                 # [T, R/2] fp32 each
         out = rope(h[..., :R], c, s)    # NeoX or GPT-J; in fp32 then .to(bf16), or HF all-bf16
         prepared = cat((out, h[..., R:]), -1)                          # partial only (R < D)
+        (a full rotation read only by an fp8 quantisation may be the fp32 ``out`` before its
+         ``.to(bf16)``, where Inductor dropped the round trip: ``rounding_dropped``)
       ->  (with the k side and the v write, fuse_gqa_prep.py)
         af = auto_functionalized(gqa_qknorm_rope_kv_insert, qkv, norm_weight(s), q_out=empty(T, Hq, D), ..)
         (every reader of the prepared q reads af[q_out])
     """
     pv = val(prepared)
-    expect(pv.dtype == torch.bfloat16, f"heads: the prepared tensor is {pv.dtype}, the op writes bfloat16")
+    dropped = rounding_dropped(prepared)
+    expect(pv.dtype == torch.bfloat16 or dropped, f"heads: the prepared tensor is {pv.dtype}, the op writes bfloat16")
     expect(pv.dim() == 3 and pv.shape[2] in HEAD_DIMS, f"heads: shape {tuple(pv.shape)}, the op's head size is one of {HEAD_DIMS}")
     head_dim = pv.shape[2]
     rot, rest = prepared, None
     if is_op(prepared, aten.cat.default) and len(prepared.args[0]) == 2 and last_dim_slice(prepared.args[0][1]) is not None:
         rot, rest = prepared.args[0]  # partial rotary: cat((rope(h[..., :R]), h[..., R:]), -1)
     rot_dim = shape(rot)[-1]
-    inner = convert_source(rot, torch.bfloat16)
+    # the fp32 rotation before its rounding to bf16 (``prepared`` itself when Inductor dropped that)
+    inner = prepared if dropped else convert_source(rot, torch.bfloat16)
     fp32 = inner is not None and val(inner).dtype == torch.float32
     x, cos, sin, is_neox, cast = _rotation(inner if fp32 else rot)
     expect(fp32 or cast or val(x).dtype == torch.bfloat16, "rope: mixed dtypes")
@@ -126,6 +138,30 @@ def match_heads(prepared: torch.fx.Node) -> Heads:
                  bf16_rope=cast or not fp32)
 
 
+def rounding_dropped(node) -> bool:
+    """Whether ``node`` is fp32 rows whose ``.to(bf16).float()`` before an fp8 cache write
+    Inductor removed (``inductor_drops_narrowing_round_trips``; torch 2.11): every reader
+    is ``(node / kv_scale).clamp(..).to(e4m3)``. The graph then cannot tell this from code
+    that quantised the fp32 rows unrounded; the pass reads it as the rounded rows (what the
+    supported spellings write, and the op computes). Readers other than the quantisation
+    (a q read by attention) keep an fp32 tensor from passing for bf16 heads.
+    """
+    if val(node).dtype != torch.float32 or not node.users or not inductor_drops_narrowing_round_trips():
+        return False
+    return all(_quantised_to_e4m3(user, node) for user in node.users)
+
+
+def _quantised_to_e4m3(div: torch.fx.Node, rows: torch.fx.Node) -> bool:
+    """``div`` is ``rows / scale``, read only through clamps by casts to float8_e4m3fn."""
+    if not (is_op(div, aten.div.Tensor) and div.args[0] is rows):
+        return False
+    node = div
+    while len(node.users) == 1 and is_op(next(iter(node.users)), aten.clamp_min.default, aten.clamp_max.default,
+                                         aten.clamp.default):
+        node = next(iter(node.users))
+    return bool(node.users) and all(convert_source(u, torch.float8_e4m3fn) is node for u in node.users)
+
+
 # --------------------------------------------------------------------------------------
 # Cache writes: index_put(cache, [slots // bs, slots % bs], rows)
 # --------------------------------------------------------------------------------------
@@ -138,7 +174,8 @@ def is_cache_write(node) -> bool:
 
 
 def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """(bf16 rows, kv_scale) for ``(rows.float() / kv_scale).clamp(-448, 448).to(e4m3)``."""
+    """(bf16 rows, kv_scale) for ``(rows.float() / kv_scale).clamp(-448, 448).to(e4m3)``
+    (the fp32 rows where Inductor dropped their bf16 round trip: ``rounding_dropped``)."""
     clamped = convert_source(values, torch.float8_e4m3fn)
     expect(clamped is not None, f"fp8: rows {describe(values)} are not a cast to float8_e4m3fn")
     scaled, lo, hi = clamp_bounds(clamped)
@@ -149,6 +186,8 @@ def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
     sv = val(scale)
     expect(isinstance(scale, torch.fx.Node) and sv.dtype == torch.float32 and sv.numel() == 1 and sv.dim() <= 1,
            f"fp8: divisor {describe(scale)} is not a device fp32 kv_scale of shape [1] or []")
+    if rounding_dropped(x):
+        return x, scale
     rows = convert_source(x, torch.float32)
     expect(rows is not None and val(rows).dtype == torch.bfloat16, f"fp8: {describe(x)} is not bf16 rows cast to fp32")
     return rows, scale
@@ -179,7 +218,8 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     values = first_rows_of(values, shape(slots)[0])  # rows[:n], sliced after quantisation
     if cv.dtype == torch.float8_e4m3fn:
         values, scale = _fp8_rows(values)
-    expect(val(values).dtype == torch.bfloat16, f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
+    expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
+           f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
     while is_op(values, *CONVERTS) and val(values.args[0]).dtype == torch.bfloat16:
         values = values.args[0]  # a no-op cast kept by the graph
     return CacheWrite(put, cache, slots, first_rows_of(values, shape(slots)[0]), scale)

@@ -14,7 +14,12 @@ rope    ``strided``: ``x[..., ::2]``, ``x[..., 1::2]``, ``torch.stack(.., -1).fl
         ``complex``: ``view_as_complex`` times ``torch.complex(cos, sin)``
 write   ``view``: ``cache[:, :bs*128].view(NB, bs, 128)[s // bs, s % bs] = codes``;
         ``columns``: ``cache[(s // bs)[:, None], (s % bs)[:, None] * 128 + arange(128)] = codes``
+scales  ``unsqueeze``: ``exp2(e).unsqueeze(-1).view(uint8)``; ``bytes``: ``exp2(e).view(uint8).view(-1, 4)``
 ======  ==================================================================================
+
+Torch 2.11's Inductor cannot compile the ``unsqueeze`` scales unfused (its view of the size-1
+dim has stride 0, which ``view(dtype)`` rejects); later torch can. The look-alikes, which
+must compile unfused, write ``bytes``.
 
 :data:`INDEXER_LOOKALIKES` compute something else (NeoX RoPE, RoPE on the first 64 dims
 as DeepSeek-V3.2's indexer, no bf16 round trip, another amax floor); the pass must leave
@@ -33,6 +38,7 @@ from prepfuse.ops.dsv4_indexer_common import FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, 
 _SPLITS = ("slice", "split")
 _ROPES = ("strided", "complex", "neox")
 _WRITES = ("view", "columns")
+_SCALES = ("unsqueeze", "bytes")
 
 
 @dataclass(frozen=True)
@@ -43,12 +49,13 @@ class IndexerSpelling:
     split: str = "slice"
     rope: str = "strided"
     write: str = "view"
+    scales: str = "unsqueeze"
     rope_first: bool = False  # look-alike: RoPE on dims 0..63 (DeepSeek-V3.2's indexer)
     bf16_round: bool = True  # look-alike: quantise the fp32 rotation directly
     amax_floor: float = FP8_AMAX_FLOOR  # look-alike: another floor
 
     def __post_init__(self) -> None:
-        for axis, allowed in (("split", _SPLITS), ("rope", _ROPES), ("write", _WRITES)):
+        for axis, allowed in (("split", _SPLITS), ("rope", _ROPES), ("write", _WRITES), ("scales", _SCALES)):
             if getattr(self, axis) not in allowed:
                 raise ValueError(f"{axis}: must be one of {allowed}, got {getattr(self, axis)!r}")
 
@@ -58,13 +65,14 @@ INDEXER_SPELLINGS: tuple[IndexerSpelling, ...] = (
     IndexerSpelling("split-complex-columns", "split", "complex", "columns"),
     IndexerSpelling("slice-complex-view", "slice", "complex", "view"),
     IndexerSpelling("split-strided-columns", "split", "strided", "columns"),
+    IndexerSpelling("slice-strided-view-bytes", scales="bytes"),
 )
 
 INDEXER_LOOKALIKES: tuple[IndexerSpelling, ...] = (
-    IndexerSpelling("neox_rope", rope="neox"),
-    IndexerSpelling("rope_first_64", rope_first=True),
-    IndexerSpelling("no_bf16_round", bf16_round=False),
-    IndexerSpelling("amax_floor_1e-6", amax_floor=1e-6),
+    IndexerSpelling("neox_rope", rope="neox", scales="bytes"),
+    IndexerSpelling("rope_first_64", rope_first=True, scales="bytes"),
+    IndexerSpelling("no_bf16_round", bf16_round=False, scales="bytes"),
+    IndexerSpelling("amax_floor_1e-6", amax_floor=1e-6, scales="bytes"),
 )
 
 
@@ -130,7 +138,10 @@ def indexer_k_insert(
     y = rope_tail(k[:n].float(), cs[:, : ROPE_DIM // 2], cs[:, ROPE_DIM // 2 :], spelling)
     codes, e = fp8_row_quant(y, spelling)
     data = codes.view(torch.uint8)  # [n, 128]
-    scales = torch.exp2(e).unsqueeze(-1).view(torch.uint8)  # [n, 4]: fp32 little-endian
+    if spelling.scales == "unsqueeze":
+        scales = torch.exp2(e).unsqueeze(-1).view(torch.uint8)  # [n, 4]: fp32 little-endian
+    else:
+        scales = torch.exp2(e).view(torch.uint8).view(-1, 4)
     blk, row = slot_mapping // block_size, slot_mapping % block_size
     if spelling.write == "columns":
         blk, row = blk.unsqueeze(1), row.unsqueeze(1)

@@ -412,6 +412,28 @@ def test_lookalike_is_left_alone(name, code, declined, why, caplog):
 # --------------------------------------------------------------------------------------
 # Dynamic T, a whole attention block
 # --------------------------------------------------------------------------------------
+HEAD_DIM_KV = 512  # kv's width, one latent head
+KV_NORM_WEIGHT = (1 + 0.1 * torch.randn(HEAD_DIM_KV, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+
+
+def with_kv_norm(q, kv, k_cache, slot_mapping, positions, cos_sin_cache):
+    """The prep of a kv normed upstream in fp32 (``F.rms_norm`` with a weight) and rounded
+    to bf16, read by nothing else: torch 2.11's Inductor drops that ``.to(bf16)`` before the
+    prep's ``kv.float()``, so its graph reads the fp32 norm output."""
+    normed = torch.nn.functional.rms_norm(kv.float(), (HEAD_DIM_KV,), KV_NORM_WEIGHT.float(), EPS)
+    return prep(DSV4_SPELLINGS[0])(q, normed.to(kv.dtype), k_cache, slot_mapping, positions, cos_sin_cache)
+
+
+def test_kv_normed_upstream_fuses_on_every_torch():
+    """kv = norm(..).to(bf16) read only by the prep: one q+kv call on every torch, the cache
+    exactly eager's (where Inductor drops the rounding, ``kv_columns`` reads the fp32 norm
+    output and the call rounds it first; on torch 2.11 without that, the kv side declined
+    and Inductor's unfused code wrote other cache bytes than eager)."""
+    r = run(with_kv_norm)
+    assert_close_to_eager(r)
+    assert r.matched == 1 and r.events("matched") == ["dsv4_q+kv"]
+
+
 def test_dynamic_token_count():
     fn = prep(DSV4_SPELLINGS[3])
     backend = PrepfuseBackend({"passes": (PASS,), "record_graphs": True})

@@ -32,7 +32,9 @@ import torch
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
+from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.backend import PrepfuseBackend
+from prepfuse.fx_passes import gqa_prep_patterns
 from prepfuse.fx_passes.fuse_gqa_prep import FuseGqaPrepPass
 from prepfuse.models import gqa as model
 from prepfuse.models.gqa import GQA_LOOKALIKES, GQA_SPELLINGS, GqaAttentionBlock, GqaSpelling
@@ -543,7 +545,9 @@ LOOKALIKE_CASES = [
     # (look-alike, declined candidates, words of the reason)
     ("k_norm_eps_differs", 1, "q eps 1e-06 and k eps 1e-05 differ"),
     ("rotate_half_reversed", 1, "no rotate_half(x) * sin term"),
-    ("weight_in_fp32", 1, "the weight multiplies in fp32 before the rounding"),
+    # where Inductor drops the norm's .to(bf16) before RoPE's .float() (torch 2.11), RoPE reads the fp32 product
+    ("weight_in_fp32", 1, "not of the bf16 heads cast to fp32" if inductor_drops_narrowing_round_trips()
+     else "the weight multiplies in fp32 before the rounding"),
     ("cache_heads_before_slots", 2, "heads before slots"),
     ("fp8_mul_reciprocal", 2, "the op divides by kv_scale"),
     ("float16", 2, "the cache is torch.float16"),
@@ -578,6 +582,72 @@ def test_lookalike_is_left_alone(name, declined, why, caplog):
         return
     assert torch.equal(v, ref_v)
     assert ((k.float() - ref_k.float()).abs() <= bound + ref_k.float().abs() * 2**-7).all()
+
+
+def unrounded_k(case: Case):
+    """``case``'s prep with the k rows quantised from the fp32 rotation, no ``.to(bf16).float()``
+    between: the graph torch 2.11's Inductor makes of the rounded code (its ``pointless_convert``
+    drops the round trip)."""
+    spelling = case.spelling
+
+    def fn(qkv, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale):
+        q, k, v = model.split_qkv(qkv, HQ, HKV, D, spelling)
+        q, k = case.q_norm(q), case.k_norm(k)
+        cos, sin = model.cos_sin(cos_sin_cache, positions)
+        cu, su = cos.unsqueeze(1), sin.unsqueeze(1)
+        c, s = torch.cat((cu, cu), dim=-1), torch.cat((su, su), dim=-1)
+        h = k.float()
+        k32 = (h * c) + (model.rotate_half(h) * s)  # hf_fp32's rotation, not rounded
+        model.insert(k_cache, (k32 / kv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), slot_mapping, spelling)
+        model.insert(v_cache, model.cache_rows(v, kv_scale, spelling), slot_mapping, spelling)
+        return model.rope(q, cos, sin, spelling)
+    return fn
+
+
+@pytest.mark.parametrize("drops", [pytest.param(False, id="torch_keeps_round_trips"),
+                                   pytest.param(True, id="torch_drops_round_trips")])
+def test_unrounded_fp8_rows_read_as_rounded_only_where_inductor_drops_the_round_trip(drops, monkeypatch, caplog):
+    """fp8 k rows quantised from the fp32 rotation: where Inductor removes narrowing round
+    trips the graph cannot tell them from the rounded spelling's, and the pass reads them as
+    rounded (the fused op rounds k to bf16, as the rounded code does: exactly its eager
+    result); where Inductor keeps round trips they are what they say, and declined."""
+    monkeypatch.setattr(gqa_prep_patterns, "inductor_drops_narrowing_round_trips", lambda: drops)
+    case = make_case(SPELLINGS["qwen3-hf_fp32-slice-fp8"])
+    with caplog.at_level(logging.DEBUG, logger="prepfuse.passes"):
+        r = run(unrounded_k, case)
+    if not drops:
+        assert r.matched == 0
+        (k_why, v_why) = (why for _, why in r.events("declined"))
+        assert k_why.endswith("is not bf16 rows cast to fp32") and v_why.startswith("v: no write of roped k heads")
+        return
+    assert r.matched == 1 and r.events("matched") == ["gqa_qknorm_rope_kv"]
+    assert_close_to_eager(dataclasses.replace(r, ref_out=prep(case)(*case.args(*r.ref_caches))))
+    assert [op for op in graph_ops(r.report.graph) if op != "placeholder"] == FUSED_OPS[1:]
+
+
+def test_fp32_heads_read_otherwise_are_not_taken_for_rounded_ones(monkeypatch):
+    """Even where Inductor drops round trips, an fp32 rotation counts as rounded heads only
+    when every reader quantises it for a cache: q's fp32 rotation read by other math is no
+    second prepared q (two would decline the call), and keeps its own value."""
+    monkeypatch.setattr(gqa_prep_patterns, "inductor_drops_narrowing_round_trips", lambda: True)
+    case = make_case(SPELLINGS["qwen3-hf_fp32-slice-fp8"])
+    inner = unrounded_k(case)
+
+    def fn(qkv, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale):
+        q = inner(qkv, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale)
+        heads, _, _ = model.split_qkv(qkv, HQ, HKV, D, case.spelling)
+        cos, sin = model.cos_sin(cos_sin_cache, positions)
+        cu, su = cos.unsqueeze(1), sin.unsqueeze(1)
+        h = case.q_norm(heads).float()
+        q32 = (h * torch.cat((cu, cu), dim=-1)) + (model.rotate_half(h) * torch.cat((su, su), dim=-1))
+        return q, q32 * 2
+
+    r = run(lambda _: fn, case)
+    assert r.matched == 1 and r.events("matched") == ["gqa_qknorm_rope_kv"]
+    assert torch.equal(r.out[0], prep(case)(*case.args(*r.ref_caches)))
+    torch._dynamo.reset()
+    unfused = run(lambda _: fn, case, passes=())
+    assert r.out[1].dtype == torch.float32 and torch.equal(r.out[1], unfused.out[1])  # the same nodes as without the pass
 
 
 def test_cache_writes_without_q_are_declined(caplog):

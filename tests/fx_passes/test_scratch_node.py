@@ -200,7 +200,8 @@ def test_a_call_reuses_an_earlier_buffer_only_when_nothing_reads_it_later(arena,
     out = torch.compile(fn, backend=backend, fullgraph=True)(a.q, qb, a.positions, a.cos_sin_cache)
     ref = fn(a.q, qb, a.positions, a.cos_sin_cache)
     (report,) = backend.reports
-    assert {k: v for k, v in report.matched_counts.items() if v} == {"fuse_dsv4_prep": 2, "defunctionalize": 2}
+    # every registered pass reports; only these two rewrote anything
+    assert {name: n for name, n in report.matched_counts.items() if n} == {"fuse_dsv4_prep": 2, "defunctionalize": 2}
     assert [r.name for r in arena.reservations()] == names
     if readers == "cast_then_together":  # bf16 * bf16 is exact in fp32; each factor within 1 ULP
         torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
