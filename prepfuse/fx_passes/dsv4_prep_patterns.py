@@ -228,9 +228,14 @@ def cache_write(put) -> tuple[torch.fx.Node, torch.fx.Node, int, int, int, int, 
     values = put_rows(put)
     expect(not (put.args[3] if len(put.args) > 3 else put.kwargs.get("accumulate", False)), "write: accumulates")
     expect(len(indices) == 2 and all(isinstance(i, torch.fx.Node) for i in indices), "write: expected two index tensors")
-    expect(len(shape(values)) == 2, "write: values are not rows")
+    rows = tuple(shape(values))
+    if len(rows) == 1 and all(shape(i)[:1] == (1,) for i in indices):
+        # one row whose unit dimension the graph dropped altogether (a reshape chain
+        # folded away, so put_rows has nothing to look through): it broadcasts the same
+        rows = (1, *rows)
+    expect(len(rows) == 2, "write: values are not rows")
     if len(shape(view)) == 2:  # indices select whole rows' bytes of the 2-d cache
-        first, pitch, width, block_size, slots = _column_indices(indices, shape(values)[1])
+        first, pitch, width, block_size, slots = _column_indices(indices, rows[1])
         expect(val(view).stride(1) == 1, f"write: the cache has strides {tuple(val(view).stride())}")
         root, new_root = view, put
     else:
@@ -239,7 +244,7 @@ def cache_write(put) -> tuple[torch.fx.Node, torch.fx.Node, int, int, int, int, 
         block_size = shape(view)[1]
         slots = _slots(indices, block_size)
         new_root = scatter_back(put, chain)
-    expect(shape(values)[1] == width and same_size(shape(values)[0], shape(slots)[0]), "write: values are not one row per slot")
+    expect(rows[1] == width and same_size(rows[0], shape(slots)[0]), "write: values are not one row per slot")
     return root, new_root, first, pitch, width, block_size, slots
 
 

@@ -258,8 +258,8 @@ class _Emitter:
         size = shape(tensor)[dim]
         return size if isinstance(size, int) else self.node(aten.sym_size.int, tensor, dim)
 
-    def empty(self, sizes, dtype, like: torch.fx.Node, name: str | None = None) -> torch.fx.Node:
-        return self.node(aten.empty.memory_format, sizes, name=name, dtype=dtype, device=val(like).device, pin_memory=False)
+    def empty(self, sizes, dtype, like: torch.fx.Node) -> torch.fx.Node:
+        return self.node(aten.empty.memory_format, sizes, dtype=dtype, device=val(like).device, pin_memory=False)
 
     def scratch(self, base: str, sizes, dtype, like: torch.fx.Node, name: str) -> torch.fx.Node:
         """An arena-backed output buffer (``scratch_buffer``): no allocation per call."""
