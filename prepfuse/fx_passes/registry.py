@@ -25,6 +25,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 BUILTIN_PASSES: dict[str, tuple[str, str]] = {
     "fuse_dsv4_prep": ("prepfuse.fx_passes.fuse_dsv4_prep", "FuseDsv4PrepPass"),
     "fuse_dsv4_indexer_prep": ("prepfuse.fx_passes.fuse_dsv4_indexer_prep", "FuseDsv4IndexerPrepPass"),
+    "fuse_dsv4_indexer_mxfp4_prep": ("prepfuse.fx_passes.fuse_dsv4_indexer_mxfp4_prep", "FuseDsv4IndexerMxfp4PrepPass"),
     "fuse_gqa_prep": ("prepfuse.fx_passes.fuse_gqa_prep", "FuseGqaPrepPass"),
     "defunctionalize": ("prepfuse.fx_passes.defunctionalize", "DefunctionalizePass"),
 }
