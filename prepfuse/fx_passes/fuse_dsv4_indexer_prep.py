@@ -17,8 +17,8 @@ after all the call's inputs (q and k rows are independent: k rows are compressed
 with their own positions); a side matched alone gets a call with an empty other side
 (no tokens, or no inserted rows and a dummy one-slot cache).
 
-Not matched (declined, with the reason in the report): the MXFP4 format (its e2m1
-rounding has no one plain-PyTorch spelling yet), a q side whose exponent does not scale
+Not matched here (declined, with the reason in the report): the MXFP4 format (its own
+pass, ``fuse_dsv4_indexer_mxfp4_prep``), a q side whose exponent does not scale
 exactly one weights product, and look-alikes (NeoX RoPE, RoPE on the first 64 dims, no
 bf16 round trip, another amax floor). Negative slots: as for ``fuse_dsv4_prep``, eager
 code writes slot -1 through index wraparound, the fused op skips it.

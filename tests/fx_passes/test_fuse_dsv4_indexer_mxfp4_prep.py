@@ -302,9 +302,8 @@ def test_dynamic_token_count():
 
 
 # where Inductor drops the bf16 round trip (torch 2.11), the real spellings' graph is this
-# look-alike's, and the pass fuses it (``dsv4_indexer_patterns.rope_tail``); the probe comes
-# with the torch-compat change, until it lands torch is taken to keep the round trip
-LOSSY = pytest.mark.skipif(getattr(_compat, "inductor_drops_narrowing_round_trips", lambda: False)(),
+# look-alike's, and the pass fuses it (``dsv4_indexer_patterns.rope_tail``)
+LOSSY = pytest.mark.skipif(_compat.inductor_drops_narrowing_round_trips(),
                            reason="this torch's Inductor drops the bf16 round trip")
 
 
