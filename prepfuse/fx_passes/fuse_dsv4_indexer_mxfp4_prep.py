@@ -36,6 +36,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.dsv4_indexer_mxfp4_patterns import (
     KSide, NoMatch, QSide, find_writes, is_pack, match_k_side, match_q_side, weights_products,
 )
+from prepfuse.fx_passes.dsv4_indexer_patterns import rounded_input
 from prepfuse.fx_passes.dsv4_prep_patterns import put_rows
 from prepfuse.fx_passes.fuse_dsv4_prep import _Emitter  # node emission with fake values, shared
 from prepfuse.fx_passes.recognizers import RESHAPES, is_op, same_size, shape
@@ -103,6 +104,7 @@ class FuseDsv4IndexerMxfp4PrepPass(PrepfusePass):
         if q is not None:
             tokens, heads = emit.size(q.q, 0), shape(q.q)[1]
             q_in, positions = q.q, q.positions
+            q_in = rounded_input(emit, q_in)  # fp32 where Inductor dropped the code's rounding
         else:  # no tokens: the op reads no q and writes no q output
             tokens, heads = 0, 1
             q_in, positions = emit.empty([0, 1, HEAD_DIM], torch.bfloat16, like), emit.empty([0], torch.int64, like)
@@ -112,6 +114,7 @@ class FuseDsv4IndexerMxfp4PrepPass(PrepfusePass):
             product, w_in, weights_scale = None, emit.empty([tokens, heads], torch.float32, like), 1.0
         if k is not None:
             k_in, k_positions, slots, block_size = k.k, k.k_positions, k.slots, k.block_size
+            k_in = rounded_input(emit, k_in)
             # a cache an earlier call of this pass wrote (two layers, one cache): its new value
             k_cache = caches.get(k.cache_in, k.cache_in)
         else:  # no rows inserted: the op reads no k row and writes no cache byte

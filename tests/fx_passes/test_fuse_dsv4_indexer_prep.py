@@ -282,6 +282,24 @@ def test_no_round_trip_is_read_as_rounded_where_inductor_drops_it(drops, monkeyp
     assert_same_as_eager(Run(r.out, r.cache, ref_out, ref_cache, None))
 
 
+def test_k_normed_upstream_is_rounded_by_the_call_where_inductor_drops_it(monkeypatch):
+    """k = norm(..).to(bf16), read only by the prep's k.float(): torch 2.11's Inductor drops
+    that round trip too, so the k side sees the fp32 norm output. Emulated here by patching
+    the probe and handing the prep fp32 k (what 2.11's graph holds): the pass reads it as
+    the rounded k, the call rounds it first, and the result is exactly eager's with
+    k.to(bf16)."""
+    monkeypatch.setattr(dsv4_indexer_patterns, "inductor_drops_narrowing_round_trips", lambda: True)
+    inputs = make_inputs()
+    k_fp32 = inputs.k.float() * 1.001  # not bf16-representable: the call's rounding shows
+    r = run(prep(INDEXER_SPELLINGS[0]), dataclasses.replace(inputs, k=k_fp32))
+    assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q+k"], r.events("declined")
+    assert "convert_element_type" in r.report.graph  # the cast the code had, back in front of the call
+    ref_cache = inputs.k_cache.clone()
+    rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
+    ref_out = prep(INDEXER_SPELLINGS[0])(inputs.q, inputs.weights, k_fp32.to(torch.bfloat16), ref_cache, *rest)
+    assert_same_as_eager(Run(r.out, r.cache, ref_out, ref_cache, None))
+
+
 def test_weights_scaled_twice_declines_the_q_side():
     """Two readers scale the exponent into weights: the pass cannot tell which is the fold."""
     spelling = INDEXER_SPELLINGS[0]
