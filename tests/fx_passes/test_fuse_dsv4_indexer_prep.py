@@ -239,7 +239,8 @@ LOSSY = pytest.mark.skipif(inductor_drops_narrowing_round_trips(), reason="this 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=LOSSY if n == "no_bf16_round" else ()) for n in LOOKALIKES])
 def test_lookalikes_are_left_alone(name):
-    r = run(prep(LOOKALIKES[name]))
+    inputs = make_inputs()
+    r = run(prep(LOOKALIKES[name]), inputs)
     assert r.matched == 0
     declined = r.events("declined")
     assert {p for p, _ in declined} == {"dsv4_indexer_q", "dsv4_indexer_k"}, declined
@@ -250,13 +251,17 @@ def test_lookalikes_are_left_alone(name):
         "amax_floor_1e-6": "amax floor 1e-06",
     }[name]
     assert all(why in w for _, w in declined), declined
-    # Inductor's code for the unfused math against eager: codes within one e4m3 step, but
-    # for a rare value Inductor's own RoPE rounding (contracted products) moves across an
-    # e4m3 boundary far from a bf16 one (one CPU run: a code 8 apart); weights exactly
-    (q, w), (ref_q, ref_w) = r.out, r.ref_out
-    for diff in (e4m3_code_diff(q.view(torch.uint8), ref_q.view(torch.uint8)), e4m3_code_diff(r.cache, r.ref_cache)):
-        assert int((diff > 1).sum()) <= max(1, diff.numel() // 1000), int(diff.max())
-    torch.testing.assert_close(w, ref_w)
+    # left alone means what Inductor alone makes of it, byte for byte (Inductor's own
+    # rounding of the unfused math differs from eager, by torch version: on 2.14 a whole
+    # head's exponent moved, 128 codes 9 apart)
+    torch._dynamo.reset()
+    cache = inputs.k_cache.clone()
+    rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
+    q, w = torch.compile(prep(LOOKALIKES[name]), backend="inductor", fullgraph=True)(
+        inputs.q, inputs.weights, inputs.k, cache, *rest)
+    assert torch.equal(r.out[0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(r.out[1].view(torch.int32), w.view(torch.int32))
+    assert torch.equal(r.cache, cache)
 
 
 @pytest.mark.parametrize("drops", [pytest.param(False, id="torch_keeps_round_trips"),
