@@ -31,6 +31,9 @@ Options (``PrepfuseOptions``; unknown keys are an error)::
                             prepfuse op would run eagerly or a node a CUDA graph cannot
                             hold (.item(), a CPU scalar ...) sits in a captured region
 
+Output buffers of the fused ops come from the scratch arena (``prepfuse.scratch``): a buffer
+the compiled code returns is valid until it runs again (``docs/cudagraphs.md``).
+
 What was fused, and where: ``last_reports()`` (the graphs of the latest compile),
 ``reports()`` (every graph since ``clear_reports()``), both ``Reports`` with ``format()``;
 or build a ``PrepfuseBackend(options)`` and read its own ``.reports``.
