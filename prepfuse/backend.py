@@ -23,6 +23,12 @@ Options (``PrepfuseOptions``; unknown keys are an error)::
                             the "placement" pass moves prepfuse ops that do not depend
                             on one ahead of it, and the report gives each prepfuse op's
                             partition. Empty (default): no placement pass at all
+    output_buffers          "arena" (default): the fused ops' output buffers (padded q,
+                            indexer codes and weights) are views of the scratch arena,
+                            reserved once; a returned one is valid until the next call.
+                            "graph": ordinary graph buffers (fresh per call, or the
+                            cudagraph trees' pool), for callers that keep returned
+                            outputs. cudagraphs="piecewise" always uses graph buffers
     cudagraphs              "none" (default): no capture, no checks; "piecewise":
                             Inductor's graph partition cuts at splitting_ops and
                             cudagraph trees capture each partition; "full": the engine
@@ -76,6 +82,8 @@ _PIECEWISE_CONFIG = ("graph_partition", "custom_should_partition_ops", "triton.c
                      "triton.cudagraph_trees", "triton.reorder_for_reducing_graph_partitions",
                      "reorder_for_peak_memory")
 _MAX_KEPT_REPORTS = 4096
+# where the fused ops' output buffers live: views of the scratch arena, or graph buffers
+OUTPUT_BUFFERS = ("arena", "graph")
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ class PrepfuseOptions:
     record_graphs: bool = False
     splitting_ops: tuple[str, ...] = ()
     cudagraphs: str = "none"
+    output_buffers: str = "arena"
 
     def __post_init__(self) -> None:
         available = registered_passes()
@@ -122,6 +131,9 @@ class PrepfuseOptions:
             if key not in known:
                 raise ValueError(f"inductor_config: {key!r} is not an Inductor config name (torch._inductor.config)")
         object.__setattr__(self, "inductor_config", MappingProxyType(dict(self.inductor_config)))
+        if self.output_buffers not in OUTPUT_BUFFERS:
+            raise ValueError(f"output_buffers: expected one of {', '.join(map(repr, OUTPUT_BUFFERS))}, "
+                             f"got {self.output_buffers!r}")
         self._validate_placement()
 
     def _validate_placement(self) -> None:
@@ -183,7 +195,7 @@ class PrepfuseOptions:
         """What, besides the passes, makes compiled code differ (enters the uuid)."""
         return (
             self.passes, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict,
-            self.splitting_ops, self.cudagraphs,
+            self.splitting_ops, self.cudagraphs, self.output_buffers,
         )
 
 
@@ -241,6 +253,7 @@ class PrepfuseBackend:
             settings=opts.cache_key(),
             on_report=on_report,
             placement=opts.placement,
+            output_buffers=opts.output_buffers,
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):

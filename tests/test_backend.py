@@ -127,6 +127,7 @@ def test_default_options_run_every_registered_pass_defunctionalize_last():
         ({"debug_dir": 3}, r"debug_dir: expected a path"),
         ({"cudagraphs": "partial"}, r"cudagraphs: expected one of 'none', 'piecewise', 'full', got 'partial'"),
         ({"cudagraphs": True}, r"cudagraphs: expected one of"),
+        ({"output_buffers": "heap"}, r"output_buffers: expected one of 'arena', 'graph', got 'heap'"),
         ({"splitting_ops": "prepfuse_test::attention"}, r"splitting_ops: expected a list of ops"),
         ({"splitting_ops": ["attention"]}, r"splitting_ops: expected ops or 'namespace::name\[.overload\]' strings"),
         ({"splitting_ops": ["nowhere::attention"]}, r"splitting_ops: no op 'nowhere::attention' is registered"),
@@ -207,6 +208,7 @@ def test_uuid_is_stable():
         {"splitting_ops": ["aten::mm"]},
         {"cudagraphs": "piecewise"},
         {"cudagraphs": "full"},
+        {"output_buffers": "graph"},
     ],
 )
 def test_uuid_changes_with_options(options):

@@ -15,8 +15,9 @@ The backend installs one ``PrepfusePassManager`` as Inductor's
 
 4. with ``strict``, fails the compile if an ``auto_functionalized`` call of a prepfuse
    op survived (so a new op the passes do not handle cannot slip through silently),
-5. with ``cudagraphs="piecewise"``, turns arena views into graph buffers, which
-   cudagraph trees keep in their pool (``scratch_node.scratch_to_pool_buffers``),
+5. with ``output_buffers="graph"`` or ``cudagraphs="piecewise"``, turns arena views
+   into graph buffers (under piecewise, cudagraph trees keep them in their pool;
+   ``scratch_node.scratch_to_pool_buffers``),
 6. with a ``placement`` policy (``splitting_ops`` / ``cudagraphs``), assigns each node of
    the final graph its CUDA-graph partition (``partitions.py``), puts each prepfuse op's
    partition in the report, and fails the compile when a prepfuse op would run outside
@@ -76,6 +77,7 @@ class PrepfusePassManager(CustomGraphPass):
         settings: tuple = (),
         on_report: Callable[[GraphReport], None] | None = None,
         placement: PlacementPolicy | None = None,
+        output_buffers: str = "arena",
     ) -> None:
         names = [p.name for p in passes]
         if len(set(names)) != len(names):
@@ -87,6 +89,9 @@ class PrepfusePassManager(CustomGraphPass):
         self.settings = settings
         self.on_report = on_report
         self.placement = placement if placement is not None and placement.active else None
+        # cudagraph trees own every partition's buffers: under piecewise, graph buffers always
+        self.graph_buffers = output_buffers == "graph" or (self.placement is not None
+                                                           and self.placement.cudagraphs == "piecewise")
         self.reports: list[GraphReport] = []
 
     @property
@@ -105,11 +110,10 @@ class PrepfusePassManager(CustomGraphPass):
             report.add_pass(p, stack_traces)
             if dump_to:
                 _write(os.path.join(dump_to, f"{i:02d}_{p.name}.after.py"), _graph_text(graph))
-        if self.placement is not None and self.placement.cudagraphs == "piecewise":
-            # cudagraph trees own every partition's buffers (see scratch_to_pool_buffers)
+        if self.graph_buffers:  # output_buffers="graph", or cudagraph trees' pool (piecewise)
             moved = scratch_to_pool_buffers(graph)
             if moved:
-                log.debug("cudagraphs='piecewise': %d scratch views -> cudagraph-tree pool buffers", moved)
+                log.debug("%d scratch views -> graph buffers", moved)
         report.finish(graph)
         problems: list[str] = []
         if self.placement is not None:
@@ -142,8 +146,9 @@ class PrepfusePassManager(CustomGraphPass):
         if self.placement is not None:
             digest.update(f"placement:{self.placement.uuid()};".encode())
             digest.update(inspect.getsource(placement_module).encode())  # the check
+        if self.graph_buffers:
             digest.update(inspect.getsource(scratch_to_pool_buffers).encode())
-        digest.update(repr((self.strict, self.settings)).encode())
+        digest.update(repr((self.strict, self.settings, self.graph_buffers)).encode())
         return digest.hexdigest()
 
     def _dump_folder(self, graph_id: str) -> str:

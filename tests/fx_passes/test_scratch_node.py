@@ -116,6 +116,23 @@ def test_q_out_is_the_arena_reservation(arena):
     assert again.data_ptr() == out.data_ptr()
 
 
+def test_output_buffers_graph_returns_fresh_tensors(arena):
+    """output_buffers='graph': the fused op writes a graph buffer (no arena reservation),
+    so a returned q survives the next call, as torch.compile's outputs usually do."""
+    backend = PrepfuseBackend({"strict": True, "output_buffers": "graph"})
+    compiled = torch.compile(prep, backend=backend, fullgraph=True)
+    inputs = make_dsv4_inputs(7, H, HP, BLOCK, "cpu", skip_fraction=0.0)
+    cache, ref_cache = inputs.k_cache.clone(), inputs.k_cache.clone()
+    rest = (inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache)
+    out, (code,) = run_and_get_code(compiled, inputs.q, inputs.kv, cache, *rest)
+    _assert_matches_eager(out, prep(inputs.q, inputs.kv, ref_cache, *rest), cache, ref_cache)
+    FileCheck().check_not("torch.ops.prepfuse.scratch").check("torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert.default(").run(code)
+    assert arena.reservations() == []
+    kept = out.clone()
+    again, *_ = _call(compiled, 7)
+    assert again.data_ptr() != out.data_ptr() and torch.equal(out.view(torch.int16), kept.view(torch.int16))
+
+
 def test_grows_over_dynamic_tokens_then_refuses_after_freeze(arena):
     compiled = torch.compile(prep, backend=PrepfuseBackend({"strict": True}), fullgraph=True)
     for num_tokens in (5, 12):  # the profiling run: the largest T sizes the reservation
