@@ -23,10 +23,9 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.dsv4_indexer_patterns import find_writes, rope_tail
-from prepfuse.fx_passes.dsv4_prep_patterns import put_rows
 from prepfuse.fx_passes.recognizers import (
     RESHAPES, NoMatch, _pair_slice, aten, clamp_bounds, convert_source, describe, expect, is_op, same_shape,
-    same_size, same_value, scalar, shape, split_operands, strip, val,
+    put_rows, same_size, same_value, scalar, shape, split_operands, strip, val,
 )
 from prepfuse.ops.dsv4_indexer_common import (
     E2M1_MAX, HEAD_DIM, MXFP4_AMAX_FLOOR, MXFP4_BLOCK, MXFP4_BLOCKS, MXFP4_PACKED,

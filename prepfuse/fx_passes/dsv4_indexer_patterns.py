@@ -19,10 +19,10 @@ import torch
 import torch.fx
 
 from prepfuse._compat import inductor_drops_narrowing_round_trips
-from prepfuse.fx_passes.dsv4_prep_patterns import cache_write, put_rows
+from prepfuse.fx_passes.dsv4_prep_patterns import cache_write
 from prepfuse.fx_passes.recognizers import (
     RESHAPES, NoMatch, aten, prims, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
-    rope_gptj, same_shape, same_size, same_value, scalar, shape, split_operands, strip, val,
+    put_rows, rope_gptj, same_shape, same_size, same_value, scalar, shape, split_operands, strip, val,
 )
 from prepfuse.ops.dsv4_indexer_common import FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM
 

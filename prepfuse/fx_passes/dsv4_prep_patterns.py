@@ -18,7 +18,7 @@ from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes import recognizers
 from prepfuse.fx_passes.recognizers import (
     NoMatch, aten, prims, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
-    last_dim_slice, put_rows, rms_norm, rope_gptj, row_layout, same_shape, same_size, same_value, scatter_back, shape,
+    last_dim_slice, paged_slots, put_rows, rms_norm, rope_gptj, row_layout, same_shape, same_size, same_value, scatter_back, shape,
     split_operands, strip, val, view_chain, RESHAPES,
 )
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
@@ -204,19 +204,6 @@ def _cat_last(node, widths: tuple[int, int], what: str):
     return parts
 
 
-def _slots(indices, block_size: int) -> torch.fx.Node:
-    """``slots`` for the index pair ``(slots // block_size, slots % block_size)``."""
-    expect(len(indices) == 2 and all(isinstance(i, torch.fx.Node) for i in indices), "write: expected [block, row] indices")
-    blk, row = indices
-    expect(is_op(blk, aten.div.Tensor_mode) and blk.kwargs.get("rounding_mode") == "floor" and blk.args[1] == block_size,
-           f"write: block index {describe(blk)} is not slot // {block_size}")
-    expect(is_op(row, aten.remainder.Scalar, aten.remainder.Tensor) and row.args[1] == block_size and row.args[0] is blk.args[0],
-           f"write: row index {describe(row)} is not slot % {block_size} of the same slots")
-    sv = val(blk.args[0])
-    expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
-    return blk.args[0]
-
-
 def cache_write(put) -> tuple[torch.fx.Node, torch.fx.Node, int, int, int, int, torch.fx.Node]:
     """(root, new root, first column, row pitch, row width, block size, slots) of one index_put.
 
@@ -242,7 +229,7 @@ def cache_write(put) -> tuple[torch.fx.Node, torch.fx.Node, int, int, int, int, 
         root, chain = view_chain(view)
         first, pitch, width = row_layout(view, root)
         block_size = shape(view)[1]
-        slots = _slots(indices, block_size)
+        slots = paged_slots(indices, block_size)
         new_root = scatter_back(put, chain)
     expect(rows[1] == width and same_size(rows[0], shape(slots)[0]), "write: values are not one row per slot")
     return root, new_root, first, pitch, width, block_size, slots
@@ -271,7 +258,7 @@ def _column_indices(indices, width: int) -> tuple[int, int, int, int, torch.fx.N
            f"write: row {describe(remainder)} is not slot % block_size")
     block_size = remainder.args[1]
     expect(first == int(first), f"write: first column {first} is not an integer")
-    return int(first), pitch, width, block_size, _slots([blk.args[0], remainder], block_size)
+    return int(first), pitch, width, block_size, paged_slots([blk.args[0], remainder], block_size)
 
 
 def _is_column(node) -> bool:

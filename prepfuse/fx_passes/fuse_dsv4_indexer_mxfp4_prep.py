@@ -37,9 +37,8 @@ from prepfuse.fx_passes.dsv4_indexer_mxfp4_patterns import (
     KSide, NoMatch, QSide, find_writes, is_pack, match_k_side, match_q_side, weights_products,
 )
 from prepfuse.fx_passes.dsv4_indexer_patterns import rounded_input
-from prepfuse.fx_passes.dsv4_prep_patterns import put_rows
 from prepfuse.fx_passes.fuse_dsv4_prep import _Emitter  # node emission with fake values, shared
-from prepfuse.fx_passes.recognizers import RESHAPES, is_op, same_size, shape
+from prepfuse.fx_passes.recognizers import RESHAPES, is_op, put_rows, same_size, shape
 from prepfuse.ops import DSV4_INDEXER_ROPE_MXFP4_INSERT, SCRATCH
 from prepfuse.ops.dsv4_indexer_common import HEAD_DIM, MXFP4_BLOCKS, MXFP4_PACKED, MXFP4_SLOT_BYTES
 
