@@ -21,7 +21,7 @@ import torch.fx
 from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.dsv4_prep_patterns import cache_write
 from prepfuse.fx_passes.recognizers import (
-    RESHAPES, NoMatch, aten, prims, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
+    RESHAPES, NoMatch, aten, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
     put_rows, rope_gptj, same_shape, same_size, same_value, scalar, shape, split_operands, strip, val,
 )
 from prepfuse.ops.dsv4_indexer_common import FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM
@@ -117,7 +117,7 @@ def rope_tail(y: torch.fx.Node, rank: int) -> tuple[torch.fx.Node, torch.fx.Node
     if src is None and inductor_drops_narrowing_round_trips() and val(x).dtype == torch.float32:
         # the source's own rounding, fp32 -> bf16 (an upstream norm's .to(bf16), read only by
         # this .float()), was dropped too: the source is that fp32 value, and the call rounds
-        # it to bf16 first (the passes emit the cast; see ``rounded_input``)
+        # it to bf16 first (the passes emit the cast, ``Emitter.as_bf16``)
         src = x
     expect(src is not None, f"rope: {describe(x)} is not a cast to fp32")
     sv = val(src)
@@ -125,14 +125,6 @@ def rope_tail(y: torch.fx.Node, rank: int) -> tuple[torch.fx.Node, torch.fx.Node
     expect(sv.dim() == rank and sv.stride(-1) == 1, f"rope: input has shape {tuple(sv.shape)} strides {tuple(sv.stride())}")
     table, positions = cos_sin_rows(cos, sin, sv.shape[0], rank=rank)
     return src, positions, table
-
-
-def rounded_input(emit, src: torch.fx.Node) -> torch.fx.Node:
-    """``src`` as the op reads it, bf16: an fp32 ``src`` (``rope_tail`` where Inductor dropped
-    the code's ``.to(bf16)``, torch 2.11) gets the cast back, so the call rounds as the code does."""
-    if val(src).dtype == torch.float32:
-        return emit.node(prims.convert_element_type.default, src, torch.bfloat16)
-    return src
 
 
 def _is_rotation(node) -> bool:

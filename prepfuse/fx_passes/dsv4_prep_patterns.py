@@ -45,16 +45,15 @@ class KvSide:
     """The bytes of ``kv`` rows written at ``slots`` into ``cache_in``, giving ``cache_out``."""
 
     anchor: torch.fx.Node  # the index_put of the 576-byte rows
-    kv: torch.fx.Node  # bf16 [n, 512]; fp32 when ``round_kv``
+    # bf16 [n, 512]; fp32 where the code rounded kv to bf16 before ``.float()``, a round trip
+    # torch 2.11's Inductor dropped (``kv_columns``): the call rounds it first
+    kv: torch.fx.Node
     positions: torch.fx.Node  # int64 [n]
     cos_sin_cache: torch.fx.Node
     slots: torch.fx.Node  # int64 [n]
     block_size: int
     cache_in: torch.fx.Node
     cache_out: torch.fx.Node
-    # kv is fp32 rows the code rounded to bf16 before ``.float()``, a round trip Inductor
-    # dropped (torch 2.11, ``kv_columns``): the call rounds them first
-    round_kv: bool = False
 
 
 # --------------------------------------------------------------------------------------
@@ -297,9 +296,9 @@ def match_kv_side(data_put: torch.fx.Node, writes: dict) -> KvSide:
     pe_rot = convert_source(rope_bytes.args[0], torch.bfloat16)
     expect(pe_rot is not None, "kv row: RoPE values are not rounded from fp32")
     pe, cos, sin = rope_gptj(pe_rot)
-    kv, round_kv = kv_columns(pe, NOPE_DIM, HEAD_DIM, "kv RoPE")
+    kv = kv_columns(pe, NOPE_DIM, HEAD_DIM, "kv RoPE")
     nope, e = _quant_codes(codes)
-    expect(kv_columns(nope, 0, NOPE_DIM, "kv NoPE") == (kv, round_kv), "kv: NoPE and RoPE columns come from different tensors")
+    expect(kv_columns(nope, 0, NOPE_DIM, "kv NoPE") is kv, "kv: NoPE and RoPE columns come from different tensors")
     scale_bytes, zeros = _cat_last(put_rows(scale_put), (N_QUANT_BLOCKS, 1), "kv scales")
     clamped = convert_source(scale_bytes, torch.uint8)
     expect(clamped is not None, f"kv scales: {describe(scale_bytes)} is not a cast to uint8")
@@ -310,24 +309,23 @@ def match_kv_side(data_put: torch.fx.Node, writes: dict) -> KvSide:
     expect(same_size(rows, shape(slots)[0]), "kv: one slot per row expected")
     expect(val(kv).stride(-1) == 1, f"kv: strides {tuple(val(kv).stride())}, the op reads dense rows")
     table, positions = cos_sin_rows(cos, sin, rows, rank=2)
-    return KvSide(data_put, kv, positions, table, slots, bs, cache_in, cache_out, round_kv)
+    return KvSide(data_put, kv, positions, table, slots, bs, cache_in, cache_out)
 
 
-def kv_columns(node, start: int, end: int, what: str) -> tuple[torch.fx.Node, bool]:
-    """(kv, round_kv) for ``node = kv.float()[:, start:end]`` (or ``kv[:, start:end].float()``),
-    kv bf16: ``(kv, False)``.
+def kv_columns(node, start: int, end: int, what: str) -> torch.fx.Node:
+    """kv for ``node = kv.float()[:, start:end]`` (or ``kv[:, start:end].float()``), kv bf16.
 
     Torch 2.11's Inductor drops the round trip of an upstream ``kv = norm(..).to(bf16)`` read
     only by this ``kv.float()`` (``inductor_drops_narrowing_round_trips``): the columns are
-    then of the fp32 norm output itself, ``(kv_fp32, True)``, and the call rounds it to bf16
-    as the code says. The graph cannot tell that from code that never rounded kv.
+    then of the fp32 norm output itself, returned as it is (fp32), and the call rounds it to
+    bf16 as the code says (``Emitter.as_bf16``). The graph cannot tell that from code that never rounded kv.
     """
     if inductor_drops_narrowing_round_trips() and convert_source(node, torch.float32) is None:
         found = last_dim_slice(node)
         if found is not None and found[1:] == (start, end, 1) and val(found[0]).dtype == torch.float32 \
                 and convert_source(found[0], torch.float32) is None:
-            return found[0], True
-    return bf16_columns(node, start, end, what), False
+            return found[0]
+    return bf16_columns(node, start, end, what)
 
 
 def first_rows_of(node, rows):

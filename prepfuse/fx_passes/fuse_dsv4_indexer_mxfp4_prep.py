@@ -31,13 +31,14 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from prepfuse.fx_passes import dsv4_indexer_mxfp4_patterns, dsv4_indexer_patterns, dsv4_prep_patterns, recognizers, scratch_node
+from prepfuse.fx_passes import (
+    dsv4_indexer_mxfp4_patterns, dsv4_indexer_patterns, dsv4_prep_patterns, emitter, recognizers, scratch_node,
+)
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.dsv4_indexer_mxfp4_patterns import (
     KSide, NoMatch, QSide, find_writes, is_pack, match_k_side, match_q_side, weights_products,
 )
-from prepfuse.fx_passes.dsv4_indexer_patterns import rounded_input
-from prepfuse.fx_passes.fuse_dsv4_prep import _Emitter  # node emission with fake values, shared
+from prepfuse.fx_passes.emitter import Emitter
 from prepfuse.fx_passes.recognizers import RESHAPES, is_op, put_rows, same_size, shape
 from prepfuse.ops import DSV4_INDEXER_ROPE_MXFP4_INSERT, SCRATCH
 from prepfuse.ops.dsv4_indexer_common import HEAD_DIM, MXFP4_BLOCKS, MXFP4_PACKED, MXFP4_SLOT_BYTES
@@ -54,7 +55,7 @@ class FuseDsv4IndexerMxfp4PrepPass(PrepfusePass):
     """
 
     name = "fuse_dsv4_indexer_mxfp4_prep"
-    uuid_sources = (dsv4_indexer_mxfp4_patterns, dsv4_indexer_patterns, dsv4_prep_patterns, recognizers, scratch_node)
+    uuid_sources = (dsv4_indexer_mxfp4_patterns, dsv4_indexer_patterns, dsv4_prep_patterns, emitter, recognizers, scratch_node)
 
     def settings(self) -> tuple:
         return (str(DSV4_INDEXER_ROPE_MXFP4_INSERT._schema), str(SCRATCH._schema))
@@ -98,12 +99,12 @@ class FuseDsv4IndexerMxfp4PrepPass(PrepfusePass):
     def _rewrite(self, graph, q: QSide | None, k: KSide | None, weights: tuple | None, caches: dict) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
         readers = _readers(q, k, weights)
-        emit = _Emitter(graph, min(readers, key=order.__getitem__), source=q.packed if q else k.anchor)
+        emit = Emitter(graph, min(readers, key=order.__getitem__), source=q.packed if q else k.anchor)
         like = q.q if q else k.k
         if q is not None:
             tokens, heads = emit.size(q.q, 0), shape(q.q)[1]
             q_in, positions = q.q, q.positions
-            q_in = rounded_input(emit, q_in)  # fp32 where Inductor dropped the code's rounding
+            q_in = emit.as_bf16(q_in)  # fp32 where Inductor dropped the code's rounding
         else:  # no tokens: the op reads no q and writes no q output
             tokens, heads = 0, 1
             q_in, positions = emit.empty([0, 1, HEAD_DIM], torch.bfloat16, like), emit.empty([0], torch.int64, like)
@@ -113,7 +114,7 @@ class FuseDsv4IndexerMxfp4PrepPass(PrepfusePass):
             product, w_in, weights_scale = None, emit.empty([tokens, heads], torch.float32, like), 1.0
         if k is not None:
             k_in, k_positions, slots, block_size = k.k, k.k_positions, k.slots, k.block_size
-            k_in = rounded_input(emit, k_in)
+            k_in = emit.as_bf16(k_in)
             # a cache an earlier call of this pass wrote (two layers, one cache): its new value
             k_cache = caches.get(k.cache_in, k.cache_in)
         else:  # no rows inserted: the op reads no k row and writes no cache byte

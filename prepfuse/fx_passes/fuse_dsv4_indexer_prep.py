@@ -29,12 +29,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from prepfuse.fx_passes import dsv4_indexer_patterns, dsv4_prep_patterns, recognizers, scratch_node
+from prepfuse.fx_passes import dsv4_indexer_patterns, dsv4_prep_patterns, emitter, recognizers, scratch_node
 from prepfuse.fx_passes.base import PrepfusePass
-from prepfuse.fx_passes.dsv4_indexer_patterns import (
-    KSide, NoMatch, QSide, find_writes, match_k_side, match_q_side, rounded_input,
-)
-from prepfuse.fx_passes.fuse_dsv4_prep import _Emitter  # node emission with fake values, shared
+from prepfuse.fx_passes.dsv4_indexer_patterns import KSide, NoMatch, QSide, find_writes, match_k_side, match_q_side
+from prepfuse.fx_passes.emitter import Emitter
 from prepfuse.fx_passes.recognizers import convert_source, shape
 from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, SCRATCH
 from prepfuse.ops.dsv4_indexer_common import FP8_SLOT_BYTES, HEAD_DIM
@@ -49,7 +47,7 @@ class FuseDsv4IndexerPrepPass(PrepfusePass):
     """
 
     name = "fuse_dsv4_indexer_prep"
-    uuid_sources = (dsv4_indexer_patterns, dsv4_prep_patterns, recognizers, scratch_node)
+    uuid_sources = (dsv4_indexer_patterns, dsv4_prep_patterns, emitter, recognizers, scratch_node)
 
     def settings(self) -> tuple:
         return (str(DSV4_INDEXER_ROPE_FP8_INSERT._schema), str(SCRATCH._schema))
@@ -101,12 +99,12 @@ class FuseDsv4IndexerPrepPass(PrepfusePass):
     def _rewrite(self, graph, q: QSide | None, k: KSide | None) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
         readers = _readers(q, k)
-        emit = _Emitter(graph, min(readers, key=order.__getitem__), source=q.codes if q else k.anchor)
+        emit = Emitter(graph, min(readers, key=order.__getitem__), source=q.codes if q else k.anchor)
         like = q.q if q else k.k
         if q is not None:
             tokens, heads = emit.size(q.q, 0), shape(q.q)[1]
             q_in, weights, positions, weights_scale = q.q, q.weights, q.positions, q.weights_scale
-            q_in = rounded_input(emit, q_in)  # fp32 where Inductor dropped the code's rounding
+            q_in = emit.as_bf16(q_in)  # fp32 where Inductor dropped the code's rounding
         else:  # no tokens: the op reads no q and writes no q output
             tokens, heads = 0, 1
             q_in = emit.empty([0, 1, HEAD_DIM], torch.bfloat16, like)
@@ -114,7 +112,7 @@ class FuseDsv4IndexerPrepPass(PrepfusePass):
             positions, weights_scale = emit.empty([0], torch.int64, like), 1.0
         if k is not None:
             k_in, k_positions, k_cache, slots, block_size = k.k, k.k_positions, k.cache_in, k.slots, k.block_size
-            k_in = rounded_input(emit, k_in)
+            k_in = emit.as_bf16(k_in)
         else:  # no rows inserted: the op reads no k row and writes no cache byte
             k_in = emit.empty([0, HEAD_DIM], torch.bfloat16, like)
             k_positions, slots = emit.empty([0], torch.int64, like), emit.empty([0], torch.int64, like)

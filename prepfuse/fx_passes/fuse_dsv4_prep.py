@@ -46,21 +46,16 @@ slots. The model code this pass fuses must pass valid slots, or mean "skip" by -
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
-from prepfuse._compat import auto_functionalized_ops
-from prepfuse.fx_passes import dsv4_prep_patterns, recognizers, scratch_node
+from prepfuse.fx_passes import dsv4_prep_patterns, emitter, recognizers, scratch_node
 from prepfuse.fx_passes.base import PrepfusePass
+from prepfuse.fx_passes.emitter import Emitter
 from prepfuse.fx_passes.dsv4_prep_patterns import (
     KvSide, NoMatch, QSide, cache_write, first_rows_of, head_padding, match_kv_side, match_q_side,
 )
-from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
-from prepfuse.fx_passes.recognizers import aten, is_op, prims, same_size, shape, val
-from prepfuse.fx_passes.scratch_node import scratch_buffer
+from prepfuse.fx_passes.recognizers import aten, is_op, same_size, shape, val
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SLOT_BYTES
 
@@ -79,7 +74,7 @@ class FuseDsv4PrepPass(PrepfusePass):
     """
 
     name = "fuse_dsv4_prep"
-    uuid_sources = (dsv4_prep_patterns, recognizers, scratch_node)
+    uuid_sources = (dsv4_prep_patterns, emitter, recognizers, scratch_node)
 
     def settings(self) -> tuple:
         # the emitted calls' schemas: an op change must invalidate cached compiled graphs too
@@ -141,7 +136,7 @@ class FuseDsv4PrepPass(PrepfusePass):
     def _rewrite(self, graph, q: QSide | None, kv: KvSide | None, kv_in: torch.fx.Node | None) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
         readers = (_q_readers(q) if q else []) + (list(kv.cache_out.users) if kv else [])
-        emit = _Emitter(graph, min(readers, key=order.__getitem__), source=q.prepared if q else kv.anchor)
+        emit = Emitter(graph, min(readers, key=order.__getitem__), source=q.prepared if q else kv.anchor)
         if q is not None:
             tokens, num_heads = emit.size(q.q, 0), shape(q.q)[1]
             pads = [p for p in (head_padding(u, q.prepared) for u in q.prepared.users) if p is not None]
@@ -161,8 +156,7 @@ class FuseDsv4PrepPass(PrepfusePass):
         q_out = buffer
         if kv is not None:
             k_cache, slots, block_size = kv.cache_in, kv.slots, kv.block_size
-            if kv.round_kv:  # the code's .to(bf16) of kv, which Inductor dropped (torch 2.11)
-                kv_in = emit.node(prims.convert_element_type.default, kv_in, torch.bfloat16)
+            kv_in = emit.as_bf16(kv_in)  # fp32 where Inductor dropped the code's .to(bf16) (torch 2.11)
         else:  # no rows inserted: the op reads no kv row and writes no cache byte
             kv_in = emit.node(aten.select.int, q.q, 1, 0)
             k_cache = emit.empty([1, SLOT_BYTES], torch.uint8, q.q)
@@ -230,58 +224,3 @@ def _shared_kv(q: QSide, kv: KvSide, order: dict) -> torch.fx.Node | None:
     if max(order[n] for n in inputs) >= min(order[n] for n in readers):
         return None  # some reader of one output comes before an input of the other side
     return full
-
-
-class _Emitter:
-    """Inserts nodes before ``point``, each with its fake value (later passes read ``meta['val']``)."""
-
-    def __init__(self, graph: torch.fx.Graph, point: torch.fx.Node, source: torch.fx.Node) -> None:
-        self.graph, self.point = graph, point
-        # the matched code's source line, for the report's rows about emitted nodes
-        self.stack_trace = source.meta.get("stack_trace")
-        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
-
-    def node(self, target, *args, name: str | None = None, **kwargs) -> torch.fx.Node:
-        with self.graph.inserting_before(self.point):
-            node = self.graph.call_function(target, args, kwargs)
-        if name is not None:
-            node._rename(name)
-        if self.stack_trace:
-            node.meta["stack_trace"] = self.stack_trace
-        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
-        return node
-
-    def size(self, tensor: torch.fx.Node, dim: int):
-        """``tensor.size(dim)``: an int, or a ``sym_size`` node when it is symbolic."""
-        size = shape(tensor)[dim]
-        return size if isinstance(size, int) else self.node(aten.sym_size.int, tensor, dim)
-
-    def empty(self, sizes, dtype, like: torch.fx.Node) -> torch.fx.Node:
-        return self.node(aten.empty.memory_format, sizes, dtype=dtype, device=val(like).device, pin_memory=False)
-
-    def scratch(self, base: str, sizes, dtype, like: torch.fx.Node, name: str) -> torch.fx.Node:
-        """An arena-backed output buffer (``scratch_buffer``): no allocation per call."""
-        node = scratch_buffer(self.graph, self.point, base, sizes, dtype, val(like).device, node_name=name)
-        if node.target is SCRATCH and self.stack_trace and "stack_trace" not in node.meta:
-            node.meta["stack_trace"] = self.stack_trace
-        return node
-
-    def functional_call(self, op, kwargs: dict) -> dict[str, torch.fx.Node]:
-        """``auto_functionalized[_v2](op, ..)`` and a getitem per written argument, by name.
-
-        The written arguments come from the schema (``mutation_info``); for v2 each is its
-        own base in ``_all_bases``.
-        """
-        v1, v2 = auto_functionalized_ops()
-        written = [arg.name for arg in mutated_args(op)]
-        if v2 is not None and torch._inductor.config.enable_auto_functionalized_v2:
-            hop = v2
-            call = {k: v for k, v in kwargs.items() if k not in written}
-            call.update({f"_{name}_base_index": i for i, name in enumerate(written)})
-            call["_all_bases"] = [kwargs[name] for name in written]
-        else:
-            hop, call = v1, kwargs
-        af = self.node(hop, op, **call)
-        return {name: self.node(operator.getitem, af, index) for name, index in output_indices(af).items()}

@@ -37,10 +37,10 @@ import torch
 import torch.fx
 
 from prepfuse._compat import auto_functionalized_ops
-from prepfuse.fx_passes import gqa_prep_patterns, recognizers, scratch_node
+from prepfuse.fx_passes import emitter, gqa_prep_patterns, recognizers, scratch_node
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.dsv4_prep_patterns import first_rows_of
-from prepfuse.fx_passes.fuse_dsv4_prep import _Emitter
+from prepfuse.fx_passes.emitter import Emitter
 from prepfuse.fx_passes.gqa_prep_patterns import CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads
 from prepfuse.fx_passes.mutation_info import output_indices
 from prepfuse.fx_passes.recognizers import aten, expect, same_size, scatter_back, shape, val, view_chain
@@ -62,7 +62,7 @@ class FuseGqaPrepPass(PrepfusePass):
 
     name = "fuse_gqa_prep"
     # the pattern modules, and what this pass borrows from the DeepSeek-V4 pass
-    uuid_sources = (gqa_prep_patterns, recognizers, scratch_node, _Emitter, first_rows_of)
+    uuid_sources = (gqa_prep_patterns, emitter, recognizers, scratch_node, first_rows_of)
 
     def settings(self) -> tuple:
         # the emitted call's schema: an op change must invalidate cached compiled graphs too
@@ -161,7 +161,7 @@ class FuseGqaPrepPass(PrepfusePass):
     def _rewrite(self, graph, q: Heads, k: Heads, k_write: CacheWrite, v_write: CacheWrite,
                  shared: SharedBase | None) -> None:
         order = self._order
-        emit = _Emitter(graph, min(_readers(q, k_write, v_write, shared), key=order.__getitem__), source=q.prepared)
+        emit = Emitter(graph, min(_readers(q, k_write, v_write, shared), key=order.__getitem__), source=q.prepared)
         args = dict(qkv=q.qkv, q_norm_weight=q.norm_weight, k_norm_weight=k.norm_weight,
                     q_out=q_out_buffer(emit, q), k_cache=k_write.cache, v_cache=v_write.cache,
                     slot_mapping=k_write.slots, positions=q.positions, cos_sin_cache=q.cos_sin_cache,
@@ -183,7 +183,7 @@ class FuseGqaPrepPass(PrepfusePass):
         self.log.matched(self.name, pattern, q.prepared)
 
 
-def q_out_buffer(emit: _Emitter, q: Heads) -> torch.fx.Node:
+def q_out_buffer(emit: Emitter, q: Heads) -> torch.fx.Node:
     """The op's ``q_out [T, Hq, D]``: scratch-arena memory (reservation
     ``gqa_qknorm_rope_kv_insert.q_out.<k>``, reserved before KV sizing; see
     ``fx_passes/scratch_node.py``), never a per-call allocation."""
@@ -237,7 +237,7 @@ def _shared_base(first: CacheWrite, second: CacheWrite) -> SharedBase | None:
         return None
 
 
-def _shared_base_call(emit: _Emitter, args: dict, root: torch.fx.Node) -> dict[str, torch.fx.Node]:
+def _shared_base_call(emit: Emitter, args: dict, root: torch.fx.Node) -> dict[str, torch.fx.Node]:
     """The call writing both caches as views of ``root``: for v2 one base with each cache's
     view regenerated from it (``_<arg>_size/_stride/_storage_offset``), which the
     defunctionalize pass turns into in-place writes; for v1 both views, then their new
