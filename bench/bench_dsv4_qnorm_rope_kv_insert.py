@@ -276,17 +276,22 @@ def same_shapes(a, b) -> bool:
 # --------------------------------------------------------------------------------------
 # Implementations
 # --------------------------------------------------------------------------------------
-def compiled_unfused():
-    """``dsv4_prep_unfused`` under torch.compile; room for one graph per benchmarked shape."""
+def allow_recompiles() -> None:
+    """Room for one compiled graph per benchmarked shape (``dynamic=False`` recompiles per T)."""
     import torch._dynamo
-
-    from prepfuse.unfused import dsv4_prep_unfused
 
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     setattr(cfg, name, max(getattr(cfg, name), 256))
     if hasattr(cfg, "accumulated_recompile_limit"):
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
+
+
+def compiled_unfused():
+    """``dsv4_prep_unfused`` under torch.compile; room for one graph per benchmarked shape."""
+    from prepfuse.unfused import dsv4_prep_unfused
+
+    allow_recompiles()
     return torch.compile(dsv4_prep_unfused, dynamic=False, fullgraph=True)
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -125,21 +124,13 @@ def _gate(fn, inputs, model) -> tuple[bool, dict]:
     return gqa_within_bound(cmp, model[5], model[6] == FP8), dataclasses.asdict(cmp)
 
 
-def _allow_recompiles() -> None:
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(getattr(cfg, name), 256))
-    if hasattr(cfg, "accumulated_recompile_limit"):
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
-
-
 def run_benchmark(args) -> dict:
     t_start = time.time()
     info = opbench._device_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{OP}_{info['device_slug']}{args.name_suffix}.json"
-    _allow_recompiles()
+    opbench.allow_recompiles()
     data = {"op": f"prepfuse::{OP}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **info, "block_size": BLOCK_SIZE, "models": {k: list(map(str, v)) for k, v in MODELS.items()}, "rows": []}
     data["copy_bandwidth"] = opbench.measure_copy_bandwidth(4 << 30)
@@ -168,7 +159,7 @@ def run_benchmark(args) -> dict:
                     row["frac_of_copy_bw"] = row["GBps"] / copy_bw
                     with opbench._IndexChecksOff():  # as inside a graph: no host-side check
                         row["launches"] = opbench.classify_gpu_activities(
-                            opbench.count_launches(lambda: fn(copies[0])))["launches"]
+                            opbench.count_launches(lambda c=copies[0]: fn(c)))["launches"]
                     line.append(f"{impl} {row['us_median']:.2f} us")
                 except Exception as err:  # noqa: BLE001 - record and go on: the table stays complete
                     row["error"] = f"{type(err).__name__}: {err}"
