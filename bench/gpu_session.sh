@@ -9,6 +9,7 @@
 #   gqa   - the GQA op's benchmark (JSON, PNG, benchmarks_gqa.md into $OUT)
 #   gqa-sweep - the GQA kernel's launch-configuration sweep
 #   indexer - the DeepSeek-V4 indexer ops' benchmark
+#   indexer-sweep - the indexer kernel's launch-configuration sweep
 #   demo  - the README's main command's python part
 # Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
 # No pip there: pure-python wheels carried in .whl/ are unpacked to /tmp/site.
@@ -75,6 +76,10 @@ for what in "${steps[@]}"; do
     indexer)
         step indexer
         python3 bench/bench_dsv4_indexer_rope_quant_insert.py --out-dir "$OUT" 2>&1 | tail -n 30 | tee -a "$log" || status=1
+        ;;
+    indexer-sweep)
+        step indexer-sweep
+        python3 bench/sweep_dsv4_indexer_launch.py --out-dir "$OUT" ${PREPFUSE_SWEEP_ARGS:-} 2>&1 | tail -n 20 | tee -a "$log" || status=1
         ;;
     demo)
         step demo

@@ -18,9 +18,11 @@ from prepfuse.testing import e4m3_code_diff, graph_replay_us, make_dsv4_indexer_
 
 
 def indexer_layers(num_layers: int, weights_scale: float, block_size: int):
-    """One indexer preparation per layer (the first spelling): each layer its own q,
-    weights, k and cache (lists), as the layers of a model have."""
-    spelling = INDEXER_SPELLINGS[0]
+    """One indexer preparation per layer: each layer its own q, weights, k and cache
+    (lists), as the layers of a model have. The spelling writes the scale bytes as
+    ``exp2(e).view(uint8).view(n, 4)``: torch 2.11's Inductor cannot compile the other
+    scales spelling unfused, and the demo times the unfused code under torch.compile."""
+    spelling = next(s for s in INDEXER_SPELLINGS if s.name == "slice-strided-view-bytes")
 
     def step(qs, weights, ks, caches, slot_mapping, positions, k_positions, cos_sin_cache):
         outs = []

@@ -379,11 +379,14 @@ def compare_gqa(a: GqaInputs, b: GqaInputs) -> GqaComparison:
     )
 
 
-def graph_replay_us(fn, warmup: int = 3, iters: int = 100) -> float:
-    """Median microseconds of one ``fn()`` replayed from a CUDA graph (the demo's quick
-    timing; ``bench/`` has the full method: calls batched per graph, cold L2).
+def graph_replay_us(fn, warmup: int = 3, iters: int = 50, calls: int = 20) -> float:
+    """Median microseconds of one ``fn()``, from a CUDA graph of ``calls`` back-to-back
+    calls replayed ``iters`` times (the demo's quick timing, warm L2; ``bench/`` has the
+    full method: cold L2, bandwidth, baselines).
 
-    ``fn`` is warmed up on a side stream first, which also compiles what it compiles.
+    A graph of one call would time the graph's own launch (a few us) and an idle GPU's
+    clocks with it: the first H200 run read 15 us for a 2 us kernel that way. ``fn`` is
+    warmed up on a side stream first, which also compiles what it compiles.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -393,7 +396,10 @@ def graph_replay_us(fn, warmup: int = 3, iters: int = 100) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
+    for _ in range(warmup):  # uploads the graph and takes the clocks out of idle
+        graph.replay()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -401,7 +407,7 @@ def graph_replay_us(fn, warmup: int = 3, iters: int = 100) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
+        times.append(start.elapsed_time(end) * 1000 / calls)
     return sorted(times)[len(times) // 2]
 
 

@@ -67,6 +67,23 @@ if has_triton():
             )
 
     @triton.jit
+    def _rope_pairs_split(y, cs_row, SOFT_ROUNDING: tl.constexpr):
+        """GPT-J RoPE of the last dim (64 values, pairs (2p, 2p+1)) of fp32 ``y [..., 64]``:
+        the rotated pairs as two fp32 tensors ``(e', o') [..., 32]``.
+
+        ``e' = e*cos[p] - o*sin[p]``, ``o' = e*sin[p] + o*cos[p]``, each product rounded on
+        its own as PyTorch eager does (see ``_mul_rn``); ``cs_row`` points at 32 cos then
+        32 sin. The pairs are split in registers, so the loads stay contiguous (vector)
+        accesses; a caller joins them back (``tl.join``) or, packing pairs, uses them as is.
+        """
+        cos = tl.load(cs_row + tl.arange(0, 32))
+        sin = tl.load(cs_row + 32 + tl.arange(0, 32))
+        e, o = tl.split(tl.reshape(y, y.shape[:-1] + [32, 2]))
+        e_rot = _mul_rn(e, cos, SOFT_ROUNDING) - _mul_rn(o, sin, SOFT_ROUNDING)
+        o_rot = _mul_rn(e, sin, SOFT_ROUNDING) + _mul_rn(o, cos, SOFT_ROUNDING)
+        return e_rot, o_rot
+
+    @triton.jit
     def _ceil_log2_ratio(amax, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr):
         """ceil(log2(amax / fmt_max)) for a normal, positive fp32 ``amax``, read off its bits.
 

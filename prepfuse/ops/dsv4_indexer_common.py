@@ -93,45 +93,64 @@ if has_triton():
     import triton
     import triton.language as tl
 
-    from prepfuse.ops._triton_helpers import _ceil_log2_ratio, _exp2_int, _mul_rn, _to_bf16, _to_e2m1_code, _to_e4m3_bits
+    from prepfuse.ops._triton_helpers import (
+        _ceil_log2_ratio,
+        _exp2_int,
+        _rope_pairs_split,
+        _to_bf16,
+        _to_e2m1_code,
+        _to_e4m3_bits,
+    )
 
     @triton.jit
-    def _load_rope_pairs(row_ptr, p, mask, cs_row, SOFT_ROUNDING: tl.constexpr):
-        """Values 2p and 2p+1 of rows at ``row_ptr`` (fp32), pairs p >= 32 rotated (GPT-J
-        with cos/sin[p - 32]), all rounded to bf16. ``p`` is [1, 4, 16]: the 64 pairs laid
-        out as 4 blocks of 16, so one mxfp4 block is one [16] row of even and odd values."""
-        even = tl.load(row_ptr + 2 * p, mask=mask, other=0.0).to(tl.float32)
-        odd = tl.load(row_ptr + 2 * p + 1, mask=mask, other=0.0).to(tl.float32)
-        in_rope = p >= 32  # dims 64..127
-        idx = tl.where(in_rope, p - 32, 0)
-        cos = tl.load(cs_row + idx, mask=in_rope, other=1.0)
-        sin = tl.load(cs_row + 32 + idx, mask=in_rope, other=0.0)
-        rot_even = _mul_rn(even, cos, SOFT_ROUNDING) - _mul_rn(odd, sin, SOFT_ROUNDING)
-        rot_odd = _mul_rn(even, sin, SOFT_ROUNDING) + _mul_rn(odd, cos, SOFT_ROUNDING)
-        # NoPE pairs pass through untouched (e - o*0 would turn -0.0 into +0.0)
-        even = tl.where(in_rope, _to_bf16(rot_even, SOFT_ROUNDING).to(tl.float32), even)
-        odd = tl.where(in_rope, _to_bf16(rot_odd, SOFT_ROUNDING).to(tl.float32), odd)
-        return even, odd
+    def _load_rotated_pairs(rows, mask, cs_row, SOFT_ROUNDING: tl.constexpr):
+        """Rows of 128 bf16 values at ``rows [R, 1]`` as four fp32 ``[R, 32]`` tensors: the
+        NoPE pairs (values 2p, 2p+1 of dims 0..63) and the rotated RoPE pairs (GPT-J on dims
+        64..127, rounded to bf16).
+
+        Each half is one contiguous load; the pairs are split in registers. Kept apart as
+        pairs because both formats need them: mxfp4 packs a pair into one byte, fp8 joins
+        them back before its contiguous store.
+        """
+        d = tl.arange(0, 64)[None, :]
+        nope = tl.load(rows + d, mask=mask, other=0.0).to(tl.float32)
+        pe = tl.load(rows + 64 + d, mask=mask, other=0.0).to(tl.float32)
+        nope_even, nope_odd = tl.split(tl.reshape(nope, nope.shape[:-1] + [32, 2]))
+        rot_even, rot_odd = _rope_pairs_split(pe, cs_row, SOFT_ROUNDING)
+        rot_even = _to_bf16(rot_even, SOFT_ROUNDING).to(tl.float32)
+        rot_odd = _to_bf16(rot_odd, SOFT_ROUNDING).to(tl.float32)
+        return nope_even, nope_odd, rot_even, rot_odd
 
     @triton.jit
-    def _quant_fp8_rows(even, odd, SOFT_ROUNDING: tl.constexpr):
-        """[R, 4, 16] even/odd values -> (codes even, codes odd, exponent [R]), one scale per row."""
-        amax = tl.maximum(tl.max(tl.max(tl.abs(even), axis=2), axis=1), tl.max(tl.max(tl.abs(odd), axis=2), axis=1))
-        e = _ceil_log2_ratio(tl.maximum(amax, 1e-4), 8, 0x600000)  # 448 = 1.75 * 2^8
-        inv = _exp2_int(-e)[:, None, None]
+    def _fp8_codes(even, odd, inv, SOFT_ROUNDING: tl.constexpr):
+        """Pairs [R, 32] times ``inv [R, 1]`` -> their e4m3 code bytes [R, 64], in order."""
         code_even = _to_e4m3_bits(tl.minimum(tl.maximum(even * inv, -448.0), 448.0), SOFT_ROUNDING)
         code_odd = _to_e4m3_bits(tl.minimum(tl.maximum(odd * inv, -448.0), 448.0), SOFT_ROUNDING)
-        return code_even, code_odd, e
+        return tl.reshape(tl.join(code_even, code_odd), even.shape[:-1] + [64])
 
     @triton.jit
-    def _quant_mxfp4_rows(even, odd):
-        """[R, 4, 16] even/odd values -> (packed bytes [R, 4, 16], exponents [R, 4])."""
+    def _quant_fp8(nope_even, nope_odd, rot_even, rot_odd, SOFT_ROUNDING: tl.constexpr):
+        """One scale per row of 128 -> (codes of dims 0..63 [R, 64], of 64..127 [R, 64], exponent [R])."""
+        amax = tl.maximum(
+            tl.maximum(tl.max(tl.abs(nope_even), axis=1), tl.max(tl.abs(nope_odd), axis=1)),
+            tl.maximum(tl.max(tl.abs(rot_even), axis=1), tl.max(tl.abs(rot_odd), axis=1)),
+        )
+        e = _ceil_log2_ratio(tl.maximum(amax, 1e-4), 8, 0x600000)  # 448 = 1.75 * 2^8
+        inv = _exp2_int(-e)[:, None]
+        return _fp8_codes(nope_even, nope_odd, inv, SOFT_ROUNDING), _fp8_codes(rot_even, rot_odd, inv, SOFT_ROUNDING), e
+
+    @triton.jit
+    def _quant_mxfp4_half(even, odd):
+        """64 values as pairs [R, 32] = two blocks of 32 -> (packed bytes [R, 32], exponents [R, 2])."""
+        blocks = even.shape[:-1] + [2, 16]
+        even = tl.reshape(even, blocks)
+        odd = tl.reshape(odd, blocks)
         amax = tl.maximum(tl.max(tl.abs(even), axis=2), tl.max(tl.abs(odd), axis=2))
         e = _ceil_log2_ratio(tl.maximum(amax, 6.0 * 2.0**-126), 2, 0x400000)  # 6 = 1.5 * 2^2
         e = tl.minimum(tl.maximum(e, -127), 127)  # never binds for finite bf16 input
         inv = _exp2_int(-e)[:, :, None]
         packed = _to_e2m1_code(even * inv) | (_to_e2m1_code(odd * inv) << 4)
-        return packed.to(tl.uint8), e
+        return tl.reshape(packed.to(tl.uint8), even.shape[:-2] + [32]), e
 
     @triton.jit
     def _dsv4_indexer_rope_quant_insert_kernel(
@@ -173,8 +192,11 @@ if has_triton():
         # one token's q (columns fastest, so q streams in address order); the Tk programs
         # after them each insert one k row. q and k rows are independent (k rows are
         # compressed tokens, fewer than T), so neither side waits for the other.
+        # Every row is read as two contiguous halves and written as contiguous bytes: the
+        # pairs RoPE and MXFP4 work on are split and joined in registers, not gathered.
         pid = tl.program_id(0).to(tl.int64)
-        p = (tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]  # [1, 4, 16] pairs
+        d32 = tl.arange(0, 32)[None, :]
+        d64 = tl.arange(0, 64)[None, :]
         if pid < n_q_programs:
             t = pid // N_QCOLS
             heads = (pid % N_QCOLS) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -182,22 +204,25 @@ if has_triton():
             # Out-of-range positions are rejected on the host when it can read them; here
             # they are clamped only so that no read leaves cos_sin_cache.
             pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
-            rows = q_ptr + t * stride_qt + heads[:, None, None] * stride_qh
-            even, odd = _load_rope_pairs(rows, p, in_h[:, None, None], cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
+            rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+            ne, no, re, ro = _load_rotated_pairs(rows, in_h[:, None], cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
             w = tl.load(w_ptr + t * stride_wt + heads, mask=in_h, other=0.0).to(tl.float32)
-            out = q_out_ptr + t * stride_ot + heads[:, None, None] * stride_oh
+            out = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
             if MXFP4:
-                packed, e = _quant_mxfp4_rows(even, odd)
-                tl.store(out + p, packed, mask=in_h[:, None, None])
-                b = tl.arange(0, 4)[None, :]
+                nope_packed, nope_e = _quant_mxfp4_half(ne, no)
+                rope_packed, rope_e = _quant_mxfp4_half(re, ro)
+                tl.store(out + d32, nope_packed, mask=in_h[:, None])
+                tl.store(out + 32 + d32, rope_packed, mask=in_h[:, None])
+                b = tl.arange(0, 2)[None, :]
                 scales = q_scale_ptr + t * stride_st + heads[:, None] * stride_sh + b
-                tl.store(scales, (e + 127).to(tl.uint8), mask=in_h[:, None])
+                tl.store(scales, (nope_e + 127).to(tl.uint8), mask=in_h[:, None])
+                tl.store(scales + 2, (rope_e + 127).to(tl.uint8), mask=in_h[:, None])
                 # the block scales travel with q: weights carry no q scale
                 w_out = w * weights_scale
             else:
-                code_even, code_odd, e = _quant_fp8_rows(even, odd, SOFT_ROUNDING)
-                tl.store(out + 2 * p, code_even, mask=in_h[:, None, None])
-                tl.store(out + 2 * p + 1, code_odd, mask=in_h[:, None, None])
+                nope_codes, rope_codes, e = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
+                tl.store(out + d64, nope_codes, mask=in_h[:, None])
+                tl.store(out + 64 + d64, rope_codes, mask=in_h[:, None])
                 # the head's scale 2^e is folded into its weight (exact: a power of two)
                 w_out = (w * _exp2_int(e)) * weights_scale
             tl.store(w_out_ptr + t * stride_wot + heads, w_out, mask=in_h)
@@ -208,20 +233,27 @@ if has_triton():
                 blk = slot // block_size
                 row = slot % block_size
                 pos = tl.minimum(tl.maximum(tl.load(k_pos_ptr + r), 0), max_pos - 1)
-                # the row as one "head": [1, 4, 16] pairs, so the q side's helpers apply as they are
-                even, odd = _load_rope_pairs(k_ptr + r * stride_kt, p, p >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
+                # the row as one "head" ([1, ...] tensors), so the q side's helpers apply as they are
+                k_row = k_ptr + r * stride_kt + tl.zeros([1, 1], dtype=tl.int64)
+                ne, no, re, ro = _load_rotated_pairs(k_row, d64 >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
                 block = cache_ptr + blk * stride_cache_block
-                b = tl.arange(0, 4)[None, :]
                 if MXFP4:
-                    packed, e = _quant_mxfp4_rows(even, odd)
-                    tl.store(block + row * 64 + p, packed)
-                    tl.store(block + block_size * 64 + row * 4 + b, (e + 127).to(tl.uint8))
+                    nope_packed, nope_e = _quant_mxfp4_half(ne, no)
+                    rope_packed, rope_e = _quant_mxfp4_half(re, ro)
+                    data = block + row * 64
+                    tl.store(data + d32, nope_packed)
+                    tl.store(data + 32 + d32, rope_packed)
+                    b = tl.arange(0, 2)[None, :]
+                    scales = block + block_size * 64 + row * 4 + b
+                    tl.store(scales, (nope_e + 127).to(tl.uint8))
+                    tl.store(scales + 2, (rope_e + 127).to(tl.uint8))
                 else:
-                    code_even, code_odd, e = _quant_fp8_rows(even, odd, SOFT_ROUNDING)
+                    nope_codes, rope_codes, e = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
                     data = block + row * 128
-                    tl.store(data + 2 * p, code_even)
-                    tl.store(data + 2 * p + 1, code_odd)
+                    tl.store(data + d64, nope_codes)
+                    tl.store(data + 64 + d64, rope_codes)
                     # the fp32 scale 2^e as 4 little-endian bytes (byte stores: no alignment needed)
+                    b = tl.arange(0, 4)[None, :]
                     bits = (e + 127).to(tl.uint32)[:, None] << 23
                     tl.store(block + block_size * 128 + row * 4 + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8))
 

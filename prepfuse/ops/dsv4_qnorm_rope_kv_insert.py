@@ -74,22 +74,13 @@ if has_triton():
     import triton
     import triton.language as tl
 
-    from prepfuse.ops._triton_helpers import _mul_rn, _to_bf16, _to_e4m3_bits
+    from prepfuse.ops._triton_helpers import _rope_pairs_split, _to_bf16, _to_e4m3_bits
 
     @triton.jit
     def _rope_pairs(y, cs_row, SOFT_ROUNDING: tl.constexpr):
-        """GPT-J RoPE of the last dim (64 values, pairs (2p, 2p+1)) of fp32 ``y``, fp32 out.
-
-        ``e' = e*cos[p] - o*sin[p]``, ``o' = e*sin[p] + o*cos[p]``, each product rounded
-        on its own as PyTorch eager does (see ``_mul_rn``). The pairs are split off and
-        joined back in registers, so loads and stores stay contiguous (vector) accesses.
-        """
-        cos = tl.load(cs_row + tl.arange(0, 32))
-        sin = tl.load(cs_row + 32 + tl.arange(0, 32))
-        pairs = tl.reshape(y, y.shape[:-1] + [32, 2])
-        e, o = tl.split(pairs)
-        e_rot = _mul_rn(e, cos, SOFT_ROUNDING) - _mul_rn(o, sin, SOFT_ROUNDING)
-        o_rot = _mul_rn(e, sin, SOFT_ROUNDING) + _mul_rn(o, cos, SOFT_ROUNDING)
+        """GPT-J RoPE of the last dim (64 values) of fp32 ``y``, fp32 out in ``y``'s layout
+        (``_rope_pairs_split``, joined back in registers so the store stays contiguous)."""
+        e_rot, o_rot = _rope_pairs_split(y, cs_row, SOFT_ROUNDING)
         return tl.reshape(tl.join(e_rot, o_rot), y.shape)
 
     @triton.jit
