@@ -30,7 +30,7 @@ import bench_dsv4_qnorm_rope_kv_insert as opbench  # noqa: E402
 
 HEADS, BLOCK = 64, 64
 TOKENS = (1, 64, 4096, 16384)
-SWEEP_BLOCK_H = (1, 2, 4, 8, 16)
+SWEEP_BLOCK_H = (1, 2, 4, 8, 16, 32)
 SWEEP_NUM_WARPS = (1, 2, 4)
 
 
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=list(TOKENS))
+    parser.add_argument("--formats", type=lambda s: s.split(","), default=["fp8", "mxfp4"])
     parser.add_argument("--target-ms", type=float, default=40.0)
     args = parser.parse_args(argv)
     info = opbench._device_info()
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out_dir / f"dsv4_indexer_launch_sweep_{info['device_slug']}.json"
     data = {"op": "dsv4_indexer (launch_indexer_kernel)", "H": HEADS, "block_size": BLOCK, **info, "rows": [], "best": []}
     opbench.spin_up_clocks()
-    for fmt in ("fp8", "mxfp4"):
+    for fmt in args.formats:
         for t in args.tokens:
             num_k = max(1, t // 4)
             copies_needed = opbench.rotation_copies(indexer_bytes(t, num_k, fmt), info["l2_bytes"], 0.25)

@@ -142,9 +142,10 @@ if has_triton():
     @triton.jit
     def _quant_mxfp4_half(even, odd):
         """64 values as pairs [R, 32] = two blocks of 32 -> (packed bytes [R, 32], exponents [R, 2])."""
-        blocks = even.shape[:-1] + [2, 16]
-        even = tl.reshape(even, blocks)
-        odd = tl.reshape(odd, blocks)
+        # shapes inline: a list bound to a name becomes a tuple of tensors on the GPU
+        # compiler (not in the CPU interpreter), which tl.reshape rejects
+        even = tl.reshape(even, even.shape[:-1] + [2, 16])
+        odd = tl.reshape(odd, odd.shape[:-1] + [2, 16])
         amax = tl.maximum(tl.max(tl.abs(even), axis=2), tl.max(tl.abs(odd), axis=2))
         e = _ceil_log2_ratio(tl.maximum(amax, 6.0 * 2.0**-126), 2, 0x400000)  # 6 = 1.5 * 2^2
         e = tl.minimum(tl.maximum(e, -127), 127)  # never binds for finite bf16 input
@@ -259,15 +260,22 @@ if has_triton():
 
 
 def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
-    """(heads per program, warps per program): the DeepSeek-V4 MLA op's table (few heads
-    per program at small T, four at large T), not yet tuned on a GPU for this op."""
+    """(heads per program, warps per program), from the H200 sweep of the fp8 kernel
+    (``bench/sweep_dsv4_indexer_launch.py``, H = 64; ``bench/results/`` has the JSON).
+
+    One warp throughout: a head is 256 bytes in and 128 out, so one warp already moves
+    16-byte vectors, and more warps only split a program's few rows thinner (T=16384:
+    16 heads x 1 warp 106 us, x 2 115 us, x 4 120 us). Sixteen heads per program at
+    large T (4 heads: 164 us, one head: 635 us); one at T <= 4, where latency rules
+    (1.63 us against 2.22 with 2 warps).
+    """
     if num_tokens <= 4:
         block_h = 1
     elif num_tokens <= 128:
-        block_h = 2
+        block_h = 8
     else:
-        block_h = 4
-    return min(block_h, triton.next_power_of_2(num_heads)), 2
+        block_h = 16
+    return min(block_h, triton.next_power_of_2(num_heads)), 1
 
 
 def launch_indexer_kernel(
