@@ -8,7 +8,7 @@
 #   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
 #   gqa   - the GQA op's benchmark (JSON, PNG, benchmarks_gqa.md into $OUT)
 #   gqa-sweep - the GQA kernel's launch-configuration sweep
-#   indexer - the DeepSeek-V4 indexer ops' benchmark
+#   indexer - the DeepSeek-V4 indexer ops' benchmark (JSON, PNG, benchmarks_indexer.md into $OUT)
 #   indexer-sweep - the indexer kernel's launch-configuration sweep
 #   demo  - the README's main command's python part
 # Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
@@ -75,7 +75,7 @@ for what in "${steps[@]}"; do
         ;;
     indexer)
         step indexer
-        python3 bench/bench_dsv4_indexer_rope_quant_insert.py --out-dir "$OUT" 2>&1 | tail -n 30 | tee -a "$log" || status=1
+        python3 bench/bench_dsv4_indexer_rope_quant_insert.py --out-dir "$OUT" --docs "$OUT/benchmarks_indexer.md" 2>&1 | tail -n 40 | tee -a "$log" || status=1
         ;;
     indexer-sweep)
         step indexer-sweep
