@@ -12,7 +12,9 @@ the op's reference on fresh random inputs with poisoned outputs: it must match b
 byte (the kernel is exact on the GPU, as the op's CUDA tests require). Prints the best
 configuration per shape beside ``_launch_config``'s choice and writes
 ``dsv4_indexer_launch_sweep_<formats>_<device>.json``; the op's ``_launch_config`` table
-is read off it (``bench/results/dsv4_indexer_launch_sweep_{fp8,mxfp4}_nvidia-h200.json``).
+is read off it (``bench/results/dsv4_indexer_launch_sweep_{fp8,mxfp4}_nvidia-h200.json``;
+the stored mxfp4 sweep also holds the e2m1-encoding comparison, rows ``"e2m1"``, made
+with a flag since removed: midpoint comparisons lost to rounding by 25%).
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ SWEEP_BLOCK_H = (1, 2, 4, 8, 16, 32)
 SWEEP_NUM_WARPS = (1, 2, 4)
 
 
-def kernel_call(fmt: str, launch_config, e2m1_by_comparisons: bool = False):
+def kernel_call(fmt: str, launch_config):
     from prepfuse.ops.dsv4_indexer_common import launch_indexer_kernel
 
     def call(inp):
         launch_indexer_kernel(
             inp.q, inp.weights, inp.k, inp.q_out, inp.q_scale, inp.weights_out, inp.k_cache, inp.slot_mapping,
             inp.positions, inp.k_positions, inp.cos_sin_cache, inp.weights_scale, inp.block_size,
-            mxfp4=fmt == "mxfp4", launch_config=launch_config, e2m1_by_comparisons=e2m1_by_comparisons,
+            mxfp4=fmt == "mxfp4", launch_config=launch_config,
         )
 
     return call
@@ -77,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=list(TOKENS))
     parser.add_argument("--formats", type=lambda s: s.split(","), default=["fp8", "mxfp4"])
     parser.add_argument("--target-ms", type=float, default=40.0)
-    parser.add_argument("--e2m1-ab", action="store_true",
-                        help="mxfp4: also sweep the first e2m1 encoding (midpoint comparisons)")
     args = parser.parse_args(argv)
     info = opbench._device_info()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,39 +93,36 @@ def main(argv: list[str] | None = None) -> int:
             copies = [make_dsv4_indexer_inputs(fmt, t, HEADS, BLOCK, "cuda", num_k=num_k, skip_fraction=0.0)
                       for _ in range(copies_needed)]
             heuristic = tuple(_launch_config(t, HEADS))
-            encodings = ("rounding", "comparisons") if fmt == "mxfp4" and args.e2m1_ab else ("rounding",)
-            for encoding in encodings:
-                rows = []
-                for bh in SWEEP_BLOCK_H:
-                    for w in SWEEP_NUM_WARPS:
-                        fn = kernel_call(fmt, (bh, w), encoding == "comparisons")
-                        row = {"format": fmt, "e2m1": encoding, "T": t, "Tk": num_k, "BLOCK_H": bh, "num_warps": w,
-                               "heuristic": (bh, w) == heuristic, "bytes": indexer_bytes(t, num_k, fmt)}
-                        try:
-                            row["correct"] = exact(fmt, fn, gate)
-                            graphs = opbench.capture_graphs(fn, copies, warmup=2)
-                            row.update(opbench.time_graphs(graphs, args.target_ms, 10, 100))
-                            row["GBps"] = row["bytes"] / (row["us_median"] * 1e-6) / 1e9
-                            del graphs
-                        except Exception as err:  # noqa: BLE001 - record and go on: the sweep stays complete
-                            row["error"] = f"{type(err).__name__}: {err}"
-                        rows.append(row)
-                data["rows"].extend(rows)
-                timed = [r for r in rows if "us_median" in r and r["correct"]]
-                heur = next(r for r in rows if r["heuristic"])
-                label = fmt if fmt == "fp8" else f"{fmt} ({encoding})"
-                if timed:
-                    best = min(timed, key=lambda r: r["us_median"])
-                    data["best"].append({"format": fmt, "e2m1": encoding, "T": t, "best": [best["BLOCK_H"], best["num_warps"]],
-                                         "us": best["us_median"], "GBps": best["GBps"], "heuristic": list(heuristic),
-                                         "heuristic_us": heur.get("us_median")})
-                    print(f"{label} T={t:5d}: best {best['BLOCK_H']}/{best['num_warps']} {best['us_median']:.2f} us "
-                          f"({best['GBps']:.0f} GB/s); heuristic {heuristic[0]}/{heuristic[1]} "
-                          f"{heur.get('us_median', float('nan')):.2f} us"
-                          + ("" if len(timed) == len(rows) else f"  ({len(rows) - len(timed)} configs failed or inexact)"),
-                          flush=True)
-                else:
-                    opbench._loud(f"{label} T={t}: no configuration ran correctly: {rows[0].get('error')}")
+            rows = []
+            for bh in SWEEP_BLOCK_H:
+                for w in SWEEP_NUM_WARPS:
+                    fn = kernel_call(fmt, (bh, w))
+                    row = {"format": fmt, "T": t, "Tk": num_k, "BLOCK_H": bh, "num_warps": w,
+                           "heuristic": (bh, w) == heuristic, "bytes": indexer_bytes(t, num_k, fmt)}
+                    try:
+                        row["correct"] = exact(fmt, fn, gate)
+                        graphs = opbench.capture_graphs(fn, copies, warmup=2)
+                        row.update(opbench.time_graphs(graphs, args.target_ms, 10, 100))
+                        row["GBps"] = row["bytes"] / (row["us_median"] * 1e-6) / 1e9
+                        del graphs
+                    except Exception as err:  # noqa: BLE001 - record and go on: the sweep stays complete
+                        row["error"] = f"{type(err).__name__}: {err}"
+                    rows.append(row)
+            data["rows"].extend(rows)
+            timed = [r for r in rows if "us_median" in r and r["correct"]]
+            heur = next(r for r in rows if r["heuristic"])
+            if timed:
+                best = min(timed, key=lambda r: r["us_median"])
+                data["best"].append({"format": fmt, "T": t, "best": [best["BLOCK_H"], best["num_warps"]],
+                                     "us": best["us_median"], "GBps": best["GBps"], "heuristic": list(heuristic),
+                                     "heuristic_us": heur.get("us_median")})
+                print(f"{fmt:5s} T={t:5d}: best {best['BLOCK_H']}/{best['num_warps']} {best['us_median']:.2f} us "
+                      f"({best['GBps']:.0f} GB/s); heuristic {heuristic[0]}/{heuristic[1]} "
+                      f"{heur.get('us_median', float('nan')):.2f} us"
+                      + ("" if len(timed) == len(rows) else f"  ({len(rows) - len(timed)} configs failed or inexact)"),
+                      flush=True)
+            else:
+                opbench._loud(f"{fmt} T={t}: no configuration ran correctly: {rows[0].get('error')}")
             del copies, gate
             torch.cuda.empty_cache()
             opbench._write_json(path, data)

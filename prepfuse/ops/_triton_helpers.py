@@ -109,9 +109,10 @@ if has_triton():
         1 up to 4, 2 up to 6. Each range is mapped exactly onto integer spacing (2a,
         a - 2, (a - 4) / 2: exact in fp32) and rounded to the nearest even integer by the
         1.5 * 2^23 add-and-subtract, whose rounding is the hardware's RNE on GPU and in the
-        interpreter alike. Fewer instructions than counting the 7 midpoints below |v|
-        (the op is bound by instruction issue); equal to that count for every fp32 in
-        [0, 6], checked exhaustively. Bit 3 is v's sign bit, so a negative value that
+        interpreter alike. It replaced counting the 7 midpoints below |v| (equal results
+        for every fp32 in [0, 6], checked exhaustively), which cost 25% more time in the
+        instruction-bound mxfp4 op: T=16384 on the H200 177.6 us -> 132.3 us
+        (``bench/results/dsv4_indexer_launch_sweep_mxfp4_nvidia-h200.json``). Bit 3 is v's sign bit, so a negative value that
         rounds to zero keeps its sign (-0.0 is code 8), as IEEE rounding does.
         """
         a = tl.abs(v)
@@ -120,18 +121,5 @@ if has_triton():
         y = tl.where(low, 2.0 * a, tl.where(mid, a - 2.0, (a - 4.0) * 0.5))
         rounded = ((y + 12582912.0) - 12582912.0).to(tl.int32)
         code = rounded + tl.where(low, 0, tl.where(mid, 4, 6))
-        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-        return code | (sign << 3)
-
-    @triton.jit
-    def _to_e2m1_code_by_comparisons(v):
-        """The count of e2m1 midpoints below |v| (ties to the even code): the first
-        revision's encoding, kept while the H200 decides between the two."""
-        a = tl.abs(v)
-        code = (
-            (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32)
-        )
         sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
         return code | (sign << 3)

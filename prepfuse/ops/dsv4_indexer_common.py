@@ -99,7 +99,6 @@ if has_triton():
         _rope_pairs_split,
         _to_bf16,
         _to_e2m1_code,
-        _to_e2m1_code_by_comparisons,
         _to_e4m3_bits,
     )
 
@@ -141,7 +140,7 @@ if has_triton():
         return _fp8_codes(nope_even, nope_odd, inv, SOFT_ROUNDING), _fp8_codes(rot_even, rot_odd, inv, SOFT_ROUNDING), e
 
     @triton.jit
-    def _quant_mxfp4_half(even, odd, E2M1_BY_COMPARISONS: tl.constexpr):
+    def _quant_mxfp4_half(even, odd):
         """64 values as pairs [R, 32] = two blocks of 32 -> (packed bytes [R, 32], exponents [R, 2])."""
         # shapes inline: a list bound to a name becomes a tuple of tensors on the GPU
         # compiler (not in the CPU interpreter), which tl.reshape rejects
@@ -151,10 +150,7 @@ if has_triton():
         e = _ceil_log2_ratio(tl.maximum(amax, 6.0 * 2.0**-126), 2, 0x400000)  # 6 = 1.5 * 2^2
         e = tl.minimum(tl.maximum(e, -127), 127)  # never binds for finite bf16 input
         inv = _exp2_int(-e)[:, :, None]
-        if E2M1_BY_COMPARISONS:
-            packed = _to_e2m1_code_by_comparisons(even * inv) | (_to_e2m1_code_by_comparisons(odd * inv) << 4)
-        else:
-            packed = _to_e2m1_code(even * inv) | (_to_e2m1_code(odd * inv) << 4)
+        packed = _to_e2m1_code(even * inv) | (_to_e2m1_code(odd * inv) << 4)
         return tl.reshape(packed.to(tl.uint8), even.shape[:-2] + [32]), e
 
     @triton.jit
@@ -192,7 +188,6 @@ if has_triton():
         N_QCOLS: tl.constexpr,  # programs per token on the q side: cdiv(H, BLOCK_H)
         MXFP4: tl.constexpr,  # the format: mxfp4, else fp8
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
-        E2M1_BY_COMPARISONS: tl.constexpr,  # the first e2m1 encoding (A/B on the H200)
     ):
         # A 1-D grid: programs [0, T * N_QCOLS) rotate, quantise and store BLOCK_H heads of
         # one token's q (columns fastest, so q streams in address order); the Tk programs
@@ -215,8 +210,8 @@ if has_triton():
             w = tl.load(w_ptr + t * stride_wt + heads, mask=in_h, other=0.0).to(tl.float32)
             out = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
             if MXFP4:
-                nope_packed, nope_e = _quant_mxfp4_half(ne, no, E2M1_BY_COMPARISONS)
-                rope_packed, rope_e = _quant_mxfp4_half(re, ro, E2M1_BY_COMPARISONS)
+                nope_packed, nope_e = _quant_mxfp4_half(ne, no)
+                rope_packed, rope_e = _quant_mxfp4_half(re, ro)
                 tl.store(out + d32, nope_packed, mask=in_h[:, None])
                 tl.store(out + 32 + d32, rope_packed, mask=in_h[:, None])
                 b = tl.arange(0, 2)[None, :]
@@ -244,8 +239,8 @@ if has_triton():
                 ne, no, re, ro = _load_rotated_pairs(k_row, d64 >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
                 block = cache_ptr + blk * stride_cache_block
                 if MXFP4:
-                    nope_packed, nope_e = _quant_mxfp4_half(ne, no, E2M1_BY_COMPARISONS)
-                    rope_packed, rope_e = _quant_mxfp4_half(re, ro, E2M1_BY_COMPARISONS)
+                    nope_packed, nope_e = _quant_mxfp4_half(ne, no)
+                    rope_packed, rope_e = _quant_mxfp4_half(re, ro)
                     data = block + row * 64
                     tl.store(data + d32, nope_packed)
                     tl.store(data + 32 + d32, rope_packed)
@@ -287,7 +282,6 @@ def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
 def launch_indexer_kernel(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
     cos_sin_cache, weights_scale, block_size, *, mxfp4: bool, launch_config: tuple[int, int] | None = None,
-    e2m1_by_comparisons: bool = False,
 ) -> None:
     """The one launch of both ops (q side and k side together). Inputs are not checked here.
 
@@ -316,7 +310,6 @@ def launch_indexer_kernel(
         N_QCOLS=n_qcols,
         MXFP4=mxfp4,
         SOFT_ROUNDING=triton_interpret_mode(),
-        E2M1_BY_COMPARISONS=e2m1_by_comparisons,
         num_warps=num_warps,
     )
 
