@@ -99,8 +99,8 @@ def _written_rows(cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Tens
 
 
 def run_gqa_models_demo(device: torch.device, num_layers: int = 3) -> bool:
-    """Each GQA example model (``prepfuse.models.gqa.EXAMPLE_MODELS``: Qwen3-style and
-    Llama-style) compiled with ``backend="prepfuse"``: the report, the fraction of prep
+    """Each GQA example model (``prepfuse.models.gqa.EXAMPLE_MODELS``: Qwen3-style with a
+    fused qkv and with separate projections, Llama-style) compiled with ``backend="prepfuse"``: the report, the fraction of prep
     sequences fused, and the comparison with eager."""
     from prepfuse.models.gqa import EXAMPLE_MODELS, GqaAttentionBlock, kv_cache
     from prepfuse.testing import make_gqa_inputs

@@ -259,6 +259,23 @@ class GqaInputs:
     def head_dim(self) -> int:
         return self.q_out.shape[2]
 
+    def separate_args(self, token_padding: int = 0) -> tuple:
+        """The same call as ``prepfuse::gqa_separate_qknorm_rope_kv_insert``'s arguments:
+        qkv's q, k and v columns copied into three tensors of their own (as three
+        projections give them), each row followed by ``token_padding`` unused values
+        (a token stride wider than the row)."""
+        d = self.head_dim
+        widths = (self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        sources = []
+        for part, width in zip(self.qkv.split(widths, dim=1), widths):
+            padded = torch.full((part.shape[0], width + token_padding), -7.0, dtype=part.dtype, device=part.device)
+            padded[:, :width] = part
+            sources.append(padded[:, :width])
+        return (
+            *sources, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
+            self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale, self.is_neox, self.eps,
+        )
+
     def fresh_outputs(self) -> "GqaInputs":
         """The same inputs with newly poisoned q_out and caches (same shapes and strides)."""
         return replace(

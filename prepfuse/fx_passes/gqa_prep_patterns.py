@@ -1,11 +1,12 @@
 """The GQA (Qwen3 / Llama) preparation patterns, read back out of a post-grad graph.
 
 ``match_heads`` reads one prepared head tensor (q, or k before its cache write) back to
-the columns of the fused qkv it came from; ``match_cache_write`` reads one paged-cache
-``index_put`` back to its rows and slots. Both return what the fused op needs or raise
-:class:`NoMatch` naming the step that differs; ``fuse_gqa_prep.py`` combines one q, one
-k write and one v write of the same qkv into one call. Built from the step recognisers
-of ``recognizers.py``.
+its source: columns of the fused qkv it came from, or the whole of a separate q or k
+projection; ``match_cache_write`` reads one paged-cache ``index_put`` back to its rows
+and slots. Both return what the fused op needs or raise :class:`NoMatch` naming the step
+that differs; ``fuse_gqa_prep.py`` combines one q, one k write and one v write (of one
+qkv, or of three projections of one input) into one call. Built from the step
+recognisers of ``recognizers.py``.
 
 One torch difference shows here: torch 2.11's Inductor removes the bf16 round trip of
 ``(k.to(bf16).float() / kv_scale)`` before an fp8 cache write (``_compat.
@@ -37,10 +38,10 @@ CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 @dataclass
 class Heads:
-    """``prepared [T, H, D] bf16 = rope(norm(qkv[:, first:first + H*D].view(T, H, D)))``."""
+    """``prepared [T, H, D] bf16 = rope(norm(source[:, first:first + H*D].view(T, H, D)))``."""
 
     prepared: torch.fx.Node
-    qkv: torch.fx.Node  # bf16 [T, W]
+    source: torch.fx.Node  # bf16 [T, W]: the fused qkv, or a separate projection (first 0, W = H*D)
     first_column: int
     num_heads: int
     head_dim: int
@@ -69,12 +70,16 @@ class CacheWrite:
 # Heads: qkv columns -> (weighted RMSNorm) -> RoPE (full or partial) -> bf16
 # --------------------------------------------------------------------------------------
 def qkv_heads(node) -> tuple[torch.fx.Node, int, int, int]:
-    """(qkv, first column, heads, head size) for ``qkv[:, a:b].view(T, H, D)`` (or a split)."""
+    """(source, first column, heads, head size) for ``qkv[:, a:b].view(T, H, D)`` (or a
+    split), or ``x.view(T, H, D)`` of a whole ``[T, H*D]`` tensor (a separate projection)."""
     expect(is_op(node, *RESHAPES) and len(shape(node)) == 3, f"heads: {describe(node)} is not a [T, H, D] view of qkv columns")
+    _, num_heads, head_dim = shape(node)
     found = last_dim_slice(node.args[0])
+    if found is None and isinstance(node.args[0], torch.fx.Node) and len(shape(node.args[0])) == 2:
+        whole = node.args[0]  # the view is of a whole [T, H*D] tensor: a separate projection
+        found = (whole, 0, shape(whole)[1], 1)
     expect(found is not None and len(shape(found[0])) == 2, f"heads: {describe(node.args[0])} is not a column range of a 2-d qkv")
     qkv, start, end, step = found
-    _, num_heads, head_dim = shape(node)
     expect(step == 1 and end - start == num_heads * head_dim, f"heads: columns [{start}, {end}) are not {num_heads} heads of {head_dim}")
     expect(val(qkv).dtype == torch.bfloat16, f"heads: qkv is {val(qkv).dtype}, the op reads bfloat16")
     return qkv, start, num_heads, head_dim
@@ -102,6 +107,7 @@ def match_heads(prepared: torch.fx.Node) -> Heads:
          ``.to(bf16)``, where Inductor dropped the round trip: ``rounding_dropped``)
       ->  (with the k side and the v write, fuse_gqa_prep.py)
         af = auto_functionalized(gqa_qknorm_rope_kv_insert, qkv, norm_weight(s), q_out=empty(T, Hq, D), ..)
+        (or gqa_separate_qknorm_rope_kv_insert(q, k, v, ..) where the heads are whole projections)
         (every reader of the prepared q reads af[q_out])
     """
     pv = val(prepared)

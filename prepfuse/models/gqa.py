@@ -12,7 +12,9 @@ axis        choices
 ==========  ============================================================================
 norm        ``hf``: ``Qwen3RMSNorm`` (``weight * (x.float() * rsqrt(x.float().pow(2).mean(
             -1, keepdim=True) + eps)).to(bf16)``); ``none``: Llama, no q/k norm
-split       ``split``: ``qkv.split([Hq*D, Hkv*D, Hkv*D], -1)``; ``slice``: ``qkv[:, :Hq*D]`` ..
+split       ``split``: ``qkv.split([Hq*D, Hkv*D, Hkv*D], -1)``; ``slice``: ``qkv[:, :Hq*D]`` ..;
+            ``separate``: no fused qkv, three projections (HF's ``q_proj``, ``k_proj``,
+            ``v_proj``): ``qkv`` is the tuple ``(q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*D])``
 rope        ``hf_bf16``: HF ``q * cos + rotate_half(q) * sin`` with cos/sin cast to bf16
             (``cat((c, c), -1).to(q.dtype)``), all in bf16;
             ``hf_fp32``: the same formula on ``q.float()`` with the fp32 table, one rounding;
@@ -55,7 +57,7 @@ from torch import nn
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
 
 _NORMS = ("hf", "none", "weight_in_fp32")
-_SPLITS = ("split", "slice")
+_SPLITS = ("split", "slice", "separate")
 _ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_reversed")
 _CACHE_LAYOUTS = ("slots_heads", "heads_slots")
 _FP8_SCALINGS = ("div", "mul_reciprocal")
@@ -105,6 +107,8 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
     GqaSpelling("qwen3-gptj-slice", rope="gptj", split="slice"),
     GqaSpelling("llama-gptj-partial", norm="none", rope="gptj", rotary_dim=32),
     GqaSpelling("qwen3-hf-partial", rotary_dim=32),
+    GqaSpelling("qwen3-hf-separate", split="separate"),  # HF's q_proj, k_proj, v_proj
+    GqaSpelling("llama-gptj-separate-fp8", norm="none", rope="gptj", split="separate", cache_dtype=torch.float8_e4m3fn),
 )
 
 # Code that looks like the above and computes something else: never fused.
@@ -141,8 +145,14 @@ class RMSNorm(nn.Module):
 
 
 def split_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, spelling: GqaSpelling):
-    """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of the fused projection's output."""
+    """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of the fused projection's output (or,
+    ``separate``, of the three projections' outputs)."""
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    if spelling.split == "separate":
+        q, k, v = qkv
+        num_tokens = q.shape[0]
+        return (q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+                v.view(num_tokens, num_kv_heads, head_dim))
     if spelling.split == "split":
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     else:
@@ -225,9 +235,12 @@ def gqa_prep(
     num_kv_heads: int,
     spelling: GqaSpelling,
 ) -> torch.Tensor:
-    """qkv [T, (Hq + 2*Hkv)*D] -> the prepared q [T, Hq, D]; k and v of the first
-    ``len(slot_mapping)`` tokens written into the caches."""
-    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    """qkv [T, (Hq + 2*Hkv)*D] (``separate``: the tuple of q, k, v) -> the prepared q
+    [T, Hq, D]; k and v of the first ``len(slot_mapping)`` tokens written into the caches."""
+    if spelling.split == "separate":
+        head_dim = qkv[0].shape[1] // num_q_heads
+    else:
+        head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
     q, k, v = split_qkv(qkv, num_q_heads, num_kv_heads, head_dim, spelling)
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
@@ -275,16 +288,26 @@ class GqaAttentionLayer(nn.Module):
             return nn.Parameter((torch.randn(*shape, generator=generator) * shape[-1] ** -0.5).to(spelling.dtype),
                                 requires_grad=False)
 
-        self.wqkv = weight((num_q_heads + 2 * num_kv_heads) * head_dim, dim)
+        if spelling.split == "separate":  # HF: q_proj, k_proj, v_proj
+            self.wq = weight(num_q_heads * head_dim, dim)
+            self.wk = weight(num_kv_heads * head_dim, dim)
+            self.wv = weight(num_kv_heads * head_dim, dim)
+        else:
+            self.wqkv = weight((num_q_heads + 2 * num_kv_heads) * head_dim, dim)
         self.wo = weight(dim, num_q_heads * head_dim)
         self.q_norm, self.k_norm = make_norms(head_dim, eps, spelling, generator)
 
     def forward(self, x, positions, slot_mapping, cos_sin_cache, k_cache, v_cache, kv_scale=None):
-        qkv = F.linear(x, self.wqkv)
+        if self.spelling.split == "separate":
+            qkv = (F.linear(x, self.wq), F.linear(x, self.wk), F.linear(x, self.wv))
+            v = qkv[2]
+        else:
+            qkv = F.linear(x, self.wqkv)
+            v = qkv[:, -self.num_kv_heads * self.head_dim :]
         q = gqa_prep(qkv, self.q_norm, self.k_norm, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
                      kv_scale, self.num_q_heads, self.num_kv_heads, self.spelling)
         # attention-like consumer of the prepared q: each q head against its group's v
-        v = qkv[:, -self.num_kv_heads * self.head_dim :].view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         v = v.repeat_interleave(self.num_q_heads // self.num_kv_heads, dim=1)
         scores = torch.einsum("thd,shd->hts", q, v).float() * self.head_dim**-0.5
         out = torch.einsum("hts,shd->thd", scores.softmax(-1).to(v.dtype), v)
@@ -311,9 +334,12 @@ class GqaAttentionBlock(nn.Module):
         return x
 
 
-# The demo's example models: a Qwen3-style and a Llama-style block.
+# The demo's example models: Qwen3-style blocks (fused qkv, and HF's separate q/k/v
+# projections) and a Llama-style block.
 EXAMPLE_MODELS: dict[str, GqaSpelling] = {
     "Qwen3-style (q/k RMSNorm, NeoX RoPE, bf16 cache)": GQA_SPELLINGS[0],
+    "Qwen3 HF-style (separate q_proj/k_proj/v_proj, q/k RMSNorm, NeoX RoPE, bf16 cache)": GqaSpelling(
+        "qwen3-hf-separate", split="separate"),
     "Llama-style (no q/k norm, NeoX RoPE, fp8 cache)": GqaSpelling("llama-hf-fp8", norm="none",
                                                                    cache_dtype=torch.float8_e4m3fn),
 }

@@ -27,6 +27,11 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import (
     gqa_qknorm_rope_kv_insert_reference,
     gqa_qknorm_rope_kv_insert_triton,
 )
+from prepfuse.ops.gqa_separate_qknorm_rope_kv_insert import (
+    GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
+    gqa_separate_qknorm_rope_kv_insert_reference,
+    gqa_separate_qknorm_rope_kv_insert_triton,
+)
 from prepfuse.ops.scratch import SCRATCH
 
 __all__ = [
@@ -44,5 +49,8 @@ __all__ = [
     "GQA_QKNORM_ROPE_KV_INSERT",
     "gqa_qknorm_rope_kv_insert_reference",
     "gqa_qknorm_rope_kv_insert_triton",
+    "GQA_SEPARATE_QKNORM_ROPE_KV_INSERT",
+    "gqa_separate_qknorm_rope_kv_insert_reference",
+    "gqa_separate_qknorm_rope_kv_insert_triton",
     "SCRATCH",
 ]

@@ -178,7 +178,9 @@ if has_triton():
 
     @triton.jit
     def _gqa_qknorm_rope_kv_insert_kernel(
-        qkv_ptr,  # [T, (Hq + 2*Hkv) * D] bf16
+        q_ptr,  # [T, Hq * D] bf16: q heads (qkv's first columns, or a separate q)
+        k_ptr,  # [T, Hkv * D] bf16: k heads
+        v_ptr,  # [T, Hkv * D] bf16: v heads
         q_w_ptr,  # [D] bf16 q norm weight (unread without HAS_NORM)
         k_w_ptr,  # [D] bf16 k norm weight (unread without HAS_NORM)
         q_out_ptr,  # [T, Hq, D] bf16
@@ -193,7 +195,9 @@ if has_triton():
         n_insert,  # T': rows inserted into the caches
         n_slots,  # NB * BS: slots the caches hold
         max_pos,  # P: rows of cos_sin_cache
-        stride_qkv_t,  # elements between tokens of qkv
+        stride_qt,  # elements between tokens of q
+        stride_kt,  # elements between tokens of k
+        stride_vt,  # elements between tokens of v
         stride_ot,  # elements between tokens of q_out
         stride_oh,  # elements between heads of q_out
         stride_kb,  # elements between blocks of k_cache
@@ -217,8 +221,9 @@ if has_triton():
     ):
         # A 1-D grid of T * (Q_COLS + 2 * KV_COLS) programs. Columns vary fastest and
         # follow qkv's order (q heads, k heads, v heads), so programs running together
-        # read one token's qkv row front to back; each column handles BLOCK_H heads of
-        # one kind. q and k columns share the norm and rotation code (_norm_rope_heads),
+        # read one token's qkv row front to back (q, k and v are three base pointers:
+        # column ranges of one fused qkv, or separate projections); each column handles
+        # BLOCK_H heads of one kind. q and k columns share the norm and rotation code (_norm_rope_heads),
         # v columns only copy or quantise. (T is not capped at 65535 on a 1-D grid.)
         pid = tl.program_id(0).to(tl.int64)
         n_cols = Q_COLS + 2 * KV_COLS
@@ -226,7 +231,6 @@ if has_triton():
         col = pid % n_cols
         d = tl.arange(0, HEAD_DIM)
         hb = tl.arange(0, BLOCK_H)
-        row = qkv_ptr + t * stride_qkv_t
         # Out-of-range positions are rejected on the host when it can read them; here
         # they are clamped only so that no read leaves cos_sin_cache.
         pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
@@ -236,7 +240,7 @@ if has_triton():
             heads = col * BLOCK_H + hb
             real = heads < Hq
             normed, rot = _norm_rope_heads(
-                row + heads * HEAD_DIM, real, q_w_ptr, cs_row, eps,
+                q_ptr + t * stride_qt + heads * HEAD_DIM, real, q_w_ptr, cs_row, eps,
                 HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
             )
             dst = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
@@ -252,7 +256,7 @@ if has_triton():
                     heads = (col - Q_COLS) * BLOCK_H + hb
                     real = heads < Hkv
                     normed, rot = _norm_rope_heads(
-                        row + (Hq + heads) * HEAD_DIM, real, k_w_ptr, cs_row, eps,
+                        k_ptr + t * stride_kt + heads * HEAD_DIM, real, k_w_ptr, cs_row, eps,
                         HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
                     )
                     # (k_rows, v_dst: one name per branch; triton wants a name's type equal in both)
@@ -265,7 +269,7 @@ if has_triton():
                 else:
                     heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
                     real = heads < Hkv
-                    v = tl.load(row + (Hq + Hkv + heads)[:, None] * HEAD_DIM + d[None, :], mask=real[:, None])
+                    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * HEAD_DIM + d[None, :], mask=real[:, None])
                     v_dst = v_cache_ptr + blk * stride_vb + slot_row * stride_vr + heads[:, None] * stride_vh + d[None, :]
                     _store_cache_rows(v_dst, v, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
 
@@ -309,31 +313,62 @@ def gqa_qknorm_rope_kv_insert_triton(
     *,
     launch_config: tuple[int, int] | None = None,
 ) -> None:
-    """Launch the fused kernel once (q, k and v together). Inputs are not checked here.
-
-    ``launch_config`` overrides ``(BLOCK_H, num_warps)`` (for a benchmark sweep).
+    """Launch the fused kernel once on qkv's q, k and v column ranges. Inputs are not
+    checked here. ``launch_config`` overrides ``(BLOCK_H, num_warps)`` (for a benchmark sweep).
     """
-    num_tokens = qkv.shape[0]
+    q, k, v = split_qkv_columns(qkv, num_q_heads, num_kv_heads)
+    launch_gqa_kernel(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+                      cos_sin_cache, kv_scale, is_neox, eps, launch_config=launch_config)
+
+
+def split_qkv_columns(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
+    """Views of qkv's q, k and v column ranges, [T, Hq*D], [T, Hkv*D], [T, Hkv*D]."""
+    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+    return qkv.split((num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=1)
+
+
+def launch_gqa_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    is_neox: bool,
+    eps: float,
+    *,
+    launch_config: tuple[int, int] | None = None,
+) -> None:
+    """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
+    ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
+    ``k_cache``. Inputs are not checked here."""
+    num_tokens, num_q_heads, head_dim = q_out.shape
+    num_kv_heads = k_cache.shape[2]
     if num_tokens == 0:
         return
-    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
     block_h, num_warps = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads))
     q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     has_norm = q_norm_weight is not None
     # unread placeholders for absent optional tensors (the constexprs keep them unread)
-    q_w = q_norm_weight if has_norm else qkv
-    k_w = k_norm_weight if has_norm else qkv
+    q_w = q_norm_weight if has_norm else q
+    k_w = k_norm_weight if has_norm else q
     scale = kv_scale if fp8 else cos_sin_cache
     block_size = k_cache.shape[1]
     grid = (num_tokens * (q_cols + 2 * kv_cols),)
     _gqa_qknorm_rope_kv_insert_kernel[grid](
-        qkv, q_w, k_w, q_out,
+        q, k, v, q_w, k_w, q_out,
         k_cache.view(torch.uint8) if fp8 else k_cache,
         v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping, positions, cos_sin_cache, scale,
         num_q_heads, num_kv_heads, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos_sin_cache.shape[0],
-        qkv.stride(0), q_out.stride(0), q_out.stride(1),
+        q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cos_sin_cache.stride(0), eps, block_size,
@@ -443,6 +478,25 @@ def prepared_rows_reference(
     benchmark's capturable unfused baseline (``prepfuse.unfused.gqa``)."""
     heads = qkv.unflatten(1, (num_q_heads + 2 * num_kv_heads, -1))  # [T, Hq + 2*Hkv, D]
     q, k, v = heads.split((num_q_heads, num_kv_heads, num_kv_heads), dim=1)
+    return prepared_heads_reference(q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale,
+                                    n_insert, is_neox, eps)
+
+
+def prepared_heads_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    n_insert: int,
+    is_neox: bool,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prepared_rows_reference`` from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]``
+    (of one qkv or of separate projections: both ops' reference)."""
     if q_norm_weight is not None:
         q = rms_norm_reference(q, q_norm_weight, eps)
         k = rms_norm_reference(k, k_norm_weight, eps)
@@ -479,6 +533,18 @@ def check_inputs(
         (head_dim == 64) | (head_dim == 128) | (head_dim == 256),
         f"qkv: head size {head_dim} (width {width} / {n_heads} heads) is not one of {HEAD_DIMS}",
     )
+    check_prep_args(q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
+                    kv_scale, is_neox, eps, num_tokens=num_tokens, num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, device=device, source="qkv")
+    check_unit_last_stride("qkv", qkv)
+
+
+def check_prep_args(
+    q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
+    is_neox, eps, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device, source: str,
+) -> None:
+    """Everything but the q/k/v source (both GQA ops): dtypes, shapes, devices and strides
+    against the token count, heads and head size the source gave (``source`` names it)."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
         raise ValueError(f"{missing}: is None while the other norm weight is given; pass both or neither")
@@ -488,7 +554,7 @@ def check_inputs(
             check_size(name, w, 0, head_dim, "the head size D")
             check_unit_last_stride(name, w)
     check_tensor("q_out", q_out, dtype=torch.bfloat16, ndim=3, device=device)
-    check_size("q_out", q_out, 0, num_tokens, "T, qkv's token count")
+    check_size("q_out", q_out, 0, num_tokens, f"T, {source}'s token count")
     check_size("q_out", q_out, 1, num_q_heads, "num_q_heads")
     check_size("q_out", q_out, 2, head_dim, "the head size D")
     if not isinstance(k_cache, torch.Tensor) or k_cache.dtype not in CACHE_DTYPES:
@@ -506,7 +572,7 @@ def check_inputs(
         f"slot_mapping: has {slot_mapping.shape[0]} rows, more than T={num_tokens} tokens",
     )
     check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
-    check_size("positions", positions, 0, num_tokens, "T, qkv's token count")
+    check_size("positions", positions, 0, num_tokens, f"T, {source}'s token count")
     check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
     rot_dim = cos_sin_cache.shape[1]
     require(
@@ -525,7 +591,7 @@ def check_inputs(
     elif kv_scale is not None:
         raise ValueError("kv_scale: must be None for a bf16 cache (it only scales fp8 caches)")
     named = (
-        ("qkv", qkv), ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache),
+        ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache),
         ("cos_sin_cache", cos_sin_cache), ("slot_mapping", slot_mapping), ("positions", positions),
     )
     for name, t in named:

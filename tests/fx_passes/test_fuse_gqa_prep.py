@@ -60,10 +60,11 @@ def fresh_dynamo():
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Case:
-    """One spelling's inputs: qkv, the norm modules, empty caches in its layout."""
+    """One spelling's inputs: qkv (``separate``: the tuple of q, k, v), the norm modules,
+    empty caches in its layout."""
 
     spelling: GqaSpelling
-    qkv: torch.Tensor
+    qkv: torch.Tensor | tuple
     q_norm: object
     k_norm: object
     k_cache: torch.Tensor
@@ -87,7 +88,10 @@ def make_case(spelling: GqaSpelling, num_tokens: int = T, head_dim: int = D, dev
         q_norm, k_norm = q_norm.to(device), k_norm.to(device)
     cache = model.kv_cache(inputs.k_cache.shape[0], BLOCK, HKV, head_dim, spelling, device)
     cache.view(torch.uint8).fill_(CACHE_POISON)  # a byte that should stay untouched shows up
-    return Case(spelling, inputs.qkv.to(spelling.dtype), q_norm, k_norm, cache, cache.clone(), inputs.slot_mapping,
+    qkv = inputs.qkv.to(spelling.dtype)
+    if spelling.split == "separate":  # three projections' outputs, each a tensor of its own
+        qkv = tuple(part.contiguous() for part in qkv.split((HQ * head_dim, HKV * head_dim, HKV * head_dim), dim=1))
+    return Case(spelling, qkv, q_norm, k_norm, cache, cache.clone(), inputs.slot_mapping,
                 inputs.positions, inputs.cos_sin_cache, inputs.kv_scale)
 
 
@@ -151,7 +155,8 @@ def first(out):
 
 def rope_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """The bf16 q and k heads RoPE reads (normed for Qwen3), computed eagerly."""
-    q, k, _ = model.split_qkv(case.qkv, HQ, HKV, case.qkv.shape[1] // (HQ + 2 * HKV), case.spelling)
+    head_dim = case.k_cache.shape[-1]
+    q, k, _ = model.split_qkv(case.qkv, HQ, HKV, head_dim, case.spelling)
     return (case.q_norm(q), case.k_norm(k)) if case.q_norm is not None else (q, k)
 
 
@@ -210,7 +215,8 @@ def test_spelling_fuses_into_one_call(name):
     r = run(prep, make_case(spelling))
     assert_close_to_eager(r)
     assert r.matched == 1
-    pattern = "gqa_qknorm_rope_kv" if spelling.has_norm else "gqa_rope_kv"
+    pattern = ("gqa_qknorm_rope_kv" if spelling.has_norm else "gqa_rope_kv") + (
+        "+separate" if spelling.split == "separate" else "")
     assert r.events("matched") == [pattern + ("+bf16_rope" if spelling.rope == "hf_bf16" else "")]
     # nothing but the call: no stray node of the unfused math is left
     assert [op for op in graph_ops(r.report.graph) if op != "placeholder"] == FUSED_OPS[1:]
@@ -247,6 +253,52 @@ getitem_2 = getitem(auto_functionalized_v2, 3)
 copy_ = aten.copy_.default(arg6, getitem_1)
 copy__1 = aten.copy_.default(arg7, getitem_2)
 return (getitem,)""")
+
+
+def test_separate_projections_golden_graph():
+    """q, k and v as three tensors (HF's q_proj, k_proj, v_proj): the separate op, reading
+    each where it lies, no concatenation."""
+    r = run(prep, make_case(SPELLINGS["llama-gptj-separate-fp8"]))
+    assert_close_to_eager(r)
+    assert r.matched == 1
+    expecttest.assert_expected_inline(r.report.graph, """\
+arg0 = placeholder()
+arg1 = placeholder()
+arg2 = placeholder()
+arg3 = placeholder()
+arg4 = placeholder()
+arg5 = placeholder()
+arg6 = placeholder()
+arg7 = placeholder()
+arg8 = placeholder()
+scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
+auto_functionalized_v2 = auto_functionalized_v2(prepfuse.gqa_separate_qknorm_rope_kv_insert.default, q=arg0, k=arg1, v=arg2, q_norm_weight=None, k_norm_weight=None, slot_mapping=arg3, positions=arg4, cos_sin_cache=arg5, kv_scale=arg6, is_neox=False, eps=0.0, _q_out_base_index=0, _k_cache_base_index=1, _v_cache_base_index=2, _all_bases=[scratch, arg7, arg8])
+getitem = getitem(auto_functionalized_v2, 1)
+getitem_1 = getitem(auto_functionalized_v2, 2)
+getitem_2 = getitem(auto_functionalized_v2, 3)
+copy_ = aten.copy_.default(arg7, getitem_1)
+copy__1 = aten.copy_.default(arg8, getitem_2)
+return (getitem,)""")
+
+
+def two_layers_of_inputs(case: Case):
+    """Two layers' separate q, k, v given as graph inputs (no projection to tell layers
+    apart), sharing slots, positions and the table."""
+    def fn(qkv, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale):
+        q2 = tuple(t * 2 for t in qkv)
+        k2, v2 = k_cache.clone(), v_cache.clone()
+        return (prep(case)(qkv, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale),
+                prep(case)(q2, k2, v2, slot_mapping, positions, cos_sin_cache, kv_scale), k2, v2)
+    return fn
+
+
+def test_separate_layers_that_cannot_be_told_apart_are_declined():
+    """Two layers whose q, k, v share every setting and come from no projection: which q
+    goes with which k is not in the graph, so the pass declines rather than guess."""
+    r = run(two_layers_of_inputs, make_case(SPELLINGS["qwen3-hf-separate"]))
+    assert r.matched == 0
+    whys = [why for _, why in r.events("declined")]
+    assert any("fit k's" in why and "expected one" in why for why in whys), whys
 
 
 def test_llama_fp8_partial_golden_graph():
@@ -512,11 +564,15 @@ copy__1 = aten.copy_.default(arg6, getitem_2)
 return (getitem,)""")
 
 
-def test_attention_block_dynamic():
+@pytest.mark.parametrize("name, op", [("qwen3-hf", "gqa_qknorm_rope_kv_insert"),
+                                      ("qwen3-hf-separate", "gqa_separate_qknorm_rope_kv_insert")])
+def test_attention_block_dynamic(name, op):
     """Two Qwen3-style layers, T dynamic, the default pass list: one fused call per layer,
     in place. Layer 2 reads layer 1's output, which Inductor computes in its own order,
-    so outputs and caches are compared with a tolerance."""
-    spelling = SPELLINGS["qwen3-hf"]
+    so outputs and caches are compared with a tolerance. With separate projections both
+    layers' q, k and v share slots and tables: each layer's three are told apart by the
+    activation they project."""
+    spelling = SPELLINGS[name]
     block = GqaAttentionBlock(num_layers=2, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, spelling=spelling)
     case = make_case(spelling)
     x = torch.randn(T, 64).to(torch.bfloat16)
@@ -530,7 +586,7 @@ def test_attention_block_dynamic():
     ref = block(x, *args, ref_caches)
     (report,) = backend.reports
     assert {name: n for name, n in report.matched_counts.items() if n} == {PASS: 2, "defunctionalize": 2}
-    FileCheck().check_count("torch.ops.prepfuse.gqa_qknorm_rope_kv_insert.default(", 2, exactly=True).run(code)
+    FileCheck().check_count(f"torch.ops.prepfuse.{op}.default(", 2, exactly=True).run(code)
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)
     slots = case.slot_mapping
     for got, want in zip(caches, ref_caches):

@@ -39,6 +39,7 @@ from prepfuse.ops import (
     DSV4_INDEXER_ROPE_MXFP4_INSERT,
     DSV4_QNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT,
+    GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
     SCRATCH,
     registered_ops,
 )
@@ -179,6 +180,7 @@ REGISTERED_OP_INPUTS: dict[torch._ops.OpOverload, Callable[[], tuple]] = {
     DSV4_QNORM_ROPE_KV_INSERT: lambda: make_dsv4_inputs(7, 3, 8, 16, "cpu", num_inserted=5).args(),
     # k_cache and v_cache are two views of one [NB, 2, BS, Hkv, D] buffer: one shared base
     GQA_QKNORM_ROPE_KV_INSERT: lambda: make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5).args(),
+    GQA_SEPARATE_QKNORM_ROPE_KV_INSERT: lambda: make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5).separate_args(),
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: make_dsv4_indexer_inputs("fp8", 7, 3, 16, "cpu", num_k=5).args(),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: make_dsv4_indexer_inputs("mxfp4", 7, 3, 16, "cpu", num_k=5).args(),
 }

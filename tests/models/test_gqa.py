@@ -48,10 +48,18 @@ def inputs_for(spelling: GqaSpelling, num_tokens: int, head_dim: int, **kwargs):
     return inputs, q_norm, k_norm
 
 
+def model_qkv(qkv: torch.Tensor, spelling: GqaSpelling, head_dim: int):
+    """What the spelling's model code takes: qkv, or (``separate``) its q, k and v columns
+    as three tensors of their own, as three projections give them."""
+    if spelling.split != "separate":
+        return qkv
+    return tuple(part.contiguous() for part in qkv.split((HQ * head_dim, HKV * head_dim, HKV * head_dim), dim=1))
+
+
 def run_model(inputs, q_norm, k_norm, spelling):
     run = inputs.fresh_outputs()
-    q = gqa_prep(run.qkv, q_norm, k_norm, run.k_cache, run.v_cache, run.slot_mapping, run.positions,
-                 run.cos_sin_cache, run.kv_scale, HQ, HKV, spelling)
+    q = gqa_prep(model_qkv(run.qkv, spelling, run.head_dim), q_norm, k_norm, run.k_cache, run.v_cache,
+                 run.slot_mapping, run.positions, run.cos_sin_cache, run.kv_scale, HQ, HKV, spelling)
     return q, run
 
 
@@ -69,7 +77,7 @@ def test_spelling_equals_reference(spelling, shape):
         assert torch.equal(run.k_cache.view(torch.uint8), ref.k_cache.view(torch.uint8))
         return
     rot = spelling.rotary_dim or head_dim
-    q_in, k_in, _ = split_qkv(inputs.qkv, HQ, HKV, head_dim, spelling)
+    q_in, k_in, _ = split_qkv(model_qkv(inputs.qkv, spelling, head_dim), HQ, HKV, head_dim, spelling)
     if q_norm is not None:
         q_in, k_in = q_norm(q_in), k_norm(k_in)
     assert ((q.float() - ref.q_out.float()).abs() <= bf16_rope_pair_bound(q_in, rot, True)).all()

@@ -31,6 +31,7 @@ from prepfuse.ops import (
     DSV4_INDEXER_ROPE_MXFP4_INSERT,
     DSV4_QNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT,
+    GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
     NAMESPACE,
     SCRATCH,
     registered_ops,
@@ -189,6 +190,17 @@ def _gqa_opcheck_samples() -> list[tuple]:
     return [qwen3.args(), llama.args(), single.args()]
 
 
+def _gqa_separate_opcheck_samples() -> list[tuple]:
+    # the fused op's samples with q, k and v as three tensors (one with a padded token stride)
+    qwen3 = make_gqa_inputs(7, 3, 1, 64, 16, "cpu")
+    llama = make_gqa_inputs(
+        7, 4, 2, 128, 16, "cpu", rotary_dim=64, is_neox=False, norm=False,
+        cache_dtype=torch.float8_e4m3fn, num_inserted=5,
+    )
+    single = make_gqa_inputs(1, 2, 1, 64, 64, "cpu", skip_fraction=0.0)
+    return [qwen3.separate_args(), llama.separate_args(token_padding=64), single.separate_args()]
+
+
 def _dsv4_indexer_opcheck_samples(fmt: str) -> list[tuple]:
     # irregular: 7 tokens, 3 heads, 5 key rows of which 4 inserted, one skipped
     partial = make_dsv4_indexer_inputs(fmt, 7, 3, 16, "cpu", num_k=5, num_inserted=4)
@@ -212,6 +224,7 @@ OPCHECK_SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[tuple]]] = {
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: _dsv4_indexer_opcheck_samples("fp8"),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_opcheck_samples("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_opcheck_samples,
+    GQA_SEPARATE_QKNORM_ROPE_KV_INSERT: _gqa_separate_opcheck_samples,
     SCRATCH: _scratch_opcheck_samples,
 }
 
@@ -256,6 +269,15 @@ def _gqa_bad_shapes() -> tuple[tuple, tuple, str]:
     return good, inputs.args(), r"v_cache: dimension 0 must be k_cache's size 0"
 
 
+def _gqa_separate_bad_shapes() -> tuple[tuple, tuple, str]:
+    """(valid args, args whose k has one head fewer than k_cache, expected message)."""
+    inputs = make_gqa_inputs(7, 3, 2, 64, 16, "cpu")
+    good = inputs.separate_args()
+    bad = list(good)
+    bad[1] = good[1][:, :64]
+    return good, tuple(bad), r"k: dimension 1 must be Hkv \* D, from k_cache's heads"
+
+
 def _dsv4_indexer_bad_shapes(fmt: str) -> tuple[tuple, tuple, str]:
     """(valid args, args whose weights_out has one head fewer than q, expected message)."""
     inputs = make_dsv4_indexer_inputs(fmt, 7, 3, 16, "cpu", num_k=5)
@@ -276,6 +298,7 @@ FAKE_SHAPE_CHECKS: dict[torch._ops.OpOverload, Callable[[], tuple[tuple, tuple, 
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: _dsv4_indexer_bad_shapes("fp8"),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_bad_shapes("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_bad_shapes,
+    GQA_SEPARATE_QKNORM_ROPE_KV_INSERT: _gqa_separate_bad_shapes,
     SCRATCH: _scratch_bad_shapes,
 }
 
