@@ -37,10 +37,13 @@ ARG_NAMES = (
 )
 
 
-def inputs_and_seed(*shape, **options) -> tuple[GqaInputs, int]:
+def inputs_and_seed(num_tokens, *shape, **options) -> tuple[GqaInputs, int]:
+    """Fresh inputs; a case's ``num_inserted`` is capped at the token count (T=1 has one row)."""
     generator = torch.Generator()
     seed = generator.seed()
-    return make_gqa_inputs(*shape, generator=generator, **options), seed
+    if "num_inserted" in options:
+        options = dict(options, num_inserted=min(options["num_inserted"], num_tokens))
+    return make_gqa_inputs(num_tokens, *shape, generator=generator, **options), seed
 
 
 def run_fused(impl, inputs: GqaInputs) -> GqaInputs:
