@@ -30,7 +30,8 @@ cos/sin table, have the same token count (the kv rows may be the first
 ``len(slot_mapping)`` of them), and every reader of either output comes after all the
 call's inputs; otherwise, and for a side matched alone, the call gets an empty other
 side: no q heads (``q``, ``q_out`` of shape ``[T, 0, 512]``) or no inserted rows
-(``slot_mapping`` of length 0, a dummy one-block cache, any bf16 ``[T, 512]`` as kv).
+(``slot_mapping`` of length 0, a one-slot cache from the arena that is never written,
+any bf16 ``[T, 512]`` as kv).
 
 q_out: arena memory (``scratch_buffer``: a ``prepfuse::scratch`` node, reservation
 ``dsv4_qnorm_rope_kv_insert.q_out.<k>``, or the q_out an earlier call of the graph wrote
@@ -64,6 +65,10 @@ from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NO
 # name in debug dumps.
 Q_SCRATCH_NAME = "prepfuse_q_out_scratch"
 Q_SCRATCH_BASE = "dsv4_qnorm_rope_kv_insert.q_out"
+# a q-only call's one-slot cache: the op writes no byte of it (no slots), but the schema
+# says it may, so it is a buffer of its own; arena memory, so no allocation per call
+UNUSED_CACHE_NAME = "prepfuse_unused_cache_scratch"
+UNUSED_CACHE_BASE = "dsv4_qnorm_rope_kv_insert.unused_k_cache"
 
 
 class FuseDsv4PrepPass(PrepfusePass):
@@ -159,7 +164,7 @@ class FuseDsv4PrepPass(PrepfusePass):
             kv_in = emit.as_bf16(kv_in)  # fp32 where Inductor dropped the code's .to(bf16) (torch 2.11)
         else:  # no rows inserted: the op reads no kv row and writes no cache byte
             kv_in = emit.node(aten.select.int, q.q, 1, 0)
-            k_cache = emit.empty([1, SLOT_BYTES], torch.uint8, q.q)
+            k_cache = emit.scratch(UNUSED_CACHE_BASE, [1, SLOT_BYTES], torch.uint8, q.q, name=UNUSED_CACHE_NAME)
             slots = emit.empty([0], torch.int64, q.q)
             block_size = 1
         args = dict(q=q_in, kv=kv_in, q_out=q_out, k_cache=k_cache, slot_mapping=slots, positions=positions,
