@@ -269,8 +269,9 @@ def _v_write_of(k: Heads, k_write: CacheWrite, v_writes: list[CacheWrite], used:
     the one projected from k's input)."""
     found = [w for w in v_writes if w.put not in used and w.slots is k_write.slots and w.cache is not k_write.cache]
     if _is_separate(k):
-        found = [w for w in found if _is_whole(_plain_heads(w.rows)) and _plain_heads(w.rows)[0] is not k.source
-                 and _plain_heads(w.rows)[3] == k.head_dim and _plain_heads(w.rows)[2] == k.num_heads]
+        # v: the whole of another projection, k's heads and head size
+        found = [w for w in found if _is_whole(_plain_heads(w.rows))
+                 and _plain_heads(w.rows)[0] is not k.source and _plain_heads(w.rows)[2:] == (k.num_heads, k.head_dim)]
         found = _closest_projections(found, lambda w: _plain_heads(w.rows)[0], k.source)
         expect(len(found) == 1, f"v: {len(found)} writes of a separate projection's heads to the same slots fit "
                                 f"k's {recognizers.describe(k.source)}, expected one")

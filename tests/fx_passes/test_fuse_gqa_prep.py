@@ -301,6 +301,24 @@ def test_separate_layers_that_cannot_be_told_apart_are_declined():
     assert any("fit k's" in why and "expected one" in why for why in whys), whys
 
 
+def mixed_sources(case: Case):
+    """q from the columns of a fused qkv, k and v from projections of their own."""
+    def fn(qkv, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale):
+        separate = (qkv[:, : HQ * D], qkv[:, HQ * D : (HQ + HKV) * D].clone(), qkv[:, (HQ + HKV) * D :].clone())
+        return prep(case)(separate, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale)
+    return fn
+
+
+def test_q_of_a_fused_qkv_with_separate_k_and_v_is_declined():
+    """Neither op reads q from one tensor's columns and k, v from others: declined, named."""
+    case = make_case(SPELLINGS["qwen3-hf-separate"])
+    case = dataclasses.replace(case, qkv=torch.cat(case.qkv, dim=1))
+    r = run(mixed_sources, case)
+    assert r.matched == 0
+    whys = [why for _, why in r.events("declined")]
+    assert any(why.startswith("q: 0 prepared q tensors of a separate projection") for why in whys), whys
+
+
 def test_llama_fp8_partial_golden_graph():
     r = run(prep, make_case(SPELLINGS["llama-halves-partial-fp8"]))
     assert_close_to_eager(r)
