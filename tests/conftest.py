@@ -16,6 +16,17 @@ if not torch.cuda.is_available():
 import prepfuse  # noqa: E402,F401  (registers the ops once for the whole session)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """A clean dynamo and no Inductor FX graph cache for the test: a cached graph runs no
+    pass, so a pass test would see nothing matched. Modules that compile ask for it
+    (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -38,12 +38,10 @@ PYPROJECT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
+def fresh_reports(fresh_dynamo):
+    """fresh_dynamo (tests/conftest.py), and no report left from an earlier test."""
     clear_reports()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+    yield
 
 
 class DirectCall(torch.nn.Module):

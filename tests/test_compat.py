@@ -19,12 +19,7 @@ from prepfuse.backend import PrepfuseBackend
 KNOWN_LOSSY = {(2, 11): True, (2, 13): False, (2, 14): False}
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def quantise_rounded(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -34,12 +34,7 @@ VERSIONS = [pytest.param(False, id="v1"), pytest.param(True, id="v2")]
 T, H, HP, BLOCK = 7, 3, 8, 16
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 class DirectCall(torch.nn.Module):

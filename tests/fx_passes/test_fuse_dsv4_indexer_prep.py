@@ -29,7 +29,8 @@ from prepfuse.fx_passes.fuse_dsv4_indexer_prep import FuseDsv4IndexerPrepPass
 from prepfuse.fx_passes.registry import registered_passes
 from prepfuse.models import dsv4_indexer as model
 from prepfuse.models.dsv4_indexer import INDEXER_LOOKALIKES, INDEXER_SPELLINGS, indexer_fp8_cache
-from prepfuse.testing import e4m3_code_diff, make_dsv4_indexer_inputs
+from prepfuse.testing import make_dsv4_indexer_inputs
+from tests.fx_passes.pass_harness import PassReportQueries, compile_beside_eager
 
 T, H, TK, BLOCK, SCALE = 7, 3, 5, 16, 0.01
 PASS = FuseDsv4IndexerPrepPass.name
@@ -55,12 +56,7 @@ copy_ = aten.copy_.default(arg7, getitem_2)
 return (getitem, getitem_1)"""
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def prep(spelling):
@@ -84,20 +80,14 @@ def k_only(spelling):
 
 
 @dataclasses.dataclass
-class Run:
+class Run(PassReportQueries):
+    pass_name = PASS  # a class attribute, not a field
+
     out: tuple | None
     cache: torch.Tensor
     ref_out: tuple | None
     ref_cache: torch.Tensor
     report: object
-
-    @property
-    def matched(self) -> int:
-        return self.report.matched_counts.get(PASS, 0)
-
-    def events(self, kind: str) -> list:
-        return [(r.pattern, r.why) if kind == "declined" else r.pattern
-                for r in self.report.rewrites if r.pass_name == PASS and r.kind == kind]
 
 
 def make_inputs(**kwargs):
@@ -109,12 +99,11 @@ def make_inputs(**kwargs):
 def run(fn, inputs=None, *, passes=(PASS,), v2=True) -> Run:
     """``fn`` compiled by the prepfuse backend and eagerly, each on its own copy of the cache."""
     inputs = make_inputs() if inputs is None else inputs
-    backend = PrepfuseBackend({"passes": passes, "record_graphs": True, "auto_functionalized_v2": v2})
     cache, ref_cache = inputs.k_cache.clone(), inputs.k_cache.clone()
     rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
-    out = torch.compile(fn, backend=backend, fullgraph=True)(inputs.q, inputs.weights, inputs.k, cache, *rest)
-    ref_out = fn(inputs.q, inputs.weights, inputs.k, ref_cache, *rest)
-    (report,) = backend.reports
+    out, ref_out, report = compile_beside_eager(
+        fn, (inputs.q, inputs.weights, inputs.k, cache, *rest), (inputs.q, inputs.weights, inputs.k, ref_cache, *rest),
+        passes=passes, v2=v2)
     return Run(out, cache, ref_out, ref_cache, report)
 
 

@@ -37,6 +37,7 @@ from prepfuse.models import dsv4 as model
 from prepfuse.models.dsv4 import DSV4_LOOKALIKES, DSV4_SPELLINGS, Dsv4AttentionBlock, fp8_ds_mla_cache
 from prepfuse.testing import compare_dsv4, compare_dsv4_q, make_dsv4_inputs
 from prepfuse.unfused import dsv4_prep_unfused
+from tests.fx_passes.pass_harness import PassReportQueries, compile_beside_eager
 
 T, H, HP, BLOCK, EPS = 7, 3, 8, 16, 1e-6
 PASS = FuseDsv4PrepPass.name
@@ -45,12 +46,7 @@ LOOKALIKES = {s.name: s for s in DSV4_LOOKALIKES}
 VERSIONS = [pytest.param(False, id="v1"), pytest.param(True, id="v2")]
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 # --------------------------------------------------------------------------------------
@@ -93,21 +89,15 @@ def with_extra_users(q, kv, k_cache, slot_mapping, positions, cos_sin_cache):
 # Helpers
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class Run:
+class Run(PassReportQueries):
+    pass_name = PASS  # a class attribute, not a field
+
     inputs: object  # the Dsv4Inputs both runs read
     out: object
     cache: torch.Tensor
     ref_out: object
     ref_cache: torch.Tensor
     report: object  # GraphReport of the (single) compiled graph
-
-    @property
-    def matched(self) -> int:
-        return self.report.matched_counts.get(PASS, 0)
-
-    def events(self, kind: str) -> list:
-        return [(r.pattern, r.why) if kind == "declined" else r.pattern
-                for r in self.report.rewrites if r.pass_name == PASS and r.kind == kind]
 
 
 def make_inputs(dtype=torch.bfloat16, **kwargs):
@@ -118,12 +108,10 @@ def make_inputs(dtype=torch.bfloat16, **kwargs):
 def run(fn, inputs=None, *, passes=(PASS,), v2=True) -> Run:
     """``fn`` compiled by the prepfuse backend and eagerly, each on its own copy of the cache."""
     inputs = make_inputs() if inputs is None else inputs
-    backend = PrepfuseBackend({"passes": passes, "record_graphs": True, "auto_functionalized_v2": v2})
     cache, ref_cache = inputs.k_cache.clone(), inputs.k_cache.clone()
     rest = (inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache)
-    out = torch.compile(fn, backend=backend, fullgraph=True)(inputs.q, inputs.kv, cache, *rest)
-    ref_out = fn(inputs.q, inputs.kv, ref_cache, *rest)
-    (report,) = backend.reports
+    out, ref_out, report = compile_beside_eager(fn, (inputs.q, inputs.kv, cache, *rest),
+                                                (inputs.q, inputs.kv, ref_cache, *rest), passes=passes, v2=v2)
     return Run(inputs, out, cache, ref_out, ref_cache, report)
 
 

@@ -39,6 +39,7 @@ from prepfuse.fx_passes.fuse_gqa_prep import FuseGqaPrepPass
 from prepfuse.models import gqa as model
 from prepfuse.models.gqa import GQA_LOOKALIKES, GQA_SPELLINGS, GqaAttentionBlock, GqaSpelling
 from prepfuse.testing import CACHE_POISON, bf16_rope_pair_bound, e4m3_code_diff, make_gqa_inputs
+from tests.fx_passes.pass_harness import PassReportQueries, compile_beside_eager
 
 T, HQ, HKV, D, BLOCK, EPS = 7, 4, 2, 64, 16, 1e-6
 PASS = FuseGqaPrepPass.name
@@ -47,12 +48,7 @@ LOOKALIKES = {s.name: s for s in GQA_LOOKALIKES}
 VERSIONS = [pytest.param(False, id="v1"), pytest.param(True, id="v2")]
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 # --------------------------------------------------------------------------------------
@@ -120,7 +116,9 @@ def with_extra_users(case: Case):
 
 
 @dataclasses.dataclass
-class Run:
+class Run(PassReportQueries):
+    pass_name = PASS  # a class attribute, not a field
+
     case: Case
     out: object
     caches: tuple
@@ -128,24 +126,13 @@ class Run:
     ref_caches: tuple
     report: object  # GraphReport of the (single) compiled graph
 
-    @property
-    def matched(self) -> int:
-        return self.report.matched_counts.get(PASS, 0) if self.report else 0
-
-    def events(self, kind: str) -> list:
-        return [(r.pattern, r.why) if kind == "declined" else r.pattern
-                for r in self.report.rewrites if r.pass_name == PASS and r.kind == kind]
-
 
 def run(fn_of, case: Case, *, passes=(PASS,), v2=True) -> Run:
     """``fn_of(case)`` compiled by the prepfuse backend and eagerly, each on its own caches."""
-    backend = PrepfuseBackend({"passes": passes, "record_graphs": True, "auto_functionalized_v2": v2})
     caches = (case.k_cache.clone(), case.v_cache.clone())
     ref_caches = (case.k_cache.clone(), case.v_cache.clone())
-    fn = fn_of(case)
-    out = torch.compile(fn, backend=backend, fullgraph=True)(*case.args(*caches))
-    ref_out = fn(*case.args(*ref_caches))
-    (report,) = backend.reports
+    out, ref_out, report = compile_beside_eager(fn_of(case), case.args(*caches), case.args(*ref_caches),
+                                                passes=passes, v2=v2)
     return Run(case, out, caches, ref_out, ref_caches, report)
 
 

@@ -41,12 +41,7 @@ FUSED = "prepfuse.dsv4_qnorm_rope_kv_insert.default"
 attention = torch.ops.prepfuse_test.attention
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 # --------------------------------------------------------------------------------------

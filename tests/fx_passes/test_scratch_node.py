@@ -29,12 +29,7 @@ H, HP, BLOCK, EPS = 3, 8, 16, 1e-6
 Q_OUT_0 = f"{Q_SCRATCH_BASE}.0"
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 @pytest.fixture

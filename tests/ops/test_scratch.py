@@ -20,12 +20,7 @@ from prepfuse.scratch import ScratchArena, use_arena
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def test_returns_a_view_of_the_current_arena():
