@@ -5,11 +5,10 @@ Run from the repository root on a CUDA machine::
     PYTHONPATH=. python bench/sweep_dsv4_indexer_launch.py --out-dir $OUT
 
 Times ``launch_indexer_kernel`` alone at each (heads per program, warps per program),
-H = 64, Tk = max(1, T // 4), block size 64, with the timing method of
-``bench_dsv4_qnorm_rope_kv_insert.py`` (graphs of back-to-back calls, median, L2
-rotation over input copies for big calls). Every configuration is first gated against
-the op's reference on fresh random inputs with poisoned outputs: it must match byte for
-byte (the kernel is exact on the GPU, as the op's CUDA tests require). Prints the best
+on the shapes, inputs, byte count and byte-for-byte gate of
+``bench_dsv4_indexer_rope_quant_insert.py`` (H = 64, Tk = max(1, T // 4), block size 64),
+with the timing method of ``bench_dsv4_qnorm_rope_kv_insert.py`` (graphs of back-to-back
+calls, median, L2 rotation over input copies for big calls). Prints the best
 configuration per shape beside ``_launch_config``'s choice and writes
 ``dsv4_indexer_launch_sweep_<formats>_<device>.json``; the op's ``_launch_config`` table
 is read off it (``bench/results/dsv4_indexer_launch_sweep_{fp8,mxfp4}_nvidia-h200.json``;
@@ -28,9 +27,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import bench_dsv4_indexer_rope_quant_insert as ibench  # noqa: E402
 import bench_dsv4_qnorm_rope_kv_insert as opbench  # noqa: E402
 
-HEADS, BLOCK = 64, 64
 TOKENS = (1, 64, 4096, 16384)
 SWEEP_BLOCK_H = (1, 2, 4, 8, 16, 32)
 SWEEP_NUM_WARPS = (1, 2, 4)
@@ -49,30 +48,8 @@ def kernel_call(fmt: str, launch_config):
     return call
 
 
-def exact(fmt: str, fn, inputs) -> bool:
-    from prepfuse.ops import dsv4_indexer_rope_fp8_insert_reference, dsv4_indexer_rope_mxfp4_insert_reference
-    from prepfuse.testing import compare_dsv4_indexer
-
-    reference = {"fp8": dsv4_indexer_rope_fp8_insert_reference, "mxfp4": dsv4_indexer_rope_mxfp4_insert_reference}
-    ref, run = inputs.fresh_outputs(), inputs.fresh_outputs()
-    reference[fmt](*ref.args())
-    fn(run)
-    torch.cuda.synchronize()
-    return not any(compare_dsv4_indexer(ref, run).values())
-
-
-def indexer_bytes(num_tokens: int, num_k: int, fmt: str) -> int:
-    """Bytes read and written by one call (all k rows inserted): q, weights, q_out,
-    weights_out and a cos/sin row per token; k, its cos/sin row and its slot per key row."""
-    q_out = 128 if fmt == "fp8" else 68
-    per_token = HEADS * (256 + 2 + q_out + 4) + 256 + 8
-    per_key = 256 + 256 + 16 + (132 if fmt == "fp8" else 68)
-    return num_tokens * per_token + num_k * per_key
-
-
 def main(argv: list[str] | None = None) -> int:
     from prepfuse.ops.dsv4_indexer_common import _launch_config
-    from prepfuse.testing import make_dsv4_indexer_inputs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
@@ -83,24 +60,25 @@ def main(argv: list[str] | None = None) -> int:
     info = opbench._device_info()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"dsv4_indexer_launch_sweep_{'-'.join(args.formats)}_{info['device_slug']}.json"
-    data = {"op": "dsv4_indexer (launch_indexer_kernel)", "H": HEADS, "block_size": BLOCK, **info, "rows": [], "best": []}
+    data = {"op": "dsv4_indexer (launch_indexer_kernel)", "H": ibench.HEADS, "block_size": ibench.BLOCK_SIZE, **info,
+            "rows": [], "best": []}
     opbench.spin_up_clocks()
     for fmt in args.formats:
         for t in args.tokens:
-            num_k = max(1, t // 4)
-            copies_needed = opbench.rotation_copies(indexer_bytes(t, num_k, fmt), info["l2_bytes"], 0.25)
-            gate = make_dsv4_indexer_inputs(fmt, t, HEADS, BLOCK, "cuda", num_k=num_k, skip_fraction=0.1)
-            copies = [make_dsv4_indexer_inputs(fmt, t, HEADS, BLOCK, "cuda", num_k=num_k, skip_fraction=0.0)
-                      for _ in range(copies_needed)]
-            heuristic = tuple(_launch_config(t, HEADS))
+            num_k = ibench.key_rows(t)
+            nbytes = ibench.indexer_bytes_moved(t, num_k, ibench.HEADS, fmt)
+            copies_needed = opbench.rotation_copies(nbytes, info["l2_bytes"], ibench.WARM_BELOW_L2)
+            gate = ibench.make_inputs(fmt, t, skip_fraction=0.1)
+            copies = [ibench.make_inputs(fmt, t, skip_fraction=0.0) for _ in range(copies_needed)]
+            heuristic = tuple(_launch_config(t, ibench.HEADS))
             rows = []
             for bh in SWEEP_BLOCK_H:
                 for w in SWEEP_NUM_WARPS:
                     fn = kernel_call(fmt, (bh, w))
                     row = {"format": fmt, "T": t, "Tk": num_k, "BLOCK_H": bh, "num_warps": w,
-                           "heuristic": (bh, w) == heuristic, "bytes": indexer_bytes(t, num_k, fmt)}
+                           "heuristic": (bh, w) == heuristic, "bytes": nbytes}
                     try:
-                        row["correct"] = exact(fmt, fn, gate)
+                        row["correct"], _ = ibench.gate("fused", fmt, fn, gate)
                         graphs = opbench.capture_graphs(fn, copies, warmup=2)
                         row.update(opbench.time_graphs(graphs, args.target_ms, 10, 100))
                         row["GBps"] = row["bytes"] / (row["us_median"] * 1e-6) / 1e9
