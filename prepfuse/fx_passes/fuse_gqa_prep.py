@@ -166,7 +166,8 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(tuple(shape(k_write.cache)) == tuple(shape(v_write.cache)), "write: k and v caches differ in shape")
         shared = _shared_base(k_write, v_write) or _shared_base(v_write, k_write)
         caches = [shared.root] if shared else [k_write.cache, v_write.cache]
-        inputs = [q.source, k.source, _plain_heads(v_write.rows)[0], *caches, k_write.slots, q.positions, q.cos_sin_cache]
+        inputs = [q.source, k.source, _plain_heads(v_write.rows)[0], *caches, k_write.slots, q.positions,
+                  q.cos_sin_cache]
         inputs += [n for n in (q.norm_weight, k.norm_weight, k_write.kv_scale) if n is not None]
         readers = _readers(q, k_write, v_write, shared)
         expect(max(self._order[n] for n in inputs) < min(self._order[n] for n in readers),
@@ -208,7 +209,12 @@ class FuseGqaPrepPass(PrepfusePass):
 
 def _is_separate(h: Heads) -> bool:
     """The heads are the whole of their source: a separate projection, not qkv columns."""
-    return h.first_column == 0 and shape(h.source)[1] == h.num_heads * h.head_dim
+    return _is_whole(h.source, h.first_column, h.num_heads, h.head_dim)
+
+
+def _is_whole(source, first_column: int, num_heads: int, head_dim: int) -> bool:
+    """Heads ``[first_column, + num_heads * head_dim)`` cover all of ``source``."""
+    return first_column == 0 and shape(source)[1] == num_heads * head_dim
 
 
 def _settings_match(q: Heads, k: Heads) -> bool:
@@ -226,7 +232,8 @@ def _same_settings(q: Heads, k: Heads) -> Heads:
     expect((q.is_neox, q.rotary_dim) == (k.is_neox, k.rotary_dim),
            f"rope: q is {'NeoX' if q.is_neox else 'GPT-J'} over {q.rotary_dim} dims, k "
            f"{'NeoX' if k.is_neox else 'GPT-J'} over {k.rotary_dim}; the op rotates both alike")
-    expect(q.positions is k.positions and q.cos_sin_cache is k.cos_sin_cache, "rope: q and k read different positions or tables")
+    expect(q.positions is k.positions and q.cos_sin_cache is k.cos_sin_cache,
+           "rope: q and k read different positions or tables")
     expect((q.norm_weight is None) == (k.norm_weight is None), "norm: only one of q and k is normed")
     expect(q.eps == k.eps, f"norm: q eps {q.eps} and k eps {k.eps} differ; the op takes one eps")
     return q
@@ -270,8 +277,8 @@ def _v_write_of(k: Heads, k_write: CacheWrite, v_writes: list[CacheWrite], used:
     found = [w for w in v_writes if w.put not in used and w.slots is k_write.slots and w.cache is not k_write.cache]
     if _is_separate(k):
         # v: the whole of another projection, k's heads and head size
-        found = [w for w in found if _is_whole(_plain_heads(w.rows))
-                 and _plain_heads(w.rows)[0] is not k.source and _plain_heads(w.rows)[2:] == (k.num_heads, k.head_dim)]
+        found = [w for w, plain in ((w, _plain_heads(w.rows)) for w in found)
+                 if _is_whole(*plain) and plain[0] is not k.source and plain[2:] == (k.num_heads, k.head_dim)]
         found = _closest_projections(found, lambda w: _plain_heads(w.rows)[0], k.source)
         expect(len(found) == 1, f"v: {len(found)} writes of a separate projection's heads to the same slots fit "
                                 f"k's {recognizers.describe(k.source)}, expected one")
@@ -279,12 +286,6 @@ def _v_write_of(k: Heads, k_write: CacheWrite, v_writes: list[CacheWrite], used:
     found = [w for w in found if _plain_heads(w.rows)[0] is k.source]
     expect(len(found) == 1, f"v: {len(found)} writes of heads of the same qkv to the same slots, expected one")
     return found[0]
-
-
-def _is_whole(plain: tuple) -> bool:
-    """``_plain_heads``' answer covers its whole source (a separate projection)."""
-    source, first, num_heads, head_dim = plain
-    return first == 0 and shape(source)[1] == num_heads * head_dim
 
 
 def _plain_heads(rows) -> tuple | None:

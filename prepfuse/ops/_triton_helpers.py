@@ -112,8 +112,9 @@ if has_triton():
         interpreter alike. It replaced counting the 7 midpoints below |v| (equal results
         for every fp32 in [0, 6], checked exhaustively), which cost 25% more time in the
         instruction-bound mxfp4 op: T=16384 on the H200 177.6 us -> 132.3 us
-        (``bench/results/dsv4_indexer_launch_sweep_mxfp4_nvidia-h200.json``). Bit 3 is v's sign bit, so a negative value that
-        rounds to zero keeps its sign (-0.0 is code 8), as IEEE rounding does.
+        (``bench/results/dsv4_indexer_launch_sweep_mxfp4_nvidia-h200.json``). Bit 3 is v's
+        sign bit, so a negative value that rounds to zero keeps its sign (-0.0 is code 8),
+        as IEEE rounding does.
         """
         a = tl.abs(v)
         low = a < 2.0

@@ -223,8 +223,9 @@ if has_triton():
         # follow qkv's order (q heads, k heads, v heads), so programs running together
         # read one token's qkv row front to back (q, k and v are three base pointers:
         # column ranges of one fused qkv, or separate projections); each column handles
-        # BLOCK_H heads of one kind. q and k columns share the norm and rotation code (_norm_rope_heads),
-        # v columns only copy or quantise. (T is not capped at 65535 on a 1-D grid.)
+        # BLOCK_H heads of one kind. q and k columns share the norm and rotation code
+        # (_norm_rope_heads), v columns only copy or quantise. (T is not capped at 65535
+        # on a 1-D grid.)
         pid = tl.program_id(0).to(tl.int64)
         n_cols = Q_COLS + 2 * KV_COLS
         t = pid // n_cols
