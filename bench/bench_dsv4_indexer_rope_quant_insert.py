@@ -49,7 +49,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import bench_dsv4_qnorm_rope_kv_insert as opbench  # noqa: E402  (also puts the repository on sys.path)
+import harness  # noqa: E402  (also puts the repository on sys.path)
 
 STEM = "dsv4_indexer_rope_quant_insert"
 FORMATS = ("fp8", "mxfp4")
@@ -236,29 +236,29 @@ def measure_row(row: dict, impl: str, fmt: str, gate_inputs, copies: list, args,
         if backend is not None:
             row["fusion"] = fusion_record(backend, fmt)
             if row["fusion"]["matched"] != 1 and not row["fusion"]["cached"]:
-                opbench._loud(f"{label}: the pass matched {row['fusion']['matched']} times, expected 1\n"
+                harness.loud(f"{label}: the pass matched {row['fusion']['matched']} times, expected 1\n"
                               + backend.reports.format(verbose=True))
         if not row["correct"]:
-            opbench._loud(f"{label}: differs from the reference: {row['comparison']}")
-        graphs = opbench.capture_graphs(fn, copies, warmup=3)
-        row.update(opbench.time_graphs(graphs, args.target_ms, 10, 200))
+            harness.loud(f"{label}: differs from the reference: {row['comparison']}")
+        graphs = harness.capture_graphs(fn, copies, warmup=3)
+        row.update(harness.time_graphs(graphs, args.target_ms, 10, 200))
         del graphs
         row["GBps"] = row["bytes"] / (row["us_median"] * 1e-6) / 1e9
         row["frac_of_copy_bw"] = row["GBps"] / copy_bw
-        with opbench._IndexChecksOff():  # as inside a graph: no host-side index check
-            row.update(opbench.classify_gpu_activities(opbench.count_launches(lambda c=copies[0]: fn(c))))
+        with harness.IndexChecksOff():  # as inside a graph: no host-side index check
+            row.update(harness.classify_gpu_activities(harness.count_launches(lambda c=copies[0]: fn(c))))
     except Exception as err:  # noqa: BLE001 - record and go on: the table stays complete
         row["error"] = f"{type(err).__name__}: {err}"
-        opbench._loud(f"{label}: {row['error']}")
+        harness.loud(f"{label}: {row['error']}")
 
 
 def run_benchmark(args) -> dict:
     t_start = time.time()
-    info = opbench._device_info()
+    info = harness.device_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{STEM}_{info['device_slug']}{args.name_suffix}.json"
-    opbench.allow_recompiles()
+    harness.allow_recompiles()
     data = {
         "ops": {fmt: f"prepfuse::{OP_NAMES[fmt]}" for fmt in args.formats},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -267,7 +267,7 @@ def run_benchmark(args) -> dict:
         "args": {"tokens": args.tokens, "formats": args.formats, "impls": args.impls, "target_ms": args.target_ms},
         "status": "running", "rows": [],
     }
-    data["copy_bandwidth"] = opbench.measure_copy_bandwidth(4 << 30)
+    data["copy_bandwidth"] = harness.measure_copy_bandwidth(4 << 30)
     copy_bw = data["copy_bandwidth"]["GBps"]
     print(f"{info['device']}: copy bandwidth {copy_bw:.0f} GB/s ({data['copy_bandwidth']['method']})", flush=True)
     for fmt in args.formats:
@@ -275,7 +275,7 @@ def run_benchmark(args) -> dict:
         for t in sorted(args.tokens):
             tk = key_rows(t)
             nbytes = indexer_bytes_moved(t, tk, HEADS, fmt)
-            k = opbench.rotation_copies(nbytes, info["l2_bytes"], WARM_BELOW_L2)
+            k = harness.rotation_copies(nbytes, info["l2_bytes"], WARM_BELOW_L2)
             l2 = "warm" if nbytes < WARM_BELOW_L2 * info["l2_bytes"] else "cold"  # 1 copy when >= 3x L2
             copies, gate_fused, failure = [], None, None
             try:
@@ -285,7 +285,7 @@ def run_benchmark(args) -> dict:
                 gate_fused = make_inputs(fmt, t, skip_fraction=0.1) if "fused" in impls else None
             except Exception as err:  # noqa: BLE001 - every row of this shape says why
                 failure = f"inputs: {type(err).__name__}: {err}"
-                opbench._loud(f"{fmt} T={t}: {failure}")
+                harness.loud(f"{fmt} T={t}: {failure}")
             line = []
             for impl in impls:
                 row = {"format": fmt, "impl": impl, "T": t, "Tk": tk, "H": HEADS, "block_size": BLOCK_SIZE,
@@ -300,10 +300,10 @@ def run_benchmark(args) -> dict:
             del copies, gate_fused
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-            opbench._write_json(path, data)
+            harness.write_json(path, data)
     data["status"] = "done"
     data["elapsed_s"] = round(time.time() - t_start, 1)
-    opbench._write_json(path, data)
+    harness.write_json(path, data)
     return data
 
 
@@ -478,7 +478,7 @@ def _choices(allowed: tuple[str, ...]):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=opbench._parse_int_list, default=list(DEFAULT_TOKENS), help="T values, e.g. 1,64")
+    p.add_argument("--tokens", type=harness.parse_int_list, default=list(DEFAULT_TOKENS), help="T values, e.g. 1,64")
     p.add_argument("--formats", type=_choices(FORMATS), default=list(FORMATS), help="fp8,mxfp4")
     p.add_argument("--impls", type=_choices(IMPLS), default=list(IMPLS), help=",".join(IMPLS))
     p.add_argument("--out-dir", default=str(HERE / "results"), help="where the JSON and the PNG go")

@@ -26,6 +26,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import harness  # noqa: E402  (also puts the repository on sys.path)
 import bench_dsv4_qnorm_rope_kv_insert as opbench  # noqa: E402
 
 import prepfuse  # noqa: E402,F401
@@ -105,7 +106,7 @@ def write_reports(data: dict, json_path: Path, docs: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=opbench._parse_int_list, default=list(TOKENS))
+    parser.add_argument("--tokens", type=harness.parse_int_list, default=list(TOKENS))
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--out-dir", default=str(HERE / "results"))
@@ -120,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA device", file=sys.stderr)
         return 2
 
-    info = opbench._device_info()
+    info = harness.device_info()
     heads, padded = args.heads, opbench.padded_heads(args.heads)
     data = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info, "rows": []}
     step = prep_step(padded, args.block_size)
     for tokens in args.tokens:
         nbytes = opbench.bytes_moved(tokens, heads, padded, tokens)
-        copies = opbench.rotation_copies(nbytes, info["l2_bytes"], 0.25)
+        copies = harness.rotation_copies(nbytes, info["l2_bytes"], 0.25)
         inputs = [make_dsv4_inputs(tokens, heads, padded, args.block_size, "cuda", skip_fraction=0.0)
                   for _ in range(copies)]
         row = {"T": tokens, "H": heads, "HP": padded, "block_size": args.block_size, "copies": copies}
@@ -134,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                                ("inductor", "inductor")):
             torch._dynamo.reset()
             compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
-            graphs = opbench.capture_graphs(lambda inp: compiled(inp.q, inp.kv, inp.k_cache, inp.slot_mapping,
+            graphs = harness.capture_graphs(lambda inp: compiled(inp.q, inp.kv, inp.k_cache, inp.slot_mapping,
                                                                  inp.positions, inp.cos_sin_cache), inputs, warmup=3)
-            row[f"{label}_us"] = opbench.time_graphs(graphs, 100.0, 10, 200)["us_median"]
+            row[f"{label}_us"] = harness.time_graphs(graphs, 100.0, 10, 200)["us_median"]
             if label == "prepfuse":
                 print(backend.reports.format())
                 # whole matches only: a q-only or kv-only match leaves the other side unfused

@@ -10,7 +10,7 @@ Three implementations, one shape at a time (T tokens, H heads, HP padded heads, 
 
 - ``fused``: the op through the dispatcher (``torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert``,
   on CUDA the Triton kernel);
-- ``eager``: ``prepfuse.unfused.dsv4_prep_unfused``, the same math as plain PyTorch ops;
+- ``eager``: ``prepfuse.models.dsv4_prep_unfused``, the same math as plain PyTorch ops;
 - ``compile``: that function under ``torch.compile`` (default mode, ``dynamic=False``,
   ``fullgraph=True``).
 
@@ -56,24 +56,18 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
-import platform
-import re
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-try:
-    import prepfuse
-except ImportError:  # run without PYTHONPATH=.
-    sys.path.insert(0, str(REPO_ROOT))
-    import prepfuse
-
-del prepfuse  # imported for its op registrations
-
 import torch
+
+from harness import (  # noqa: E402  (harness also puts the repository on sys.path)
+    CALLS_PER_GRAPH, COLD_FACTOR, MAX_COPIES, REPO_ROOT, IndexChecksOff, allow_recompiles, capture_graphs,
+    classify_gpu_activities, count_launches, device_info, loud, measure_copy_bandwidth, measure_tiny_graph,
+    parse_int_list, rotation_copies, time_graphs, write_json,
+)
 
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import HEAD_DIM, ROPE_DIM, SLOT_BYTES
 
@@ -91,21 +85,17 @@ EPS = 1e-6
 MAX_POS = 8192  # rows of cos_sin_cache, as make_dsv4_inputs
 SPARE_SLOTS = 64  # cache slots beyond the inserted rows, as make_dsv4_inputs
 HOST_DRAW_LIMIT = 1 << 23  # q elements up to which gate inputs come from make_dsv4_inputs
-COLD_FACTOR = 3  # rotated working set >= COLD_FACTOR * L2
-MAX_COPIES = 16
-SLEEP_US_PER_REPLAY = 25  # GPU sleep queued ahead of each batch of replays, per replay
-REPLAY_BATCH = 50
 
-# SPEC section 5, fused op, H=64 HP=64: T -> ("us", max) or ("frac", min of copy bandwidth)
-SPEC_TARGETS = {1: ("us", 1.8), 64: ("us", 4.5), 512: ("us", 25.0), 4096: ("frac", 0.90), 16384: ("frac", 0.92)}
-# SPEC section 5, production CUDA kernel: H -> {T: us}
-SPEC_PRODUCTION_US = {
+# docs/design.md (measured floors), fused op, H=64 HP=64: T -> ("us", max) or ("frac", min of copy bandwidth)
+TARGETS = {1: ("us", 1.8), 64: ("us", 4.5), 512: ("us", 25.0), 4096: ("frac", 0.90), 16384: ("frac", 0.92)}
+# docs/design.md, production CUDA kernel: H -> {T: us}
+PRODUCTION_US = {
     64: {1: 2.0, 8: 2.2, 64: 5.4, 512: 32.0, 4096: 149.0, 16384: 562.0},
     16: {1: 2.0, 64: 3.6, 512: 16.3, 4096: 97.0, 16384: 369.0},
 }
-# SPEC section 5, unfused PyTorch at H=64: impl -> (kernels, {T: us})
-SPEC_UNFUSED = {"eager": (46, {1: 76.0, 16384: 10100.0}), "compile": (13, {1: 15.5, 16384: 1330.0})}
-SPEC_COPY_BW_GBPS = 4240.0
+# docs/design.md, unfused PyTorch at H=64: impl -> (kernels, {T: us})
+UNFUSED_MEASURED = {"eager": (46, {1: 76.0, 16384: 10100.0}), "compile": (13, {1: 15.5, 16384: 1330.0})}
+DESIGN_COPY_BW_GBPS = 4240.0
 
 
 # --------------------------------------------------------------------------------------
@@ -141,55 +131,9 @@ def bytes_moved(num_tokens: int, num_heads: int, padded: int, num_inserted: int)
     )
 
 
-def rotation_copies(nbytes: int, l2_bytes: int, warm_below: float) -> int:
-    """How many input/output sets to rotate through so replays find cold L2 (1 = warm)."""
-    if nbytes < warm_below * l2_bytes:
-        return 1
-    return max(1, min(MAX_COPIES, math.ceil(COLD_FACTOR * l2_bytes / nbytes)))
-
-
-def slugify(name: str) -> str:
-    """'NVIDIA H200' -> 'nvidia-h200'."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
-
-
 def result_paths(out_dir: Path, slug: str, suffix: str = "") -> tuple[Path, Path]:
     stem = f"{OP}_{slug}{suffix}"
     return out_dir / f"{stem}.json", out_dir / f"{stem}.png"
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated quantile of an ascending list."""
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def summarize_times(times_us: list[float]) -> dict:
-    s = sorted(times_us)
-    return {"us_median": _quantile(s, 0.5), "us_p10": _quantile(s, 0.1), "us_p90": _quantile(s, 0.9), "replays": len(s)}
-
-
-_SYNC_RECORD = re.compile(r"^(Context|Stream|Event) (Sync|Wait)")  # CUPTI synchronisation records
-
-
-def classify_gpu_activities(names: list[str]) -> dict:
-    """Split profiler GPU activity names into kernels / memsets / memcpys; drop syncs."""
-    work = [n for n in names if not _SYNC_RECORD.match(n)]
-    memsets = sum(n.startswith("Memset") for n in work)
-    memcpys = sum(n.startswith("Memcpy") for n in work)
-    return {"launches": len(work), "kernels": len(work) - memsets - memcpys, "memsets": memsets, "memcpys": memcpys}
-
-
-def _parse_int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _parse_impls(text: str) -> list[str]:
@@ -276,20 +220,9 @@ def same_shapes(a, b) -> bool:
 # --------------------------------------------------------------------------------------
 # Implementations
 # --------------------------------------------------------------------------------------
-def allow_recompiles() -> None:
-    """Room for one compiled graph per benchmarked shape (``dynamic=False`` recompiles per T)."""
-    import torch._dynamo
-
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(getattr(cfg, name), 256))
-    if hasattr(cfg, "accumulated_recompile_limit"):
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
-
-
 def compiled_unfused():
     """``dsv4_prep_unfused`` under torch.compile; room for one graph per benchmarked shape."""
-    from prepfuse.unfused import dsv4_prep_unfused
+    from prepfuse.models import dsv4_prep_unfused
 
     allow_recompiles()
     return torch.compile(dsv4_prep_unfused, dynamic=False, fullgraph=True)
@@ -298,7 +231,7 @@ def compiled_unfused():
 def make_impls(names: list[str]) -> dict:
     """impl name -> callable(Dsv4Inputs)."""
     from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT
-    from prepfuse.unfused import dsv4_prep_unfused
+    from prepfuse.models import dsv4_prep_unfused
 
     impls = {}
     for name in names:
@@ -312,185 +245,12 @@ def make_impls(names: list[str]) -> dict:
     return impls
 
 
-class _IndexChecksOff:
-    """Skip the op's host-side index check (as it is skipped inside a CUDA graph)."""
-
-    def __enter__(self):
-        import prepfuse.ops._checks as mod
-
-        self._mod, self._saved = mod, mod.CHECK_INDEX_VALUES
-        mod.CHECK_INDEX_VALUES = False
-
-    def __exit__(self, *exc):
-        self._mod.CHECK_INDEX_VALUES = self._saved
-
-
-# --------------------------------------------------------------------------------------
-# Timing
-# --------------------------------------------------------------------------------------
-CALLS_PER_GRAPH = 20  # calls captured back to back in one graph; times are per call
-
-
-class GraphBatch:
-    """One captured graph holding ``calls`` back-to-back calls, round-robin over copies.
-
-    SPEC section 5 times a kernel as one node among others in a replayed graph (its
-    "one tiny kernel in a graph: 1.09 us" is a per-kernel figure): timing a graph of
-    one call would add the graph's own launch latency (about 2 us) to every row.
-    """
-
-    def __init__(self, graph, calls: int):
-        self.graph, self.calls = graph, calls
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
-def capture_graphs(fn, copies: list, warmup: int, calls: int = CALLS_PER_GRAPH) -> list:
-    """Warm ``fn`` up on a side stream (compiling it), then capture one graph of
-    ``calls`` calls (rounded up to a multiple of the copies) cycling over ``copies``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn(copies[0])
-        for c in copies[1:]:
-            fn(c)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    n_calls = len(copies) * max(1, -(-calls // len(copies)))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            fn(copies[i % len(copies)])
-    torch.cuda.synchronize()
-    return [GraphBatch(g, n_calls)]
-
-
-def replay_times_us(graphs: list, n: int) -> list[float]:
-    """Per-call GPU times (us) from ``n`` replays, round-robin over ``graphs``.
-
-    Each batch is queued behind a GPU sleep long enough for the host to enqueue it, so
-    the GPU never waits for the host between the events it is timing.
-    """
-    times: list[float] = []
-    i = 0
-    while len(times) < n:
-        b = min(REPLAY_BATCH, n - len(times))
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(b)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(b)]
-        batch = [graphs[(i + j) % len(graphs)] for j in range(b)]
-        torch.cuda._sleep(int(b * SLEEP_US_PER_REPLAY * 2000))  # cycles at ~2 GHz
-        for j in range(b):
-            starts[j].record()
-            batch[j].replay()
-            ends[j].record()
-        i += b
-        torch.cuda.synchronize()
-        times.extend(s.elapsed_time(e) * 1000.0 / g.calls for s, e, g in zip(starts, ends, batch))
-    return times
-
-
-def time_graphs(graphs: list, target_ms: float, min_replays: int, max_replays: int) -> dict:
-    for g in graphs:  # the first replays upload the graphs
-        g.replay()
-        g.replay()
-    torch.cuda.synchronize()
-    probe = sorted(replay_times_us(graphs, max(5, len(graphs))))
-    estimate = probe[len(probe) // 2] * graphs[0].calls  # us per replay
-    n = int(min(max_replays, max(min_replays, target_ms * 1000.0 / max(estimate, 1e-3))))
-    return summarize_times(replay_times_us(graphs, n))
-
-
-def spin_up_clocks(seconds: float = 0.5) -> None:
-    """Keep the GPU busy long enough to leave its idle clocks (345 MHz seen at start)."""
-    a = torch.empty(1 << 28, dtype=torch.uint8, device=DEVICE)
-    b = torch.empty_like(a)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        for _ in range(20):
-            b.copy_(a)
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) > seconds * 1000:
-            break
-
-
-def measure_copy_bandwidth(nbytes: int) -> dict:
-    """Device-to-device copy bandwidth (read + write bytes), CUDA-graph replay median.
-
-    Two copies are timed and the faster one is the ceiling: ``copy_`` of uint8 (a
-    memcpy node in the graph, which on the first H200 run reached only 2.7 TB/s) and an
-    SM copy kernel (``torch.neg`` on fp32, 16-byte vectors), which is what a fused
-    kernel competes with. Both are kept in the JSON.
-    """
-    free, _ = torch.cuda.mem_get_info()
-    while 2 * nbytes > 0.8 * free and nbytes > (256 << 20):
-        nbytes //= 2
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 256)  # not zeros
-    dst = torch.empty_like(src)
-    src_f, dst_f = src.view(torch.float32), dst.view(torch.float32)
-    spin_up_clocks()
-    variants = {"memcpy": lambda _: dst.copy_(src), "sm_kernel": lambda _: torch.neg(src_f, out=dst_f)}
-    results = {}
-    for name, fn in variants.items():
-        graphs = capture_graphs(fn, [None], warmup=2, calls=4)
-        stats = time_graphs(graphs, target_ms=100, min_replays=10, max_replays=30)
-        del graphs
-        results[name] = {**stats, "GBps": 2 * nbytes / (stats["us_median"] * 1e-6) / 1e9}
-    best = max(results, key=lambda k: results[k]["GBps"])
-    return {"bytes_per_copy": nbytes, "bytes_counted": 2 * nbytes, "method": best, **results[best], "variants": results}
-
-
-def measure_tiny_graph() -> dict:
-    """One tiny kernel in a graph (SPEC section 5: 1.09 us): the floor of every row."""
-    x = torch.ones(1, device=DEVICE)
-    graphs = capture_graphs(lambda _: x.add_(1.0), [None], warmup=2)
-    stats = time_graphs(graphs, target_ms=5, min_replays=200, max_replays=200)
-    del graphs
-    return stats
-
-
-def count_launches(fn) -> list[str]:
-    """GPU activity names recorded by torch.profiler over one call of ``fn``."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
-
-
 # --------------------------------------------------------------------------------------
 # The measuring run
 # --------------------------------------------------------------------------------------
-def _device_info() -> dict:
-    import triton
-
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    l2 = int(getattr(props, "L2_cache_size", 0) or 0)
-    return {
-        "device": torch.cuda.get_device_name(),
-        "device_slug": slugify(torch.cuda.get_device_name()),
-        "capability": f"{props.major}.{props.minor}",
-        "num_sms": props.multi_processor_count,
-        "memory_bytes": props.total_memory,
-        "l2_bytes": l2 if l2 > 0 else 50 << 20,
-        "l2_bytes_reported": l2 > 0,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-    }
-
-
 def _plan(args) -> tuple[list[tuple], list[dict]]:
     """(shapes to run as (H, block_size, T, impls), rows deliberately left out)."""
-    heads = sorted(args.heads, key=lambda h: (h != 64, h))  # the SPEC target shapes first
+    heads = sorted(args.heads, key=lambda h: (h != 64, h))  # the target shapes first
     shapes, left_out = [], []
     for h in heads:
         for bs in args.block_sizes:
@@ -504,17 +264,6 @@ def _plan(args) -> tuple[list[tuple], list[dict]]:
                         impls.append(impl)
                 shapes.append((h, bs, t, impls))
     return shapes, left_out
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def _loud(msg: str) -> None:
-    bar = "!" * 78
-    print(f"\n{bar}\n{msg}\n{bar}\n", flush=True)
 
 
 def _gate(impl_fn, inputs, reference_cache: dict):
@@ -537,7 +286,7 @@ def _gate(impl_fn, inputs, reference_cache: dict):
 
 def _replay_matches_eager(impl_fn, copy0) -> bool:
     """The bytes the timed graph replays left in copy 0 equal one plain call's on fresh
-    outputs (SPEC section 2, lesson 5: a captured region can differ from eager)."""
+    outputs (docs/design.md, lesson 5: a captured region can differ from eager)."""
     run = copy0.fresh_outputs()
     impl_fn(run)
     torch.cuda.synchronize()
@@ -550,7 +299,7 @@ def run_benchmark(args) -> dict:
     from prepfuse.testing import CACHE_POISON, Q_POISON, rope_cos_sin_cache
 
     t_start = time.time()
-    info = _device_info()
+    info = device_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = result_paths(out_dir, info["device_slug"], args.name_suffix)
@@ -562,7 +311,7 @@ def run_benchmark(args) -> dict:
     torch.cuda.empty_cache()  # the copy's 8 GiB went with its frame
     tiny = measure_tiny_graph()
     print(f"copy bandwidth {copy_bw['GBps']:.0f} GB/s ({copy_bw['bytes_per_copy'] / 2**30:.1f} GiB copy, read+write; "
-          f"SPEC: {SPEC_COPY_BW_GBPS:.0f}); one tiny kernel in a graph {tiny['us_median']:.2f} us (SPEC: 1.09)",
+          f"design.md: {DESIGN_COPY_BW_GBPS:.0f}); one tiny kernel in a graph {tiny['us_median']:.2f} us (design.md: 1.09)",
           flush=True)
 
     shapes, left_out = _plan(args)
@@ -593,7 +342,7 @@ def run_benchmark(args) -> dict:
         "skipped": [],
         "status": "running",
     }
-    _write_json(json_path, data)
+    write_json(json_path, data)
 
     impls = make_impls(args.impls)
     gen = torch.Generator(device=DEVICE)
@@ -634,16 +383,16 @@ def run_benchmark(args) -> dict:
             gates[impl] = (ok, detail)
             if impl == "fused" and not ok or "error" in detail:
                 failures.append((impl, t, h, bs))
-                _loud(f"CORRECTNESS GATE FAILED: {impl} T={t} H={h} block_size={bs}: {detail}")
+                loud(f"CORRECTNESS GATE FAILED: {impl} T={t} H={h} block_size={bs}: {detail}")
             elif not ok:  # a baseline's own rounding (fp contraction, reduction order): recorded, not fatal
-                print(f"  note: {impl} differs from the reference beyond SPEC tolerance: "
+                print(f"  note: {impl} differs from the reference beyond the DeepSeek-V4 bound: "
                       f"{detail['q_mismatches']} q values (max {detail['q_max_ulp']} ULP), "
                       f"{detail['cache_mismatches']} cache bytes (max {detail['cache_max_code_diff']} codes)", flush=True)
         del references
 
         copies = [random_inputs(t, h, hp, bs, DEVICE, gen, cos_sin, slots="blocks") for _ in range(k)]
         if not same_shapes(copies[0], gate_valid):
-            _loud(f"timing inputs differ in shape from the gate inputs at T={t} H={h} block_size={bs}")
+            loud(f"timing inputs differ in shape from the gate inputs at T={t} H={h} block_size={bs}")
         del gate, gate_valid
 
         for impl in todo:
@@ -666,7 +415,7 @@ def run_benchmark(args) -> dict:
                 row["replay_matches_eager"] = _replay_matches_eager(impls[impl], copies[0])
                 if not row["replay_matches_eager"]:
                     failures.append((impl + " (replay)", t, h, bs))
-                    _loud(f"GRAPH REPLAY OUTPUT DIFFERS FROM A PLAIN CALL: {impl} T={t} H={h} block_size={bs}")
+                    loud(f"GRAPH REPLAY OUTPUT DIFFERS FROM A PLAIN CALL: {impl} T={t} H={h} block_size={bs}")
                 gate_word = "pass" if ok else ("FAIL" if impl == "fused" else "differs")
                 print(f"  {impl:8s} {stats['us_median']:10.2f} us  (p10 {stats['us_p10']:.2f}, p90 {stats['us_p90']:.2f},"
                       f" n={stats['replays']})  {row['GBps']:8.0f} GB/s  {100 * row['frac_of_copy_bw']:5.1f}% copy"
@@ -674,14 +423,14 @@ def run_benchmark(args) -> dict:
             except Exception as err:  # noqa: BLE001
                 row["error"] = f"{type(err).__name__}: {err}"
                 failures.append((impl + " (error)", t, h, bs))
-                _loud(f"{impl} T={t} H={h} block_size={bs} could not be timed: {row['error']}")
+                loud(f"{impl} T={t} H={h} block_size={bs} could not be timed: {row['error']}")
             data["rows"].append(row)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         del copies
         torch.cuda.empty_cache()
         data["elapsed_s"] = round(time.time() - t_start, 1)
-        _write_json(json_path, data)
+        write_json(json_path, data)
 
     if not args.no_launches:
         print(f"\n[{time.time() - t_start:6.1f} s] counting launches (torch.profiler)", flush=True)
@@ -689,11 +438,11 @@ def run_benchmark(args) -> dict:
     data["status"] = "done"
     data["failures"] = [list(f) for f in failures]
     data["elapsed_s"] = round(time.time() - t_start, 1)
-    _write_json(json_path, data)
+    write_json(json_path, data)
     write_reports(data, json_path, png_path, out_dir / "benchmarks.md", None if args.no_docs else Path(args.docs))
     print_summary(data)
     if failures:
-        _loud(f"{len(failures)} correctness failure(s): {failures}")
+        loud(f"{len(failures)} correctness failure(s): {failures}")
     print(f"\nwrote {json_path}, {png_path}, {out_dir / 'benchmarks.md'}"
           + ("" if args.no_docs else f", {args.docs}") + f"  ({data['elapsed_s']:.0f} s)")
     return data
@@ -708,7 +457,7 @@ def _count_all_launches(data: dict, impls: dict, gen, cos_sin) -> None:
         fn = impls[row["impl"]]
         try:
             inp = random_inputs(row["T"], row["H"], row["HP"], row["block_size"], DEVICE, gen, cos_sin, slots="blocks")
-            with _IndexChecksOff():
+            with IndexChecksOff():
                 fn(inp)  # compiled already; a cache miss would compile here, outside the profile
                 names = count_launches(lambda: fn(inp))
             row.update(classify_gpu_activities(names))
@@ -738,7 +487,7 @@ def run_sweep(args) -> dict:
     from prepfuse.testing import rope_cos_sin_cache
 
     t_start = time.time()
-    info = _device_info()
+    info = device_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{OP}_sweep_{info['device_slug']}{args.name_suffix}.json"
@@ -789,7 +538,7 @@ def run_sweep(args) -> dict:
             print(f"[{time.time() - t_start:6.1f} s] T={t:5d} H={h:3d}: "
                   + "  ".join(f"{r['BLOCK_H']}/{r['num_warps']}:{r['us_median']:.1f}" for r in timed)
                   + (f"  INCORRECT or failed: {bad}" if bad else ""), flush=True)
-            _write_json(path, data)
+            write_json(path, data)
 
     print("\nbest launch config per shape (BLOCK_H / num_warps), vs the op's _launch_config:")
     print(f"{'T':>6s} {'H':>4s} {'best':>6s} {'us':>9s} {'heuristic':>10s} {'us':>9s} {'heur/best':>9s}")
@@ -799,7 +548,7 @@ def run_sweep(args) -> dict:
               f"{b['heuristic'][0]:>6d}/{b['heuristic'][1]:<3d} {hu if hu is not None else float('nan'):9.2f} "
               f"{(hu / b['us']) if hu else float('nan'):9.2f}")
     data["elapsed_s"] = round(time.time() - t_start, 1)
-    _write_json(path, data)
+    write_json(path, data)
     print(f"\nwrote {path} ({data['elapsed_s']:.0f} s)")
     return data
 
@@ -864,8 +613,8 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         f"L2 {data['l2_bytes'] / 2**20:.0f} MiB); torch {data['torch']}, triton {data['triton']}, CUDA {data['cuda']}",
         f"- **Copy bandwidth:** {bw:.0f} GB/s ({data['copy_bw']['bytes_per_copy'] / 2**30:.1f} GiB, the faster of "
         + ", ".join(f"{k} {v['GBps']:.0f}" for k, v in data["copy_bw"].get("variants", {}).items())
-        + f"; read + write bytes, graph replay median; SPEC section 5: {SPEC_COPY_BW_GBPS:.0f}). "
-        f"One tiny kernel in a graph: {data['tiny_graph']['us_median']:.2f} us (SPEC: 1.09 us).",
+        + f"; read + write bytes, graph replay median; docs/design.md: {DESIGN_COPY_BW_GBPS:.0f}). "
+        f"One tiny kernel in a graph: {data['tiny_graph']['us_median']:.2f} us (docs/design.md: 1.09 us).",
         f"- **Method:** each implementation captured in one CUDA graph of {CALLS_PER_GRAPH} back-to-back calls and "
         "timed by replay with CUDA events, per call (replays queued behind a GPU sleep, so host launch cost is not "
         "timed); median of N replays (10..200), "
@@ -880,21 +629,21 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         "under Correctness), and every implementation's graph replays had to write the bytes a plain call writes. "
         "All slots valid in timed calls (blocks in random order, consecutive rows within a block).",
         "- **Implementations:** `fused` = the op through `torch.ops.prepfuse` (Triton kernel); `eager` = "
-        "`prepfuse.unfused.dsv4_prep_unfused` in PyTorch eager; `compile` = the same under `torch.compile` "
+        "`prepfuse.models.dsv4_prep_unfused` in PyTorch eager; `compile` = the same under `torch.compile` "
         "(default mode, `dynamic=False`, `fullgraph=True`), captured in the same CUDA graphs.",
         "",
         f"![latency and bandwidth](../bench/results/{png_name})",
         "",
-        "## SPEC section 5 targets (fused, H=64, HP=64)",
+        "## Targets (fused, H=64, HP=64; docs/design.md, measured floors)",
         "",
-        "| T | target | " + " | ".join(f"block {bs}" for bs in block_sizes) + " | production CUDA kernel (SPEC) |",
+        "| T | target | " + " | ".join(f"block {bs}" for bs in block_sizes) + " | production CUDA kernel (docs/design.md) |",
         "|---:|---|" + "---|" * len(block_sizes) + "---|",
     ]
-    prod = SPEC_PRODUCTION_US[64]
-    for t in sorted(set(SPEC_TARGETS) | set(prod)):
+    prod = PRODUCTION_US[64]
+    for t in sorted(set(TARGETS) | set(prod)):
         if t not in tokens:
             continue
-        kind, value = SPEC_TARGETS.get(t, (None, None))
+        kind, value = TARGETS.get(t, (None, None))
         target = "-" if kind is None else (f"<= {value} us" if kind == "us" else f">= {100 * value:.0f}% copy BW")
         cells = []
         for bs in block_sizes:
@@ -907,15 +656,15 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         ptxt = "-" if p is None else _fmt_us(p)
         if p is not None and t >= 4096:
             nbytes = bytes_moved(t, 64, 64, t)
-            ptxt += f" ({100 * nbytes / (p * 1e-6) / 1e9 / SPEC_COPY_BW_GBPS:.0f}%)"
+            ptxt += f" ({100 * nbytes / (p * 1e-6) / 1e9 / DESIGN_COPY_BW_GBPS:.0f}%)"
         lines.append(f"| {t} | {target} | " + " | ".join(cells) + f" | {ptxt} |")
     lines += [
         "",
-        "SPEC section 5 also gives the unfused PyTorch at H=64: eager "
-        + ", ".join(f"T={t} {_fmt_us(us)}" for t, us in SPEC_UNFUSED["eager"][1].items())
-        + f" ({SPEC_UNFUSED['eager'][0]} kernels); torch.compile "
-        + ", ".join(f"T={t} {_fmt_us(us)}" for t, us in SPEC_UNFUSED["compile"][1].items())
-        + f" ({SPEC_UNFUSED['compile'][0]} kernels).",
+        "docs/design.md also gives the unfused PyTorch at H=64: eager "
+        + ", ".join(f"T={t} {_fmt_us(us)}" for t, us in UNFUSED_MEASURED["eager"][1].items())
+        + f" ({UNFUSED_MEASURED['eager'][0]} kernels); torch.compile "
+        + ", ".join(f"T={t} {_fmt_us(us)}" for t, us in UNFUSED_MEASURED["compile"][1].items())
+        + f" ({UNFUSED_MEASURED['compile'][0]} kernels).",
         "",
         "## All shapes",
         "",
@@ -981,7 +730,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
                      "and every implementation's graph replays wrote the same bytes as a plain call.")
     differs = [r for r in data.get("rows", []) if r["impl"] != "fused" and _row_ok(r) and r.get("correct") is False]
     if differs:
-        lines += ["", "Baselines outside the SPEC tolerance against the reference (their own rounding: "
+        lines += ["", "Baselines outside the DeepSeek-V4 bound against the reference (their own rounding: "
                   "fp contraction and reduction order; recorded, not a failure):", ""]
         for r in differs:
             g = r.get("gate", {})
@@ -1037,19 +786,19 @@ def render_plot(data: dict, path: Path) -> None:
                 if bad:
                     ax_t.plot([p[0] for p in bad], [p[1]["us_median"] for p in bad], "x", color="black",
                               markersize=10, label="gate FAIL" if j == 0 else None)
-        prod = SPEC_PRODUCTION_US.get(h)
+        prod = PRODUCTION_US.get(h)
         if prod:
             ax_t.plot(list(prod), list(prod.values()), "k^", markersize=6, fillstyle="none",
-                      label="production CUDA kernel (SPEC)")
+                      label="production CUDA kernel (docs/design.md)")
             ax_b.plot(list(prod), [bytes_moved(t, h, padded_heads(h), t) / (us * 1e-6) / 1e9 for t, us in prod.items()],
-                      "k^", markersize=6, fillstyle="none", label="production CUDA kernel (SPEC)")
+                      "k^", markersize=6, fillstyle="none", label="production CUDA kernel (docs/design.md)")
         if h == 64:
-            tus = [(t, v) for t, (k, v) in SPEC_TARGETS.items() if k == "us"]
-            tfr = [(t, v) for t, (k, v) in SPEC_TARGETS.items() if k == "frac"]
+            tus = [(t, v) for t, (k, v) in TARGETS.items() if k == "us"]
+            tfr = [(t, v) for t, (k, v) in TARGETS.items() if k == "frac"]
             ax_t.plot([t for t, _ in tus], [v for _, v in tus], "v", color="tab:purple", markersize=8,
-                      label="SPEC target (at most)")
+                      label="target (at most)")
             ax_b.plot([t for t, _ in tfr], [v * bw for _, v in tfr], "^", color="tab:purple", markersize=8,
-                      label="SPEC target (at least)")
+                      label="target (at least)")
         ax_b.axhline(bw, color="gray", linestyle="--", linewidth=1, label=f"copy bandwidth {bw:.0f} GB/s")
         ax_t.set_xscale("log")
         ax_t.set_yscale("log")
@@ -1111,9 +860,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Benchmark prepfuse::{OP} (fused) against the unfused sequence in eager and torch.compile.",
         epilog="Run from the repository root: PYTHONPATH=. python bench/bench_dsv4_qnorm_rope_kv_insert.py --out-dir $OUT",
     )
-    p.add_argument("--tokens", type=_parse_int_list, default=list(DEFAULT_TOKENS), help="T values (default %(default)s)")
-    p.add_argument("--heads", type=_parse_int_list, default=list(DEFAULT_HEADS), help="H values (default %(default)s)")
-    p.add_argument("--block-sizes", type=_parse_int_list, default=list(DEFAULT_BLOCK_SIZES),
+    p.add_argument("--tokens", type=parse_int_list, default=list(DEFAULT_TOKENS), help="T values (default %(default)s)")
+    p.add_argument("--heads", type=parse_int_list, default=list(DEFAULT_HEADS), help="H values (default %(default)s)")
+    p.add_argument("--block-sizes", type=parse_int_list, default=list(DEFAULT_BLOCK_SIZES),
                    help="cache block sizes (default %(default)s; --sweep-config uses the first)")
     p.add_argument("--impls", type=_parse_impls, default=list(IMPLS), help="subset of fused,eager,compile")
     p.add_argument("--full-baselines", action="store_true",

@@ -10,7 +10,7 @@ Model rows (``MODELS``): Qwen3-8B heads (32 q, 8 kv, D 128, full NeoX rotary, q/
 with a bf16 and with an fp8 cache, and Llama-3-8B heads (no norm, bf16 cache), block 16.
 Implementations, as in ``bench_dsv4_qnorm_rope_kv_insert.py`` (whose timing code this
 script imports, so both use one method): ``fused`` (the op through the dispatcher),
-``eager`` (``prepfuse.unfused.gqa_prep_unfused``) and ``compile`` (that function under
+``eager`` (``prepfuse.models.gqa_prep_unfused``) and ``compile`` (that function under
 ``torch.compile``, ``dynamic=False``, ``fullgraph=True``).
 
 Method: per shape, a correctness gate first (fresh random inputs from
@@ -38,7 +38,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import bench_dsv4_qnorm_rope_kv_insert as opbench  # noqa: E402
+import harness  # noqa: E402  (also puts the repository on sys.path)
 
 OP = "gqa_qknorm_rope_kv_insert"
 IMPLS = ("fused", "eager", "compile")
@@ -68,7 +68,7 @@ def make_inputs(num_tokens: int, model: tuple, *, skip_fraction: float):
     from prepfuse.testing import make_gqa_inputs
 
     hq, hkv, d, rot, neox, norm, dtype = model
-    return make_gqa_inputs(num_tokens, hq, hkv, d, BLOCK_SIZE, opbench.DEVICE, rotary_dim=rot, is_neox=neox,
+    return make_gqa_inputs(num_tokens, hq, hkv, d, BLOCK_SIZE, harness.DEVICE, rotary_dim=rot, is_neox=neox,
                            norm=norm, cache_dtype=dtype, skip_fraction=skip_fraction)
 
 
@@ -96,7 +96,7 @@ class _Counts:
 
 def make_impls(names) -> dict:
     from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT
-    from prepfuse.unfused import gqa_prep_unfused
+    from prepfuse.models import gqa_prep_unfused
 
     impls = {}
     for name in names:
@@ -126,14 +126,14 @@ def _gate(fn, inputs, model) -> tuple[bool, dict]:
 
 def run_benchmark(args) -> dict:
     t_start = time.time()
-    info = opbench._device_info()
+    info = harness.device_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{OP}_{info['device_slug']}{args.name_suffix}.json"
-    opbench.allow_recompiles()
+    harness.allow_recompiles()
     data = {"op": f"prepfuse::{OP}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **info, "block_size": BLOCK_SIZE, "models": {k: list(map(str, v)) for k, v in MODELS.items()}, "rows": []}
-    data["copy_bandwidth"] = opbench.measure_copy_bandwidth(4 << 30)
+    data["copy_bandwidth"] = harness.measure_copy_bandwidth(4 << 30)
     copy_bw = data["copy_bandwidth"]["GBps"]
     print(f"{info['device']}: copy bandwidth {copy_bw:.0f} GB/s ({data['copy_bandwidth']['method']})", flush=True)
     impls = make_impls(args.impls)
@@ -141,7 +141,7 @@ def run_benchmark(args) -> dict:
         model = MODELS[name]
         for t in sorted(args.tokens):
             nbytes = gqa_bytes_moved(t, model)
-            k = opbench.rotation_copies(nbytes, info["l2_bytes"], 0.25)
+            k = harness.rotation_copies(nbytes, info["l2_bytes"], 0.25)
             gate_fused = make_inputs(t, model, skip_fraction=0.1)
             gate_valid = make_inputs(t, model, skip_fraction=0.0)
             copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
@@ -151,26 +151,26 @@ def run_benchmark(args) -> dict:
                 try:
                     row["correct"], row["comparison"] = _gate(fn, gate_fused if impl == "fused" else gate_valid, model)
                     if not row["correct"]:
-                        opbench._loud(f"{impl} {name} T={t}: outside the bound: {row['comparison']}")
-                    graphs = opbench.capture_graphs(fn, copies, warmup=3)
-                    row.update(opbench.time_graphs(graphs, args.target_ms, 10, 200))
+                        harness.loud(f"{impl} {name} T={t}: outside the bound: {row['comparison']}")
+                    graphs = harness.capture_graphs(fn, copies, warmup=3)
+                    row.update(harness.time_graphs(graphs, args.target_ms, 10, 200))
                     del graphs
                     row["GBps"] = nbytes / (row["us_median"] * 1e-6) / 1e9
                     row["frac_of_copy_bw"] = row["GBps"] / copy_bw
-                    with opbench._IndexChecksOff():  # as inside a graph: no host-side check
-                        row["launches"] = opbench.classify_gpu_activities(
-                            opbench.count_launches(lambda c=copies[0]: fn(c)))["launches"]
+                    with harness.IndexChecksOff():  # as inside a graph: no host-side check
+                        row["launches"] = harness.classify_gpu_activities(
+                            harness.count_launches(lambda c=copies[0]: fn(c)))["launches"]
                     line.append(f"{impl} {row['us_median']:.2f} us")
                 except Exception as err:  # noqa: BLE001 - record and go on: the table stays complete
                     row["error"] = f"{type(err).__name__}: {err}"
-                    opbench._loud(f"{impl} {name} T={t}: {row['error']}")
+                    harness.loud(f"{impl} {name} T={t}: {row['error']}")
                 data["rows"].append(row)
             print(f"[{time.time() - t_start:6.1f} s] {name:13s} T={t:5d}: " + "  ".join(line), flush=True)
             del copies, gate_fused, gate_valid
             torch.cuda.empty_cache()
-            opbench._write_json(path, data)
+            harness.write_json(path, data)
     data["elapsed_s"] = round(time.time() - t_start, 1)
-    opbench._write_json(path, data)
+    harness.write_json(path, data)
     return data
 
 
@@ -179,18 +179,18 @@ def run_sweep(args) -> dict:
     beside the op's ``_launch_config`` choice. Each configuration is gated first."""
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import _launch_config, gqa_qknorm_rope_kv_insert_triton
 
-    info = opbench._device_info()
+    info = harness.device_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{OP}_sweep_{info['device_slug']}{args.name_suffix}.json"
     data = {"op": f"prepfuse::{OP}", "mode": "sweep-config", **info, "rows": [], "best": []}
-    opbench.spin_up_clocks()
+    harness.spin_up_clocks()
     for name in args.models:
         model = MODELS[name]
         hq, hkv, d = model[:3]
         for t in sorted(args.tokens):
             nbytes = gqa_bytes_moved(t, model)
-            k = opbench.rotation_copies(nbytes, info["l2_bytes"], 0.25)
+            k = harness.rotation_copies(nbytes, info["l2_bytes"], 0.25)
             gate = make_inputs(t, model, skip_fraction=0.1)
             copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
             heuristic = _launch_config(t, d, max(hq, hkv))
@@ -201,8 +201,8 @@ def run_sweep(args) -> dict:
                     row = {"model": name, "T": t, "BLOCK_H": bh, "num_warps": w, "heuristic": (bh, w) == tuple(heuristic)}
                     try:
                         row["correct"], _ = _gate(fn, gate, model)
-                        graphs = opbench.capture_graphs(fn, copies, warmup=2)
-                        row.update(opbench.time_graphs(graphs, args.target_ms, 10, 100))
+                        graphs = harness.capture_graphs(fn, copies, warmup=2)
+                        row.update(harness.time_graphs(graphs, args.target_ms, 10, 100))
                         del graphs
                     except Exception as err:  # noqa: BLE001
                         row["error"] = f"{type(err).__name__}: {err}"
@@ -219,7 +219,7 @@ def run_sweep(args) -> dict:
                   flush=True)
             del copies, gate
             torch.cuda.empty_cache()
-            opbench._write_json(path, data)
+            harness.write_json(path, data)
     return data
 
 
@@ -313,7 +313,7 @@ def write_reports(data: dict, json_path: Path, docs_path: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=opbench._parse_int_list, default=list(DEFAULT_TOKENS))
+    p.add_argument("--tokens", type=harness.parse_int_list, default=list(DEFAULT_TOKENS))
     p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
     p.add_argument("--out-dir", default=str(HERE / "results"))

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_dsv4_indexer_rope_quant_insert as ibench  # noqa: E402
-import bench_dsv4_qnorm_rope_kv_insert as opbench  # noqa: E402
+import harness  # noqa: E402
 
 TOKENS = (1, 64, 4096, 16384)
 SWEEP_BLOCK_H = (1, 2, 4, 8, 16, 32)
@@ -57,17 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", type=lambda s: s.split(","), default=["fp8", "mxfp4"])
     parser.add_argument("--target-ms", type=float, default=40.0)
     args = parser.parse_args(argv)
-    info = opbench._device_info()
+    info = harness.device_info()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"dsv4_indexer_launch_sweep_{'-'.join(args.formats)}_{info['device_slug']}.json"
     data = {"op": "dsv4_indexer (launch_indexer_kernel)", "H": ibench.HEADS, "block_size": ibench.BLOCK_SIZE, **info,
             "rows": [], "best": []}
-    opbench.spin_up_clocks()
+    harness.spin_up_clocks()
     for fmt in args.formats:
         for t in args.tokens:
             num_k = ibench.key_rows(t)
             nbytes = ibench.indexer_bytes_moved(t, num_k, ibench.HEADS, fmt)
-            copies_needed = opbench.rotation_copies(nbytes, info["l2_bytes"], ibench.WARM_BELOW_L2)
+            copies_needed = harness.rotation_copies(nbytes, info["l2_bytes"], ibench.WARM_BELOW_L2)
             gate = ibench.make_inputs(fmt, t, skip_fraction=0.1)
             copies = [ibench.make_inputs(fmt, t, skip_fraction=0.0) for _ in range(copies_needed)]
             heuristic = tuple(_launch_config(t, ibench.HEADS))
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                            "heuristic": (bh, w) == heuristic, "bytes": nbytes}
                     try:
                         row["correct"], _ = ibench.gate("fused", fmt, fn, gate)
-                        graphs = opbench.capture_graphs(fn, copies, warmup=2)
-                        row.update(opbench.time_graphs(graphs, args.target_ms, 10, 100))
+                        graphs = harness.capture_graphs(fn, copies, warmup=2)
+                        row.update(harness.time_graphs(graphs, args.target_ms, 10, 100))
                         row["GBps"] = row["bytes"] / (row["us_median"] * 1e-6) / 1e9
                         del graphs
                     except Exception as err:  # noqa: BLE001 - record and go on: the sweep stays complete
@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                       + ("" if len(timed) == len(rows) else f"  ({len(rows) - len(timed)} configs failed or inexact)"),
                       flush=True)
             else:
-                opbench._loud(f"{fmt} T={t}: no configuration ran correctly: {rows[0].get('error')}")
+                harness.loud(f"{fmt} T={t}: no configuration ran correctly: {rows[0].get('error')}")
             del copies, gate
             torch.cuda.empty_cache()
-            opbench._write_json(path, data)
+            harness.write_json(path, data)
     return 0
 
 

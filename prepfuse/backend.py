@@ -55,10 +55,9 @@ from typing import Any, Mapping
 
 import torch
 
-from prepfuse._compat import graph_partition_patches, inductor_config_keys, inductor_mode_options, register_dynamo_backend
-from prepfuse.fx_passes.partitions import CUDAGRAPH_MODES, PlacementPolicy, normalize_op_name
+from prepfuse._compat import inductor_config_keys, inductor_mode_options, register_dynamo_backend
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
-from prepfuse.fx_passes.placement import PlacementPass
+from prepfuse.fx_passes.placement import PlacementPass, PlacementPolicy
 from prepfuse.fx_passes.registry import get_pass, placement_position, registered_passes
 from prepfuse.fx_passes.report import GraphReport, Reports
 
@@ -77,13 +76,7 @@ _RESERVED_CONFIG = {
     "post_grad_custom_post_pass": "prepfuse installs its pass manager there; add passes with register_pass",
     "enable_auto_functionalized_v2": "use the auto_functionalized_v2 option",
 }
-# Inductor settings cudagraphs="piecewise" owns (_compat.graph_partition_patches).
-_PIECEWISE_CONFIG = ("graph_partition", "custom_should_partition_ops", "triton.cudagraphs",
-                     "triton.cudagraph_trees", "triton.reorder_for_reducing_graph_partitions",
-                     "reorder_for_peak_memory")
 _MAX_KEPT_REPORTS = 4096
-# where the fused ops' output buffers live: views of the scratch arena, or graph buffers
-OUTPUT_BUFFERS = ("arena", "graph")
 
 
 @dataclass(frozen=True)
@@ -131,30 +124,13 @@ class PrepfuseOptions:
             if key not in known:
                 raise ValueError(f"inductor_config: {key!r} is not an Inductor config name (torch._inductor.config)")
         object.__setattr__(self, "inductor_config", MappingProxyType(dict(self.inductor_config)))
-        if self.output_buffers not in OUTPUT_BUFFERS:
-            raise ValueError(f"output_buffers: expected one of {', '.join(map(repr, OUTPUT_BUFFERS))}, "
-                             f"got {self.output_buffers!r}")
-        self._validate_placement()
-
-    def _validate_placement(self) -> None:
-        if not isinstance(self.cudagraphs, str) or self.cudagraphs not in CUDAGRAPH_MODES:
-            raise ValueError(f"cudagraphs: expected one of {', '.join(map(repr, CUDAGRAPH_MODES))}, got {self.cudagraphs!r}")
-        ops = self.splitting_ops
-        if isinstance(ops, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not isinstance(ops, (list, tuple)):
-            raise ValueError(f"splitting_ops: expected a list of ops, got {ops!r}")
-        names = tuple(normalize_op_name(op, option="splitting_ops") for op in ops)
-        if len(set(names)) != len(names):
-            raise ValueError(f"splitting_ops: an op is named twice in {names}")
-        object.__setattr__(self, "splitting_ops", names)
-        if self.cudagraphs == "full" and names:
-            raise ValueError(
-                "splitting_ops: cudagraphs='full' captures the whole forward, splitting ops included; "
-                "use cudagraphs='piecewise' to run them eagerly between captured partitions"
-            )
-        if self.cudagraphs == "piecewise":
-            for key in _PIECEWISE_CONFIG:
-                if key in self.inductor_config:
-                    raise ValueError(f"inductor_config: {key!r} is set by cudagraphs='piecewise'")
+        # splitting_ops, cudagraphs and output_buffers: PlacementPolicy validates and decides
+        placement = PlacementPolicy(self.splitting_ops, self.cudagraphs)
+        object.__setattr__(self, "splitting_ops", placement.splitting_ops)
+        placement.graph_buffers(self.output_buffers)  # ValueError naming output_buffers
+        for key in placement.owned_config():
+            if key in self.inductor_config:
+                raise ValueError(f"inductor_config: {key!r} is set by cudagraphs={self.cudagraphs!r}")
 
     @property
     def placement(self) -> PlacementPolicy:
@@ -185,8 +161,7 @@ class PrepfuseOptions:
         patches = dict(self.inductor_config)
         if self.auto_functionalized_v2 is not None:
             patches["enable_auto_functionalized_v2"] = self.auto_functionalized_v2
-        if self.cudagraphs == "piecewise":
-            patches.update(graph_partition_patches(self.splitting_ops))
+        patches.update(self.placement.config_patches())
         if self.needs_passes_to_run:
             patches["fx_graph_cache"] = False  # also bypasses the AOTAutograd cache
         return patches
@@ -243,7 +218,7 @@ class PrepfuseBackend:
         """A fresh manager with fresh pass instances, as one compile uses."""
         opts = self.options
         passes = [get_pass(name)() for name in opts.passes]
-        if opts.splitting_ops:
+        if opts.placement.moves_prep:
             passes.insert(placement_position(list(opts.passes)), PlacementPass(opts.placement))
         return PrepfusePassManager(
             passes,

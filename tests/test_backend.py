@@ -158,11 +158,12 @@ def test_bad_options_fail_the_compile():
         run_compiled(options={"bogus": 1})
 
 
-def test_missing_builtin_pass_module_is_skipped(monkeypatch):
-    monkeypatch.setattr(registry, "_builtins_loaded", False)
-    monkeypatch.setitem(registry.BUILTIN_PASSES, "not_written_yet", ("prepfuse.fx_passes._not_written_yet", "Nope"))
-    assert "not_written_yet" not in registry.registered_passes()
-    assert "defunctionalize" in registry.registered_passes()
+def test_builtin_passes_run_fusion_first_and_defunctionalize_last():
+    assert list(registry.registered_passes()) == [
+        "fuse_dsv4_prep", "fuse_dsv4_indexer_prep", "fuse_dsv4_indexer_mxfp4_prep", "fuse_gqa_prep", "defunctionalize",
+    ]
+    with pytest.raises(ValueError, match="built-in pass"):
+        registry.unregister_pass("fuse_gqa_prep")
 
 
 # --------------------------------------------------------------------------------------

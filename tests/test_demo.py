@@ -2,9 +2,9 @@
 
 import torch
 
-from prepfuse.demo_dsv4 import run_dsv4_demo
-from prepfuse.demo_indexer import run_indexer_demo
-from prepfuse.demo_model import run_gqa_models_demo, run_model_demo
+from prepfuse.demo.dsv4 import run_dsv4_block_demo, run_dsv4_demo
+from prepfuse.demo.dsv4_indexer import run_indexer_demo
+from prepfuse.demo.gqa import run_gqa_models_demo
 
 
 def test_op_demo_passes_on_cpu():
@@ -12,7 +12,7 @@ def test_op_demo_passes_on_cpu():
 
 
 def test_model_demo_fuses_every_layer_and_matches_eager():
-    assert run_model_demo(torch.device("cpu"), num_layers=2)
+    assert run_dsv4_block_demo(torch.device("cpu"), num_layers=2)
 
 
 def test_gqa_models_demo_fuses_every_layer_and_matches_eager():

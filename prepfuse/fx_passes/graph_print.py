@@ -3,9 +3,9 @@
 ``str(graph)`` carries ``num_users`` counts, and Inductor's node names drift between torch
 versions (``arg0_1`` / ``primals_1``, ``auto_functionalized`` / ``auto_functionalized_v2``);
 neither belongs in a golden file. This print renames nodes by their role and order and
-writes each node as ``name = target(args)``::
+writes each node as ``name = target(args)``, the placeholders on one line::
 
-    arg2 = placeholder()
+    arg0, arg1, arg2 = placeholders()
     dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg0, arg1, arg2, ...)
     return ()
 
@@ -22,6 +22,7 @@ output depends on memory addresses or on the names the graph had before.
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 import torch.fx
@@ -107,12 +108,11 @@ def normalized_graph(graph: torch.fx.Graph | torch.fx.GraphModule) -> str:
     body = [n for n in graph.nodes if n.op != "placeholder" and n not in dropped]
 
     names: dict[torch.fx.Node, str] = {}
-    lines = []
     for node in body:  # placeholders, numbered by first use
         for used in node.all_input_nodes:
             if used.op == "placeholder" and used not in names:
                 names[used] = f"arg{len(names)}"
-                lines.append(f"{names[used]} = placeholder()")
+    lines = [f"{', '.join(names.values())} = placeholders()"] if names else []
 
     seen: dict[str, int] = {}
     for node in body:
@@ -130,3 +130,18 @@ def normalized_graph(graph: torch.fx.Graph | torch.fx.GraphModule) -> str:
         parts += [f"{key}={_format_arg(v, names)}" for key, v in node.kwargs.items()]
         lines.append(f"{names[node]} = {target_name(node.target)}({', '.join(parts)})")
     return "\n".join(lines)
+
+
+def short_source(stack_trace: str | None) -> str:
+    """``file.py:LINE  code`` for the innermost frame of an FX node's stack trace."""
+    if not stack_trace:
+        return ""
+    lines = [ln for ln in stack_trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "') :].partition('", line ')
+            lineno = rest.split(",", 1)[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{os.path.basename(path)}:{lineno}  {code}".rstrip()
+    return lines[-1].strip()

@@ -17,7 +17,7 @@ The backend installs one ``PrepfusePassManager`` as Inductor's
    op survived (so a new op the passes do not handle cannot slip through silently),
 5. with ``output_buffers="graph"`` or ``cudagraphs="piecewise"``, turns arena views
    into graph buffers (under piecewise, cudagraph trees keep them in their pool;
-   ``scratch_node.scratch_to_pool_buffers``),
+   ``scratch_buffers.scratch_to_pool_buffers``),
 6. with a ``placement`` policy (``splitting_ops`` / ``cudagraphs``), assigns each node of
    the final graph its CUDA-graph partition (``partitions.py``), puts each prepfuse op's
    partition in the report, and fails the compile when a prepfuse op would run outside
@@ -46,10 +46,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from prepfuse._compat import current_compile_id
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.graph_print import normalized_graph
-from prepfuse.fx_passes.partitions import PlacementPolicy, plan_partitions, static_placeholders
-from prepfuse.fx_passes import placement as placement_module
-from prepfuse.fx_passes.placement import check_placement, raise_on_problems
-from prepfuse.fx_passes.scratch_node import scratch_to_pool_buffers
+from prepfuse.fx_passes.placement import PlacementPolicy, placement_uuid, plan_and_check, raise_on_problems
+from prepfuse.fx_passes.matching.scratch_buffers import scratch_to_pool_buffers
 from prepfuse.fx_passes.report import GraphReport
 
 log = logging.getLogger("prepfuse.passes")
@@ -89,9 +87,7 @@ class PrepfusePassManager(CustomGraphPass):
         self.settings = settings
         self.on_report = on_report
         self.placement = placement if placement is not None and placement.active else None
-        # cudagraph trees own every partition's buffers: under piecewise, graph buffers always
-        self.graph_buffers = output_buffers == "graph" or (self.placement is not None
-                                                           and self.placement.cudagraphs == "piecewise")
+        self.graph_buffers = (placement or PlacementPolicy()).graph_buffers(output_buffers)
         self.reports: list[GraphReport] = []
 
     @property
@@ -117,8 +113,7 @@ class PrepfusePassManager(CustomGraphPass):
         report.finish(graph)
         problems: list[str] = []
         if self.placement is not None:
-            report.placement = plan_partitions(graph, self.placement, static_placeholders(graph))
-            problems = check_placement(report.placement)
+            report.placement, problems = plan_and_check(graph, self.placement)
         if self.record_graphs:
             report.graph = normalized_graph(graph)
         if dump_to:
@@ -144,8 +139,7 @@ class PrepfusePassManager(CustomGraphPass):
         for p in self.passes:
             digest.update(f"{p.name}:{p.uuid()};".encode())
         if self.placement is not None:
-            digest.update(f"placement:{self.placement.uuid()};".encode())
-            digest.update(inspect.getsource(placement_module).encode())  # the check
+            digest.update(f"placement:{placement_uuid(self.placement)};".encode())
         if self.graph_buffers:
             digest.update(inspect.getsource(scratch_to_pool_buffers).encode())
         digest.update(repr((self.strict, self.settings, self.graph_buffers)).encode())

@@ -1,39 +1,35 @@
 """Pass name -> pass class, so the backend's ``passes`` option can name them.
 
-prepfuse's own passes are listed in ``BUILTIN_PASSES`` in the order they run by default:
-pattern passes first, ``defunctionalize`` last (it removes the ``auto_functionalized``
-nodes the pattern passes leave). Their modules are imported lazily, the first time the
-registry is read; a built-in pass whose module does not exist (yet) is simply absent.
-An error *inside* an existing pass module is not hidden.
+prepfuse's own passes are ``BUILTIN_PASSES``, in the order they run by default: the
+fusion passes first, ``defunctionalize`` last (it removes the ``auto_functionalized`` nodes
+the fusion passes leave).
 
 Engines add their own passes with ``register_pass`` (a class decorator); they run after
-the built-in pattern passes and before ``defunctionalize``, in registration order.
+the built-in fusion passes and before ``defunctionalize``, in registration order.
 
 ``placement`` is not in the registry: it needs the backend's ``splitting_ops``, so the
-backend adds it itself (``placement_position``), after every pattern pass (it must see
+backend adds it itself (``placement_position``), after every fusion pass (it must see
 their fused ops) and before ``defunctionalize`` (it reads the functional graph), and
 only when splitting ops are given; otherwise the pass list is as if it did not exist.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from prepfuse.fx_passes.base import PrepfusePass
+from prepfuse.fx_passes.defunctionalize import DefunctionalizePass
+from prepfuse.fx_passes.fusion.dsv4 import FuseDsv4PrepPass
+from prepfuse.fx_passes.fusion.dsv4_indexer import FuseDsv4IndexerMxfp4PrepPass, FuseDsv4IndexerPrepPass
+from prepfuse.fx_passes.fusion.gqa import FuseGqaPrepPass
 
-# name -> (module, class), in default running order
-BUILTIN_PASSES: dict[str, tuple[str, str]] = {
-    "fuse_dsv4_prep": ("prepfuse.fx_passes.fuse_dsv4_prep", "FuseDsv4PrepPass"),
-    "fuse_dsv4_indexer_prep": ("prepfuse.fx_passes.fuse_dsv4_indexer_prep", "FuseDsv4IndexerPrepPass"),
-    "fuse_dsv4_indexer_mxfp4_prep": ("prepfuse.fx_passes.fuse_dsv4_indexer_mxfp4_prep", "FuseDsv4IndexerMxfp4PrepPass"),
-    "fuse_gqa_prep": ("prepfuse.fx_passes.fuse_gqa_prep", "FuseGqaPrepPass"),
-    "defunctionalize": ("prepfuse.fx_passes.defunctionalize", "DefunctionalizePass"),
-}
-LAST_PASS = "defunctionalize"
+# in default running order
+BUILTIN_PASSES: tuple[type[PrepfusePass], ...] = (
+    FuseDsv4PrepPass, FuseDsv4IndexerPrepPass, FuseDsv4IndexerMxfp4PrepPass, FuseGqaPrepPass, DefunctionalizePass,
+)
+LAST_PASS = DefunctionalizePass.name
 PLACEMENT_PASS = "placement"  # added by the backend, never registered
+_BUILTIN_NAMES = frozenset(p.name for p in BUILTIN_PASSES)
 
 _REGISTRY: dict[str, type[PrepfusePass]] = {}
-_builtins_loaded = False
 
 
 def register_pass(cls: type[PrepfusePass]) -> type[PrepfusePass]:
@@ -51,32 +47,16 @@ def register_pass(cls: type[PrepfusePass]) -> type[PrepfusePass]:
 
 def unregister_pass(name: str) -> None:
     """Remove a pass added with ``register_pass`` (tests use this to clean up)."""
-    if name in BUILTIN_PASSES:
+    if name in _BUILTIN_NAMES:
         raise ValueError(f"{name!r} is a built-in pass")
     _REGISTRY.pop(name, None)
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    for name, (module_name, class_name) in BUILTIN_PASSES.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:  # the module itself is missing: not part of this build
-                continue
-            raise
-        register_pass(getattr(module, class_name))
-    _builtins_loaded = True
-
-
 def registered_passes() -> dict[str, type[PrepfusePass]]:
     """Every available pass, in default running order."""
-    _load_builtins()
-    builtin = [n for n in BUILTIN_PASSES if n in _REGISTRY and n != LAST_PASS]
-    extra = [n for n in _REGISTRY if n not in BUILTIN_PASSES]
-    order = builtin + extra + ([LAST_PASS] if LAST_PASS in _REGISTRY else [])
+    builtin = [p.name for p in BUILTIN_PASSES if p.name != LAST_PASS]
+    extra = [n for n in _REGISTRY if n not in _BUILTIN_NAMES]
+    order = builtin + extra + [LAST_PASS]
     return {name: _REGISTRY[name] for name in order}
 
 
@@ -92,3 +72,7 @@ def get_pass(name: str) -> type[PrepfusePass]:
 def placement_position(passes: list[str]) -> int:
     """Where the ``placement`` pass goes in ``passes``: before ``defunctionalize``, else last."""
     return passes.index(LAST_PASS) if LAST_PASS in passes else len(passes)
+
+
+for _builtin in BUILTIN_PASSES:
+    register_pass(_builtin)

@@ -17,7 +17,6 @@ DEBUG. A graph served from Inductor's cache ran no pass and says so (``cached``)
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -25,9 +24,9 @@ from typing import Iterator, Sequence
 import torch.fx
 
 from prepfuse.fx_passes.base import PassEvent, PrepfusePass
-from prepfuse.fx_passes.graph_print import target_name
+from prepfuse.fx_passes.graph_print import short_source, target_name
 from prepfuse.fx_passes.mutation_info import functionalized_op
-from prepfuse.fx_passes.partitions import PartitionPlan
+from prepfuse.fx_passes.placement.partitions import PartitionPlan
 from prepfuse.ops import NAMESPACE
 
 log = logging.getLogger("prepfuse.report")
@@ -49,21 +48,6 @@ class Rewrite:
 def _anchor_name(where: str) -> str:
     # PassEvent.where is Node.format_node(): "%name : [num_users=..] = call_function[...]"
     return where[1:].split(" ", 1)[0] if where.startswith("%") else where
-
-
-def short_source(stack_trace: str | None) -> str:
-    """``file.py:LINE  code`` for the innermost frame of an FX node's stack trace."""
-    if not stack_trace:
-        return ""
-    lines = [ln for ln in stack_trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        line = lines[i].strip()
-        if line.startswith('File "'):
-            path, _, rest = line[len('File "') :].partition('", line ')
-            lineno = rest.split(",", 1)[0]
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{os.path.basename(path)}:{lineno}  {code}".rstrip()
-    return lines[-1].strip()
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""Plain-PyTorch model code, written the way model authors write it.
+"""Plain-PyTorch model code, written the way model authors write it: the one home of the
+unfused spellings.
 
-These modules are what prepfuse's graph passes are tested against: the unfused
-sequences a pass has to find, in the spellings seen in real model files.
+One module per family (``dsv4``, ``gqa``, ``dsv4_indexer`` with its MXFP4 format in
+``dsv4_indexer_mxfp4``): the spelling table and look-alikes the passes are tested against,
+the example modules the demo compiles, and ``<family>_prep_unfused``, the op's reference
+math unfused and capturable, which the benchmarks time as their baseline.
 """
 
 from prepfuse.models.dsv4 import (
@@ -10,6 +13,7 @@ from prepfuse.models.dsv4 import (
     Dsv4AttentionBlock,
     Dsv4Spelling,
     dsv4_kv_insert,
+    dsv4_prep_unfused,
     dsv4_q_prep,
     fp8_ds_mla_cache,
 )
@@ -20,6 +24,7 @@ from prepfuse.models.gqa import (
     GqaAttentionBlock,
     GqaSpelling,
     gqa_prep,
+    gqa_prep_unfused,
 )
 
 __all__ = [
@@ -28,6 +33,7 @@ __all__ = [
     "Dsv4AttentionBlock",
     "Dsv4Spelling",
     "dsv4_kv_insert",
+    "dsv4_prep_unfused",
     "dsv4_q_prep",
     "fp8_ds_mla_cache",
     "EXAMPLE_MODELS",
@@ -36,4 +42,5 @@ __all__ = [
     "GqaAttentionBlock",
     "GqaSpelling",
     "gqa_prep",
+    "gqa_prep_unfused",
 ]

@@ -27,7 +27,7 @@ Every spelling in :data:`DSV4_SPELLINGS` computes, on valid inputs, the op's ref
 math, one rounding to bf16. The cache bytes are identical. q is identical but for about
 one value per million, one bf16 ULP off: the reference's ``1 / sqrt`` is correctly
 rounded (its sqrt goes through fp64), while ``torch.rsqrt`` and the vectorised fp32
-``torch.sqrt`` on the CPU are sometimes one fp32 ULP off it (SPEC section 1's bound).
+``torch.sqrt`` on the CPU are sometimes one fp32 ULP off it (the DeepSeek-V4 bound (docs/design.md)).
 
 :data:`DSV4_LOOKALIKES` are code that looks the same but computes something else (eps
 after the sqrt, a missing rsqrt, NeoX rotate-half RoPE, 128-wide quant blocks, a cache
@@ -51,13 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
-    AMAX_FLOOR,
-    CACHE_ROW_BYTES,
-    FP8_MAX,
-    HEAD_DIM,
-    NOPE_DIM,
-    ROPE_DIM,
-    SCALE_BYTES,
+    AMAX_FLOOR, CACHE_ROW_BYTES, FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, unchecked_reference,
 )
 
 _NORMS = ("pow_mean", "mul_mean", "rms_norm", "sqrt_recip", "eps_after_sqrt", "no_rsqrt", "div_sqrt")
@@ -311,3 +305,23 @@ class Dsv4AttentionBlock(nn.Module):
         for layer, k_cache in zip(self.layers, k_caches):
             x = layer(x, positions, slot_mapping, cos_sin_cache, k_cache)
         return x
+
+
+# --------------------------------------------------------------------------------------
+# The benchmark's baseline: the op's reference math, unfused, capturable
+# --------------------------------------------------------------------------------------
+# DeepSeek-V4 attention-input preparation as unfused plain PyTorch.
+#
+# What ``prepfuse::dsv4_qnorm_rope_kv_insert`` replaces: the q path (RMSNorm, GPT-J RoPE on
+# dims 448..511, one rounding to bf16, zeroed padded heads) and the kv path (RoPE, UE8M0
+# block-64 fp8 quantisation, insertion into the ``fp8_ds_mla`` paged cache) as separate
+# PyTorch ops: the op module's reference, step by step, with an insertion that has no
+# boolean-mask filtering of skipped rows, so it never reads a tensor on the host, can be
+# captured in a CUDA graph and traced whole by ``torch.compile``.
+def dsv4_prep_unfused(*args) -> None:
+    """``prepfuse::dsv4_qnorm_rope_kv_insert``'s arguments and results, as separate PyTorch ops, for slot
+    mappings whose slots are ALL valid and distinct: a negative ("skip") slot is not
+    filtered out (that would need a boolean mask, i.e. a host sync) and would index the
+    cache from its end. The benchmarks use all-valid slot mappings for every
+    implementation. No input checks: a model's code would not carry them either."""
+    unchecked_reference(*args, all_slots_valid=True)

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS, unchecked_reference
 
 _NORMS = ("hf", "none", "weight_in_fp32")
 _SPLITS = ("split", "slice", "separate")
@@ -343,3 +343,23 @@ EXAMPLE_MODELS: dict[str, GqaSpelling] = {
     "Llama-style (no q/k norm, NeoX RoPE, fp8 cache)": GqaSpelling("llama-hf-fp8", norm="none",
                                                                    cache_dtype=torch.float8_e4m3fn),
 }
+
+
+# --------------------------------------------------------------------------------------
+# The benchmark's baseline: the op's reference math, unfused, capturable
+# --------------------------------------------------------------------------------------
+# GQA (Qwen3 / Llama) attention-input preparation as unfused plain PyTorch.
+#
+# What ``prepfuse::gqa_qknorm_rope_kv_insert`` replaces: split of the fused qkv, per-head
+# weighted RMSNorm of q and k (optional), RoPE, the q store, and the k/v insertion into
+# paged caches (bf16, or fp8-e4m3 with a per-tensor scale), as separate PyTorch ops: the op
+# module's reference, with an insertion that has no boolean-mask filtering of skipped rows,
+# so it never reads a tensor on the host, can be captured in a CUDA graph and traced whole
+# by ``torch.compile``.
+def gqa_prep_unfused(*args) -> None:
+    """``prepfuse::gqa_qknorm_rope_kv_insert``'s arguments and results, as separate PyTorch ops, for slot
+    mappings whose slots are ALL valid and distinct: a negative ("skip") slot is not
+    filtered out (that would need a boolean mask, i.e. a host sync) and would index the
+    cache from its end. The benchmarks use all-valid slot mappings for every
+    implementation. No input checks: a model's code would not carry them either."""
+    unchecked_reference(*args, all_slots_valid=True)

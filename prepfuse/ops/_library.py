@@ -8,7 +8,9 @@ written out where a reviewer can see it.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -22,23 +24,49 @@ log = logging.getLogger("prepfuse.ops")
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
+@dataclass(frozen=True)
+class DefinedOp:
+    """An op registered by ``define_op``: its packet, and its checked implementations as
+    plain functions (tests and benchmarks call the reference directly)."""
+
+    packet: torch._ops.OpOverloadPacket
+    reference: Callable  # checks, index checks, then the plain-PyTorch math (every device)
+    fake: Callable  # checks only (shapes may be symbolic)
+
+    @property
+    def default(self) -> torch._ops.OpOverload:
+        return self.packet.default
+
+
 def define_op(
     schema: str,
     *,
     reference: Callable,
-    fake: Callable,
-    cuda: Callable | None = None,
-) -> torch._ops.OpOverloadPacket:
-    """Register ``prepfuse::<schema>`` once per process and return its packet.
+    check: Callable | None = None,
+    index_check: Callable | None = None,
+    triton: Callable | None = None,
+    fake: Callable | None = None,
+) -> DefinedOp:
+    """Register ``prepfuse::<schema>`` once per process; build every impl from the checks.
 
-    ``reference`` is the plain-PyTorch implementation for every device (registered as
-    CompositeExplicitAutograd, so CPU, XPU, MPS ... all reach it); ``cuda`` (the Triton
-    path) overrides it on CUDA, or, where triton cannot be imported, the reference does,
-    with one WARNING per op. A second import of the defining module (e.g. through importlib.reload)
-    finds the op already there and checks the schema is unchanged instead of failing
-    with a duplicate registration.
+    ``check`` validates dtypes, shapes, devices and strides (ValueError naming the
+    argument) and runs first in every impl, the fake one included; ``index_check`` reads
+    slot and position values (eager only: never in the fake impl). Each is called with the
+    schema arguments it names as parameters, by keyword, so no impl restates the op's
+    argument list. ``reference`` (the plain-PyTorch math, every device, registered as
+    CompositeExplicitAutograd) and ``triton`` (the CUDA path) take the schema's arguments
+    positionally and need not check anything. Where triton cannot be imported, CUDA runs
+    the reference, with one WARNING per op. A second import of the defining module (e.g.
+    through importlib.reload) finds the op already there and checks the schema is unchanged
+    instead of failing with a duplicate registration.
+
+    ``fake`` replaces the checks-only fake impl, for an op that returns a tensor (its fake
+    must make one: ``prepfuse::scratch``).
     """
     name = schema.split("(", 1)[0]
+    arg_names = [a.name for a in torch._C.parse_schema(f"{NAMESPACE}::{schema}").arguments]
+    checked_reference = _checked(name, arg_names, check, index_check, reference)
+    fake = fake or _checked(name, arg_names, check, None, None)
     if _is_defined(name):
         existing = str(getattr(torch.ops, NAMESPACE).__getattr__(name).default._schema)
         expected = f"{NAMESPACE}::{schema}"
@@ -47,13 +75,37 @@ def define_op(
                 f"{NAMESPACE}::{name} is already registered with schema {existing!r}; "
                 f"this process asked for {expected!r}"
             )
-        return getattr(getattr(torch.ops, NAMESPACE), name)
+        return DefinedOp(getattr(getattr(torch.ops, NAMESPACE), name), checked_reference, fake)
     _LIB.define(schema)
-    _LIB.impl(name, reference, "CompositeExplicitAutograd")
-    if cuda is not None:
-        _LIB.impl(name, cuda if has_triton() else _reference_with_warning(name, reference), "CUDA")
+    _LIB.impl(name, checked_reference, "CompositeExplicitAutograd")
+    if triton is not None:
+        cuda = _checked(name, arg_names, check, index_check, triton) if has_triton() else \
+            _reference_with_warning(name, checked_reference)
+        _LIB.impl(name, cuda, "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
-    return getattr(getattr(torch.ops, NAMESPACE), name)
+    return DefinedOp(getattr(getattr(torch.ops, NAMESPACE), name), checked_reference, fake)
+
+
+def _checked(name: str, arg_names: list[str], check: Callable | None, index_check: Callable | None,
+             impl: Callable | None) -> Callable:
+    """``impl(*args)`` after ``check`` and ``index_check``, each given the arguments it names."""
+    steps = [(fn, list(inspect.signature(fn).parameters)) for fn in (check, index_check) if fn is not None]
+    for fn, wanted in steps:
+        unknown = set(inspect.signature(fn).parameters) - set(arg_names)
+        if unknown:
+            raise TypeError(f"{NAMESPACE}::{name}: {fn.__name__} takes {sorted(unknown)}, which the schema does not have")
+
+    def run(*args, **kwargs):
+        named = dict(zip(arg_names, args), **kwargs)
+        if len(args) > len(arg_names) or set(named) != set(arg_names):
+            raise TypeError(f"{NAMESPACE}::{name}: expected the arguments ({', '.join(arg_names)}), "
+                            f"got {len(args)} positional and {sorted(kwargs)}")
+        for fn, wanted in steps:
+            fn(**{p: named[p] for p in wanted})
+        return impl(*(named[n] for n in arg_names)) if impl is not None else None
+
+    run.__name__ = f"{name}_{getattr(impl, '__name__', 'fake')}"
+    return run
 
 
 def _reference_with_warning(name: str, reference: Callable) -> Callable:

@@ -63,6 +63,7 @@ from __future__ import annotations
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
+from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj
 from prepfuse.ops._checks import (
     can_read_index_values,
     check_size,
@@ -327,18 +328,15 @@ def rope_tail_reference(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
     if x.dim() == 3:
         cs = cs.unsqueeze(1)
     cos, sin = cs[..., : ROPE_DIM // 2], cs[..., ROPE_DIM // 2 :]
-    e, o = x[..., NOPE_DIM::2], x[..., NOPE_DIM + 1 :: 2]
-    rope = torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2)
+    rope = rope_gptj(x[..., NOPE_DIM:], cos, sin)
     return torch.cat((x[..., :NOPE_DIM], rope), dim=-1).to(torch.bfloat16).float()
 
 
 def fp8_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One power-of-two scale per row of ``x [..., 128]`` fp32: (e4m3 codes [..., 128] uint8,
     scales [...] fp32 = 2^ceil(log2(max(amax, 1e-4) / 448)))."""
-    amax = x.abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR)
-    e = torch.ceil(torch.log2(amax / FP8_MAX))
-    scaled = (x * torch.exp2(-e).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-    return scaled.to(torch.float8_e4m3fn).view(torch.uint8), torch.exp2(e)
+    codes, e = e4m3_pow2_quant(x, FP8_AMAX_FLOOR)
+    return codes, torch.exp2(e)
 
 
 def e2m1_codes_reference(v: torch.Tensor) -> torch.Tensor:

@@ -68,16 +68,11 @@ def dsv4_indexer_rope_fp8_insert_triton(
     )
 
 
-def dsv4_indexer_rope_fp8_insert_reference(
+def _reference(
     q, weights, k, q_out, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
     weights_scale, block_size,
 ) -> None:
-    """The op in plain PyTorch; validates its inputs like the fused path."""
-    check_inputs(
-        q, weights, k, q_out, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
-        weights_scale, block_size,
-    )
-    check_index_values(k_cache, slot_mapping, positions, k_positions, cos_sin_cache, block_size)
+    """The op in plain PyTorch, unchecked: ``define_op`` runs the checks first."""
     codes, q_scale = fp8_quant_reference(rope_tail_reference(q, positions, cos_sin_cache))
     q_out.view(torch.uint8).copy_(codes)
     weights_out.copy_(weights.float() * q_scale * weights_scale)
@@ -99,21 +94,10 @@ def check_inputs(
     check_q_output("q_out", q_out, q, torch.float8_e4m3fn, HEAD_DIM, "the indexer head dim")
 
 
-def _cuda_impl(*args) -> None:
-    check_inputs(*args)
-    q, weights, k, q_out, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache, _, block_size = args
-    check_index_values(k_cache, slot_mapping, positions, k_positions, cos_sin_cache, block_size)
-    dsv4_indexer_rope_fp8_insert_triton(*args)
-
-
-def _fake_impl(*args) -> None:
-    check_inputs(*args)
-
-
-dsv4_indexer_rope_fp8_insert = define_op(
-    SCHEMA,
-    reference=dsv4_indexer_rope_fp8_insert_reference,
-    fake=_fake_impl,
-    cuda=_cuda_impl,
+_OP = define_op(
+    SCHEMA, check=check_inputs, index_check=check_index_values, reference=_reference, triton=dsv4_indexer_rope_fp8_insert_triton,
 )
+dsv4_indexer_rope_fp8_insert = _OP.packet
+# the plain-PyTorch path as a function, checks included (tests and benchmarks call it)
+dsv4_indexer_rope_fp8_insert_reference = _OP.reference
 DSV4_INDEXER_ROPE_FP8_INSERT = dsv4_indexer_rope_fp8_insert.default

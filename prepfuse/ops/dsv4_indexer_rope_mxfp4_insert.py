@@ -64,16 +64,11 @@ def dsv4_indexer_rope_mxfp4_insert_triton(
     )
 
 
-def dsv4_indexer_rope_mxfp4_insert_reference(
+def _reference(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
     weights_scale, block_size,
 ) -> None:
-    """The op in plain PyTorch; validates its inputs like the fused path."""
-    check_inputs(
-        q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
-        cos_sin_cache, weights_scale, block_size,
-    )
-    check_index_values(k_cache, slot_mapping, positions, k_positions, cos_sin_cache, block_size)
+    """The op in plain PyTorch, unchecked: ``define_op`` runs the checks first."""
     packed, scale_bytes = mxfp4_quant_reference(rope_tail_reference(q, positions, cos_sin_cache))
     q_out.copy_(packed)
     q_scale.copy_(scale_bytes)
@@ -98,22 +93,10 @@ def check_inputs(
     check_q_output("q_scale", q_scale, q, torch.uint8, MXFP4_BLOCKS, "4 UE8M0 bytes per head")
 
 
-def _cuda_impl(*args) -> None:
-    check_inputs(*args)
-    (q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
-     _, block_size) = args
-    check_index_values(k_cache, slot_mapping, positions, k_positions, cos_sin_cache, block_size)
-    dsv4_indexer_rope_mxfp4_insert_triton(*args)
-
-
-def _fake_impl(*args) -> None:
-    check_inputs(*args)
-
-
-dsv4_indexer_rope_mxfp4_insert = define_op(
-    SCHEMA,
-    reference=dsv4_indexer_rope_mxfp4_insert_reference,
-    fake=_fake_impl,
-    cuda=_cuda_impl,
+_OP = define_op(
+    SCHEMA, check=check_inputs, index_check=check_index_values, reference=_reference, triton=dsv4_indexer_rope_mxfp4_insert_triton,
 )
+dsv4_indexer_rope_mxfp4_insert = _OP.packet
+# the plain-PyTorch path as a function, checks included (tests and benchmarks call it)
+dsv4_indexer_rope_mxfp4_insert_reference = _OP.reference
 DSV4_INDEXER_ROPE_MXFP4_INSERT = dsv4_indexer_rope_mxfp4_insert.default

@@ -49,6 +49,7 @@ import torch
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
 from prepfuse.ops._library import define_op
+from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj
 
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -243,12 +244,6 @@ def dsv4_qnorm_rope_kv_insert_triton(
 # --------------------------------------------------------------------------------------
 # Reference implementation: plain PyTorch, any device, the spec's text step by step
 # --------------------------------------------------------------------------------------
-def rope_gptj(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved (GPT-J) rotation of the last dim of ``y`` by pairs (2p, 2p+1)."""
-    e, o = y[..., 0::2], y[..., 1::2]
-    return torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2)
-
-
 def q_prep_reference(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised and rotated q in fp32, [T, H, 512] (the caller rounds once to bf16)."""
     x = q.float()
@@ -266,12 +261,8 @@ def ue8m0_fp8_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
     Returns (fp8 codes [..., 448] uint8, scale bytes [..., 7] uint8).
     """
-    blocks = x.unflatten(-1, (N_QUANT_BLOCKS, QUANT_BLOCK))
-    amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    e = torch.ceil(torch.log2(amax / FP8_MAX))
-    scaled = (blocks * torch.exp2(-e).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-    codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)
-    return codes, (e + 127).clamp(0, 255).to(torch.uint8)
+    codes, e = e4m3_pow2_quant(x.unflatten(-1, (N_QUANT_BLOCKS, QUANT_BLOCK)), AMAX_FLOOR)
+    return codes.flatten(-2), (e + 127).clamp(0, 255).to(torch.uint8)
 
 
 def kv_cache_rows_reference(
@@ -308,7 +299,7 @@ def write_rows(k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, 
     k_cache[blk, scale_cols] = scales
 
 
-def dsv4_qnorm_rope_kv_insert_reference(
+def unchecked_reference(
     q: torch.Tensor,
     kv: torch.Tensor,
     q_out: torch.Tensor,
@@ -318,16 +309,20 @@ def dsv4_qnorm_rope_kv_insert_reference(
     cos_sin_cache: torch.Tensor,
     eps: float,
     block_size: int,
+    *,
+    all_slots_valid: bool = False,
 ) -> None:
-    """The op in plain PyTorch; validates its inputs like the fused path."""
-    check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
-    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size)
+    """The op in plain PyTorch, unchecked (``define_op`` runs the checks first).
+
+    ``all_slots_valid``: write every row without filtering skipped (negative) slots, which
+    needs a boolean mask, i.e. a host sync: capturable, for the benchmarks' unfused baseline
+    (``prepfuse.models.dsv4_prep_unfused``)."""
     num_heads = q.shape[1]
     q_out[:, :num_heads] = q_prep_reference(q, positions, cos_sin_cache, eps).to(torch.bfloat16)
     q_out[:, num_heads:] = 0
     n_insert = slot_mapping.shape[0]
     data, scales = kv_cache_rows_reference(kv[:n_insert], positions[:n_insert], cos_sin_cache)
-    insert_rows_reference(k_cache, data, scales, slot_mapping, block_size)
+    (write_rows if all_slots_valid else insert_rows_reference)(k_cache, data, scales, slot_mapping, block_size)
 
 
 # --------------------------------------------------------------------------------------
@@ -387,20 +382,12 @@ def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_si
 # --------------------------------------------------------------------------------------
 # Registration
 # --------------------------------------------------------------------------------------
-def _cuda_impl(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size) -> None:
-    check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
-    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size)
-    dsv4_qnorm_rope_kv_insert_triton(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
 
 
-def _fake_impl(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size) -> None:
-    check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
-
-
-dsv4_qnorm_rope_kv_insert = define_op(
-    SCHEMA,
-    reference=dsv4_qnorm_rope_kv_insert_reference,
-    fake=_fake_impl,
-    cuda=_cuda_impl,
+_OP = define_op(
+    SCHEMA, check=check_inputs, index_check=check_index_values, reference=unchecked_reference, triton=dsv4_qnorm_rope_kv_insert_triton,
 )
+dsv4_qnorm_rope_kv_insert = _OP.packet
+# the plain-PyTorch path as a function, checks included (tests and benchmarks call it)
+dsv4_qnorm_rope_kv_insert_reference = _OP.reference
 DSV4_QNORM_ROPE_KV_INSERT = dsv4_qnorm_rope_kv_insert.default

@@ -74,7 +74,7 @@ import torch
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
 from prepfuse.ops._library import define_op
-from prepfuse.ops.dsv4_qnorm_rope_kv_insert import rope_gptj
+from prepfuse.ops._math import rope_gptj, rope_neox
 
 HEAD_DIMS = (64, 128, 256)
 FP8_MAX = 448.0
@@ -85,7 +85,6 @@ SCHEMA = (
     "Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor positions, "
     "Tensor cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps) -> ()"
 )
-
 
 
 # --------------------------------------------------------------------------------------
@@ -406,11 +405,7 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neo
     rot_dim = 2 * cos.shape[-1]
     rot, rest = h[..., :rot_dim], h[..., rot_dim:]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if is_neox:
-        a, b = rot.chunk(2, dim=-1)
-        rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    else:
-        rotated = rope_gptj(rot, cos, sin)
+    rotated = (rope_neox if is_neox else rope_gptj)(rot, cos, sin)
     return torch.cat((rotated, rest), dim=-1).to(torch.bfloat16)
 
 
@@ -421,17 +416,20 @@ def quantize_cache_reference(x: torch.Tensor, kv_scale: torch.Tensor | None) -> 
     return (x.float() / kv_scale.float().reshape(())).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, *,
+                           all_slots_valid: bool = False) -> None:
     """Write ``rows [T', Hkv, D]`` at ``slots`` of ``cache [NB, BS, Hkv, D]``; negative
-    slots are skipped (a boolean mask: a host sync on CUDA, as befits the oracle)."""
-    keep = slots >= 0
-    slots, rows = slots[keep], rows[keep]
+    slots are skipped (a boolean mask: a host sync on CUDA, as befits the oracle), unless
+    the caller says every slot is valid (the capturable baseline)."""
+    if not all_slots_valid:
+        keep = slots >= 0
+        slots, rows = slots[keep], rows[keep]
     block_size = cache.shape[1]
     # through uint8 views: index_put has no float8 kernel on every device
     cache.view(torch.uint8)[slots // block_size, slots % block_size] = rows.view(torch.uint8)
 
 
-def gqa_qknorm_rope_kv_insert_reference(
+def unchecked_reference(
     qkv: torch.Tensor,
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
@@ -446,19 +444,21 @@ def gqa_qknorm_rope_kv_insert_reference(
     num_kv_heads: int,
     is_neox: bool,
     eps: float,
+    *,
+    all_slots_valid: bool = False,
 ) -> None:
-    """The op in plain PyTorch; validates its inputs like the fused path."""
-    args = (qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-            cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps)
-    check_inputs(*args)
-    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache)
+    """The op in plain PyTorch, unchecked (``define_op`` runs the checks first).
+
+    ``all_slots_valid``: write every row without filtering skipped (negative) slots, which
+    needs a boolean mask, i.e. a host sync: capturable, for the benchmarks' unfused baseline
+    (``prepfuse.models.gqa_prep_unfused``)."""
     q, k_rows, v_rows = prepared_rows_reference(
         qkv, q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0],
         num_q_heads, num_kv_heads, is_neox, eps,
     )
     q_out.copy_(q)
-    insert_cache_reference(k_cache, k_rows, slot_mapping)
-    insert_cache_reference(v_cache, v_rows, slot_mapping)
+    insert_cache_reference(k_cache, k_rows, slot_mapping, all_slots_valid=all_slots_valid)
+    insert_cache_reference(v_cache, v_rows, slot_mapping, all_slots_valid=all_slots_valid)
 
 
 def prepared_rows_reference(
@@ -476,7 +476,7 @@ def prepared_rows_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them):
     everything the op computes before the writes, shared by the reference and the
-    benchmark's capturable unfused baseline (``prepfuse.unfused.gqa``)."""
+    benchmark's capturable unfused baseline (``prepfuse.models.gqa``)."""
     heads = qkv.unflatten(1, (num_q_heads + 2 * num_kv_heads, -1))  # [T, Hq + 2*Hkv, D]
     q, k, v = heads.split((num_q_heads, num_kv_heads, num_kv_heads), dim=1)
     return prepared_heads_reference(q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale,
@@ -611,29 +611,12 @@ def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache) -> None:
 # --------------------------------------------------------------------------------------
 # Registration
 # --------------------------------------------------------------------------------------
-def _cuda_impl(
-    qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps,
-) -> None:
-    args = (qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-            cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps)
-    check_inputs(*args)
-    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache)
-    gqa_qknorm_rope_kv_insert_triton(*args)
 
 
-def _fake_impl(
-    qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps,
-) -> None:
-    check_inputs(qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-                 cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps)
-
-
-gqa_qknorm_rope_kv_insert = define_op(
-    SCHEMA,
-    reference=gqa_qknorm_rope_kv_insert_reference,
-    fake=_fake_impl,
-    cuda=_cuda_impl,
+_OP = define_op(
+    SCHEMA, check=check_inputs, index_check=check_index_values, reference=unchecked_reference, triton=gqa_qknorm_rope_kv_insert_triton,
 )
+gqa_qknorm_rope_kv_insert = _OP.packet
+# the plain-PyTorch path as a function, checks included (tests and benchmarks call it)
+gqa_qknorm_rope_kv_insert_reference = _OP.reference
 GQA_QKNORM_ROPE_KV_INSERT = gqa_qknorm_rope_kv_insert.default

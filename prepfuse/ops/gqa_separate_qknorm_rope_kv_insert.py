@@ -78,7 +78,7 @@ def check_separate_inputs(
                     num_kv_heads=num_kv_heads, head_dim=head_dim, device=device, source="q")
 
 
-def gqa_separate_qknorm_rope_kv_insert_reference(
+def _reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -94,11 +94,7 @@ def gqa_separate_qknorm_rope_kv_insert_reference(
     is_neox: bool,
     eps: float,
 ) -> None:
-    """The op in plain PyTorch (the fused op's reference steps); validates like the fused path."""
-    args = (q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-            cos_sin_cache, kv_scale, is_neox, eps)
-    check_separate_inputs(*args)
-    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache)
+    """The op in plain PyTorch, unchecked: ``define_op`` runs the checks first."""
     head_dim = q_out.shape[2]
     q_vals, k_rows, v_rows = prepared_heads_reference(
         q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
@@ -118,29 +114,10 @@ def gqa_separate_qknorm_rope_kv_insert_triton(
                       cos_sin_cache, kv_scale, is_neox, eps, launch_config=launch_config)
 
 
-def _cuda_impl(
-    q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-    cos_sin_cache, kv_scale, is_neox, eps,
-) -> None:
-    args = (q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-            cos_sin_cache, kv_scale, is_neox, eps)
-    check_separate_inputs(*args)
-    check_index_values(k_cache, slot_mapping, positions, cos_sin_cache)
-    gqa_separate_qknorm_rope_kv_insert_triton(*args)
-
-
-def _fake_impl(
-    q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-    cos_sin_cache, kv_scale, is_neox, eps,
-) -> None:
-    check_separate_inputs(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-                          cos_sin_cache, kv_scale, is_neox, eps)
-
-
-gqa_separate_qknorm_rope_kv_insert = define_op(
-    SCHEMA,
-    reference=gqa_separate_qknorm_rope_kv_insert_reference,
-    fake=_fake_impl,
-    cuda=_cuda_impl,
+_OP = define_op(
+    SCHEMA, check=check_separate_inputs, index_check=check_index_values, reference=_reference, triton=gqa_separate_qknorm_rope_kv_insert_triton,
 )
+gqa_separate_qknorm_rope_kv_insert = _OP.packet
+# the plain-PyTorch path as a function, checks included (tests and benchmarks call it)
+gqa_separate_qknorm_rope_kv_insert_reference = _OP.reference
 GQA_SEPARATE_QKNORM_ROPE_KV_INSERT = gqa_separate_qknorm_rope_kv_insert.default

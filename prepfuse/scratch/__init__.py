@@ -3,7 +3,7 @@
 ``ScratchArena`` (``arena.py``) holds named reservations and hands out views;
 ``current_arena`` / ``use_arena`` (``current.py``) say which arena the
 ``prepfuse::scratch`` op (``prepfuse/ops/scratch.py``) takes from. Passes emit that op
-with ``prepfuse.fx_passes.scratch_node.scratch_buffer``. The contract is in
+with ``prepfuse.fx_passes.matching.scratch_buffers.scratch_buffer``. The contract is in
 ``docs/cudagraphs.md``.
 """
 

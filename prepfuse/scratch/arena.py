@@ -1,6 +1,6 @@
 """A scratch arena: named, persistent buffers that fused ops write instead of allocating.
 
-Why it exists (SPEC section 2, lessons 1 and 2). An op that allocates its padded q on
+Why it exists (docs/design.md, lessons 1 and 2). An op that allocates its padded q on
 every call allocates *after* the engine has sized its KV cache from the memory left
 over, and OOMs under long context. The fix is to reserve that scratch during the
 profiling run, so the caching allocator already holds it (``memory_reserved`` counts

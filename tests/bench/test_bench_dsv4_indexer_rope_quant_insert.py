@@ -2,7 +2,7 @@
 
 The script runs unattended on the H200, so what can be checked here is: the bytes-moved
 arithmetic, the command line, the gate (each implementation against the op's reference,
-the compile bound), the whole measuring loop with opbench's CUDA timing replaced by stubs
+the compile bound), the whole measuring loop with the harness's CUDA timing replaced by stubs
 (small shapes, CPU inputs, real compiles: the prepfuse backend must fuse the model code
 of both formats), and the page and plot rendered from a stored JSON (``--from-json``).
 """
@@ -19,7 +19,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_dsv4_indexer_rope
 _spec = importlib.util.spec_from_file_location("bench_dsv4_indexer_rope_quant_insert", BENCH)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
-opbench = bench.opbench
+harness = bench.harness
 
 FAKE_DEVICE = {"device": "Fake GPU", "device_slug": "fake-gpu", "capability": "9.0", "num_sms": 132,
                "memory_bytes": 1 << 37, "l2_bytes": 50 << 20, "l2_bytes_reported": True, "torch": "2.11",
@@ -93,17 +93,17 @@ def test_gate_catches_a_wrong_implementation(small_cpu):
 
 
 def _stub_timing(monkeypatch):
-    """opbench's CUDA timing, replaced by stubs that still call the implementation."""
-    monkeypatch.setattr(opbench, "_device_info", lambda: dict(FAKE_DEVICE))
-    monkeypatch.setattr(opbench, "measure_copy_bandwidth", lambda nbytes: {"GBps": 4000.0, "method": "stub"})
-    monkeypatch.setattr(opbench, "capture_graphs", lambda fn, copies, warmup: [lambda: [fn(c) for c in copies]])
+    """the harness's CUDA timing, replaced by stubs that still call the implementation."""
+    monkeypatch.setattr(harness, "device_info", lambda: dict(FAKE_DEVICE))
+    monkeypatch.setattr(harness, "measure_copy_bandwidth", lambda nbytes: {"GBps": 4000.0, "method": "stub"})
+    monkeypatch.setattr(harness, "capture_graphs", lambda fn, copies, warmup: [lambda: [fn(c) for c in copies]])
 
     def time_graphs(graphs, target_ms, min_replays, max_replays):
         graphs[0]()
         return {"us_median": 10.0, "us_p10": 9.0, "us_p90": 11.0, "replays": min_replays}
 
-    monkeypatch.setattr(opbench, "time_graphs", time_graphs)
-    monkeypatch.setattr(opbench, "count_launches", lambda fn: (fn(), ["triton_poi_fused_0", "Memset (Device)"])[1])
+    monkeypatch.setattr(harness, "time_graphs", time_graphs)
+    monkeypatch.setattr(harness, "count_launches", lambda fn: (fn(), ["triton_poi_fused_0", "Memset (Device)"])[1])
 
 
 def test_measuring_loop_on_cpu(small_cpu, monkeypatch, tmp_path):

@@ -104,13 +104,7 @@ def test_direct_call_runs_in_place(v2):
     assert report.pattern_counts() == {f"{DSV4_QNORM_ROPE_KV_INSERT}/{'v2' if v2 else 'v1'}": 1}
     assert report.near_misses() == [] and report.functionalized_left == []
     expecttest.assert_expected_inline(report.graph, """\
-arg0 = placeholder()
-arg1 = placeholder()
-arg2 = placeholder()
-arg3 = placeholder()
-arg4 = placeholder()
-arg5 = placeholder()
-arg6 = placeholder()
+arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
 dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg0, arg1, arg2, arg3, arg4, arg5, arg6, 1e-06, 16)
 return ()""")
     # q_out (arg2_1) and k_cache (arg3_1) are written where they are: no temporary, no copy.
@@ -127,26 +121,14 @@ def test_views_of_inputs_run_in_place(v2):
     assert report.near_misses() == [] and report.functionalized_left == []
     if v2:  # v2 regenerates the views from _all_bases: a slice, and as_strided for the select
         expecttest.assert_expected_inline(report.graph, """\
-arg0 = placeholder()
-arg1 = placeholder()
-arg2 = placeholder()
-arg3 = placeholder()
-arg4 = placeholder()
-arg5 = placeholder()
-arg6 = placeholder()
+arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
 slice = aten.slice.Tensor(arg0, 0, 0, 7)
 as_strided = aten.as_strided.default(arg1, (5, 9792), (9792, 1), 48960)
 dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, slice, as_strided, arg4, arg5, arg6, 1e-06, 16)
 return ()""")
     else:  # v1 passed the views themselves; their slice_scatter/select_scatter write-back is gone
         expecttest.assert_expected_inline(report.graph, """\
-arg0 = placeholder()
-arg1 = placeholder()
-arg2 = placeholder()
-arg3 = placeholder()
-arg4 = placeholder()
-arg5 = placeholder()
-arg6 = placeholder()
+arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
 slice = aten.slice.Tensor(arg0, 0, 0, 7)
 select = aten.select.int(arg1, 0, 1)
 dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, slice, select, arg4, arg5, arg6, 1e-06, 16)
@@ -274,9 +256,7 @@ def test_generic_op_with_a_return(v2):
     (report,) = backend.reports
     assert report.matched_counts == {"defunctionalize_wide": 1}
     expecttest.assert_expected_inline(report.graph, """\
-arg0 = placeholder()
-arg1 = placeholder()
-arg2 = placeholder()
+arg0, arg1, arg2 = placeholders()
 scale_into = prepfuse_test.scale_into.default(arg0, arg1, arg2)
 add = aten.add.Tensor(scale_into, 1)
 return (add,)""")

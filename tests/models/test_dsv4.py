@@ -9,7 +9,7 @@ on the CPU, on fresh random inputs with all slots valid:
   a correctly rounded ``1 / sqrt`` (its sqrt goes through fp64); the spellings use
   ``torch.rsqrt`` or an fp32 ``sqrt``, which on the CPU are each about one fp32 value in
   8 one ULP off it. A (token, head) row scaled by such a hair flips a few of its bf16
-  roundings: about one q value per million overall -- SPEC section 1's bound (the floor
+  roundings: about one q value per million overall -- the DeepSeek-V4 bound (docs/design.md) (the floor
   of 16 covers one such row in a small test).
 """
 
@@ -63,7 +63,7 @@ def test_spelling_equals_reference(spelling, shape):
     inputs = make_dsv4_inputs(num_tokens, num_heads, padded, block_size, "cpu", skip_fraction=0.0)
 
     q = dsv4_q_prep(inputs.q, inputs.positions, inputs.cos_sin_cache, inputs.eps, padded, spelling)
-    # torch.rsqrt vs the reference's correctly rounded 1/sqrt: SPEC section 1's bound,
+    # torch.rsqrt vs the reference's correctly rounded 1/sqrt: the DeepSeek-V4 bound (docs/design.md),
     # including its allowance where RoPE cancels (prepfuse.testing.Dsv4Comparison)
     comparison = compare_dsv4_q(reference_q(inputs), q)
     assert comparison.within_spec(), comparison

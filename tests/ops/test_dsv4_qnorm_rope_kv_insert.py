@@ -1,6 +1,6 @@
 """Numerics and input checks of ``prepfuse::dsv4_qnorm_rope_kv_insert``.
 
-Three implementations are held against each other and against SPEC section 1:
+Three implementations are held against each other and against the DeepSeek-V4 bound (docs/design.md):
 
 - an oracle written here: the spec's text transcribed one scalar at a time in numpy
   fp32, with its own e4m3 rounding (a table of the 127 non-negative e4m3fn values and
@@ -75,7 +75,7 @@ def exact_rms_q(num_tokens: int, num_heads: int, generator: torch.Generator) -> 
     order (at most 512 * 64^2 = 2^21 units of 2^(2k)), and two entries of each head are
     chosen so that mean(x^2) + eps = (M * 2^(k-5))^2 exactly (M^2 < 2^24), which makes
     the sqrt exact too. All implementations then share every value up to
-    y = x * (1/rms), and SPEC's "bit for bit on small inputs" is a deterministic claim.
+    y = x * (1/rms), and the bound's "bit for bit on small inputs" is a deterministic claim.
 
     Why not any q: torch's fp32 sqrt on CPU is not correctly rounded (MKL VML: 1 ULP off
     for ~15% of inputs), and the kernel sums in another order; with a random RMS either
@@ -168,7 +168,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------
-# The oracle: SPEC section 1, scalar by scalar, numpy fp32
+# The oracle: the op's math (docs/ops.md), scalar by scalar, numpy fp32
 # --------------------------------------------------------------------------------------
 # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities; 0x7F is NaN, so codes
 # 0..126 are the non-negative values, 0x7E = 448 the largest.
@@ -212,7 +212,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def oracle(inputs: Dsv4Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_cache) as SPEC section 1 says, starting from inputs' poisoned k_cache."""
+    """(q_out, k_cache) as the op's math (docs/ops.md) says, starting from inputs' poisoned k_cache."""
     f32 = np.float32
     q = inputs.q.float().numpy()
     kv = inputs.kv.float().numpy()
@@ -512,7 +512,7 @@ def test_cuda_kernel_matches_reference(num_tokens, num_heads, padded_heads, bloc
     actual = run(DSV4_QNORM_ROPE_KV_INSERT, inputs)
     comparison = compare_dsv4(expected, actual)
     report = f"seed={seed}: {comparison}"
-    # SPEC: cache bytes identical except at most one fp8 code, so RoPE bf16 and scale bytes exact
+    # the bound: cache bytes identical except at most one fp8 code, so RoPE bf16 and scale bytes exact
     assert comparison.cache_non_fp8_mismatches == 0, report
     # the tolerance of test_oracle_matches_reference_on_random_q (one bf16 ULP, or 2^-16
     # where RoPE cancels to near zero) on every value ...
@@ -520,7 +520,7 @@ def test_cuda_kernel_matches_reference(num_tokens, num_heads, padded_heads, bloc
         actual.q_out.float(), expected.q_out.float(), rtol=2**-7, atol=2**-16, msg=lambda m: f"{report}\n{m}"
     )
     assert_untouched(actual, seed)
-    # ... and SPEC's count: one bf16 ULP on a few q values per million
+    # ... and the bound's count: one bf16 ULP on a few q values per million
     assert comparison.within_spec(), report
 
 

@@ -2,7 +2,7 @@
 
 - Drift: ``str(op._schema)`` of every registered op against the committed snapshot
   ``tests/golden/schemas.txt``; a difference fails with a unified diff. A stale schema
-  went untested in production (SPEC section 2, lesson 3), so a test shows the check
+  went untested in production (docs/design.md, lesson 3), so a test shows the check
   catches the forms seen there.
 - ``torch.library.opcheck`` on every op, with samples kept per op: a new op without
   samples fails here instead of going unchecked.
@@ -113,7 +113,7 @@ def test_schema_drift_is_empty_only_when_equal():
     assert f"\n-{b}" in removed and "\n+" not in removed.split("@@", 1)[1]
 
 
-# Schema forms of the same op seen in production (SPEC section 1). Each is registered in
+# Schema forms of the same op seen in production (docs/design.md). Each is registered in
 # a throwaway namespace, rendered as if it were prepfuse's, and must fail the check.
 STALE_DSV4_FORMS = {
     "in_place": (

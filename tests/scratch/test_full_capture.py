@@ -10,7 +10,7 @@ inputs copied into the static ones before every replay. Checked on every replay:
   inputs (the same Triton kernel, not captured): capture and arena change no byte;
 - against the un-compiled model (eager CUDA PyTorch: another rsqrt, another summation
   order) byte identity is impossible for q; the differences over all replays together
-  must be within SPEC section 1's bound (``Dsv4Comparison.within_spec``: one bf16 ULP on
+  must be within the DeepSeek-V4 bound (docs/design.md) (``Dsv4Comparison.within_spec``: one bf16 ULP on
   a few q values per million, one e4m3 code on a few cache bytes per million).
 
 A second test captures the two-layer attention block, whose q_out is consumed inside
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from prepfuse.backend import PrepfuseBackend
-from prepfuse.fx_passes.fuse_dsv4_prep import Q_SCRATCH_BASE
+from prepfuse.fx_passes.fusion.dsv4 import Q_SCRATCH_BASE
 from prepfuse.models import dsv4 as model
 from prepfuse.models.dsv4 import DSV4_SPELLINGS, Dsv4AttentionBlock, fp8_ds_mla_cache
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT

@@ -1,0 +1,353 @@
+"""Find unfused GQA (Qwen3 / Llama) attention-input preparation and call the fused op instead.
+
+A post-grad pass (Inductor's ``post_grad_custom_post_pass``: the functional graph, before
+defunctionalization), built like ``fuse_dsv4_prep`` (whose docstring says why steps are
+read back by recognisers rather than traced with ``register_replacement``). It rewrites
+the split of the fused qkv projection, the optional weighted RMSNorm of q and k heads,
+NeoX or GPT-J RoPE (full or partial), and the index-assignment writes of k and v into
+paged caches (bf16, or fp8 e4m3 with a per-tensor device scale) into one
+``auto_functionalized`` call of ``prepfuse::gqa_qknorm_rope_kv_insert``
+(``GQA_QKNORM_ROPE_KV_INSERT``), v1 or v2 as ``enable_auto_functionalized_v2`` says.
+
+Anchors: the cache writes, ``index_put`` of ``[n, Hkv, D]`` rows into a 4-d cache. Writes
+with the same slots pair up as k (its rows are roped heads of qkv) and v (its rows are
+plain heads of the same qkv, right after k's columns); the q side is the one prepared
+``[T, Hq, D]`` tensor whose heads are qkv's first ``Hq*D`` columns, with the same norm eps,
+RoPE style, rotary dim, positions and cos/sin table as k. A k/v write without its q (or
+q without its writes) is declined, not fused. The caches may be separate tensors or
+views of one buffer (``SharedBase``).
+
+Separate projections (Hugging Face's ``q_proj``, ``k_proj``, ``v_proj``): when k's heads
+are a whole ``[T, Hkv*D]`` tensor, v's rows must be the whole of another one and q the
+whole of a third, and the call is ``prepfuse::gqa_separate_qknorm_rope_kv_insert``
+(``GQA_SEPARATE_QKNORM_ROPE_KV_INSERT``). Layers share slots and tables, so where more
+than one q or v would fit, the one projected from the same input as k (``mm``/``addmm``
+of one activation) is taken; if that does not single one out, the candidate is declined.
+
+Numerics: the norm and the fp32 RoPE spellings give the op's bits; Hugging Face's
+all-bf16 RoPE (cos/sin cast to bf16, three roundings) is replaced by the op's fp32
+rotation with one rounding, which differs on about 40% of rotated values by at most
+about ``2^-7 * (|a| + |b|)`` -- more accurate, but not the same bits (the report's
+pattern name says ``bf16_rope`` when this happens).
+
+Negative slots: the eager write ``cache[slot // bs, slot % bs] = row`` sends slot -1 to
+the last row of the last block (Python index wraparound); the fused op skips negative
+slots. The model code this pass fuses must pass valid slots, or mean "skip" by -1.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from prepfuse._compat import auto_functionalized_ops
+from prepfuse.fx_passes.base import PrepfusePass
+from prepfuse.fx_passes.fusion import gqa_patterns
+from prepfuse.fx_passes.fusion.gqa_patterns import CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads
+from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
+from prepfuse.fx_passes.matching.emitter import Emitter
+from prepfuse.fx_passes.matching.recognizers import aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
+from prepfuse.fx_passes.mutation_info import output_indices
+from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
+
+PATTERN = "gqa"
+# q_out comes from the scratch arena (reserved before KV-cache sizing: docs/design.md,
+# lesson 2), reservations "gqa_qknorm_rope_kv_insert.q_out.<k>"; the node keeps this name
+# in debug dumps.
+Q_SCRATCH_NAME = "prepfuse_gqa_q_out_scratch"
+
+
+class FuseGqaPrepPass(PrepfusePass):
+    """Rewrites matched GQA preparation into ``GQA_QKNORM_ROPE_KV_INSERT`` calls
+    (``GQA_SEPARATE_QKNORM_ROPE_KV_INSERT`` for separate projections, ``+separate``).
+
+    ``matched_count`` is the number of op calls made (one per attention layer); the log
+    names each ``gqa_qknorm_rope_kv`` or ``gqa_rope_kv`` (no norm), with ``+bf16_rope``
+    when HF's bf16 rotation was replaced, and lists every declined candidate with its reason.
+    """
+
+    name = "fuse_gqa_prep"
+    uuid_sources = (gqa_patterns, *MATCHING_MODULES)
+
+    def settings(self) -> tuple:
+        # the emitted call's schema: an op change must invalidate cached compiled graphs too
+        return (str(GQA_QKNORM_ROPE_KV_INSERT._schema), str(GQA_SEPARATE_QKNORM_ROPE_KV_INSERT._schema),
+                str(SCRATCH._schema))
+
+    def run(self, graph: torch.fx.Graph) -> int:
+        self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        self._order = {n: i for i, n in enumerate(graph.nodes)}
+        heads = self._prepared_heads(graph)
+        k_writes, v_writes = self._cache_writes(graph)
+        matched, used = 0, set()
+        k_rows = {w.rows for w in k_writes}
+        for k_write in k_writes:
+            try:
+                k = heads.get(k_write.rows)
+                expect(k is not None, f"k: the rows written with {recognizers.describe(k_write.put)} are neither qkv "
+                                      f"heads (v) nor roped ones ({self._why.get(k_write.rows, 'no RoPE found')})")
+                v_write = _v_write_of(k, k_write, v_writes, used)
+                q = self._separate_q_of(k, v_write, heads, k_rows) if _is_separate(k) else self._q_of(k, v_write, heads)
+                shared = self._check_call(q, k, k_write, v_write)
+            except NoMatch as err:
+                self.log.declined(self.name, PATTERN, k_write.put, str(err))
+                continue
+            used.add(v_write.put)
+            self._rewrite(graph, q, k, k_write, v_write, shared)
+            matched += 1
+        for v_write in v_writes:  # v writes no k write declined with (that decline names the reason)
+            if not any(k.slots is v_write.slots for k in k_writes):
+                self.log.declined(self.name, PATTERN, v_write.put, "v: no write of roped k heads of the same qkv "
+                                                                  "with the same slots goes with this write of v heads")
+        return matched
+
+    # ----------------------------------------------------------------------------------
+    def _prepared_heads(self, graph) -> dict[torch.fx.Node, Heads]:
+        """Every bf16 ``[T, H, D]`` node that reads back as roped qkv heads."""
+        found, self._why = {}, {}
+        for node in graph.nodes:
+            v = val(node)
+            if node.op != "call_function" or not isinstance(v, torch.Tensor) or v.dim() != 3:
+                continue
+            try:
+                found[node] = match_heads(node)
+            except NoMatch as err:
+                self._why[node] = str(err)
+        return found
+
+    def _cache_writes(self, graph) -> tuple[list[CacheWrite], list[CacheWrite]]:
+        """The paged-cache writes, split into candidates for k (any rows) and v (qkv heads as they are)."""
+        k_writes, v_writes = [], []
+        for node in graph.nodes:
+            if is_cache_write(node):
+                try:
+                    write = match_cache_write(node)
+                except NoMatch as err:
+                    self.log.declined(self.name, PATTERN, node, str(err))
+                    continue
+                (v_writes if _plain_heads(write.rows) is not None else k_writes).append(write)
+        return k_writes, v_writes
+
+    def _q_of(self, k: Heads, v_write: CacheWrite, heads: dict[torch.fx.Node, Heads]) -> Heads:
+        """The prepared q read from the same qkv as ``k``; checks v and the shared settings."""
+        head_dim, num_kv = k.head_dim, k.num_heads
+        num_q, rem = divmod(k.first_column, head_dim)
+        expect(rem == 0 and num_q > 0, f"k: its heads start at column {k.first_column} of qkv, not after whole q heads")
+        expect(shape(k.source)[1] == (num_q + 2 * num_kv) * head_dim,
+               f"qkv: width {shape(k.source)[1]} is not (Hq + 2*Hkv) * D = ({num_q} + 2*{num_kv}) * {head_dim}")
+        v = _plain_heads(v_write.rows)
+        expect(v == (k.source, (num_q + num_kv) * head_dim, num_kv, head_dim),
+               f"v: rows written into {recognizers.describe(v_write.cache)} are not qkv's last {num_kv} heads")
+        qs = [h for h in heads.values() if h.source is k.source and h.first_column == 0 and h.num_heads == num_q]
+        expect(len(qs) == 1, f"q: {len(qs)} prepared q tensors of qkv's first {num_q} heads, expected one")
+        return _same_settings(qs[0], k)
+
+    def _separate_q_of(self, k: Heads, v_write: CacheWrite, heads: dict[torch.fx.Node, Heads],
+                       k_rows: set[torch.fx.Node]) -> Heads:
+        """The prepared q of a separate projection that goes with ``k`` (a whole projection):
+        a whole ``[T, Hq*D]`` source other than k's and v's, not itself written as k, with
+        k's settings; among several, the one projected from k's input."""
+        v_source = _plain_heads(v_write.rows)[0]
+        qs = [h for h in heads.values() if _is_separate(h) and h.head_dim == k.head_dim and h.prepared not in k_rows
+              and h.source is not k.source and h.source is not v_source and _settings_match(h, k)]
+        qs = _closest_projections(qs, lambda h: h.source, k.source)
+        expect(len(qs) == 1, f"q: {len(qs)} prepared q tensors of a separate projection fit k's "
+                             f"{recognizers.describe(k.source)} (same settings, same projected input), expected one")
+        return qs[0]
+
+    def _check_call(self, q: Heads, k: Heads, k_write: CacheWrite, v_write: CacheWrite) -> SharedBase | None:
+        """One call can serve all three: caches alike, every input before every reader of an
+        output. Returns the buffer both caches are views of, if they are (else None)."""
+        expect(val(k_write.cache).dtype == val(v_write.cache).dtype and k_write.kv_scale is v_write.kv_scale,
+               "write: k and v caches differ in dtype or kv_scale")
+        expect(tuple(shape(k_write.cache)) == tuple(shape(v_write.cache)), "write: k and v caches differ in shape")
+        shared = _shared_base(k_write, v_write) or _shared_base(v_write, k_write)
+        caches = [shared.root] if shared else [k_write.cache, v_write.cache]
+        inputs = [q.source, k.source, _plain_heads(v_write.rows)[0], *caches, k_write.slots, q.positions,
+                  q.cos_sin_cache]
+        inputs += [n for n in (q.norm_weight, k.norm_weight, k_write.kv_scale) if n is not None]
+        readers = _readers(q, k_write, v_write, shared)
+        expect(max(self._order[n] for n in inputs) < min(self._order[n] for n in readers),
+               "order: a reader of one output comes before an input of the call")
+        return shared
+
+    def _rewrite(self, graph, q: Heads, k: Heads, k_write: CacheWrite, v_write: CacheWrite,
+                 shared: SharedBase | None) -> None:
+        order = self._order
+        emit = Emitter(graph, min(_readers(q, k_write, v_write, shared), key=order.__getitem__), source=q.prepared)
+        if _is_separate(k):
+            op = GQA_SEPARATE_QKNORM_ROPE_KV_INSERT
+            sources = dict(q=q.source, k=k.source, v=_plain_heads(v_write.rows)[0])
+            counts = {}
+        else:
+            op = GQA_QKNORM_ROPE_KV_INSERT
+            sources = dict(qkv=q.source)
+            counts = dict(num_q_heads=q.num_heads, num_kv_heads=k.num_heads)
+        args = dict(**sources, q_norm_weight=q.norm_weight, k_norm_weight=k.norm_weight,
+                    q_out=q_out_buffer(emit, q), k_cache=k_write.cache, v_cache=v_write.cache,
+                    slot_mapping=k_write.slots, positions=q.positions, cos_sin_cache=q.cos_sin_cache,
+                    kv_scale=k_write.kv_scale, **counts, is_neox=q.is_neox, eps=q.eps if q.eps is not None else 0.0)
+        # a cache an earlier rewrite wrote (two calls into one cache) is read from its replacement
+        args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
+        if shared is None:
+            outs = emit.functional_call(op, args)
+            written = ((k_write.put, outs["k_cache"]), (v_write.put, outs["v_cache"]))
+        else:
+            outs = _shared_base_call(emit, op, args, self._replaced.get(shared.root, shared.root))
+            written = ((shared.written, outs["buffer"]),)
+        q.prepared.replace_all_uses_with(outs["q_out"])
+        for old, new in written:
+            old.replace_all_uses_with(new)
+            self._replaced[old] = new
+        pattern = ("gqa_qknorm_rope_kv" if q.norm_weight is not None else "gqa_rope_kv") + (
+            "+separate" if _is_separate(k) else "") + ("+bf16_rope" if q.bf16_rope else "")
+        self.log.matched(self.name, pattern, q.prepared)
+
+
+def _is_separate(h: Heads) -> bool:
+    """The heads are the whole of their source: a separate projection, not qkv columns."""
+    return _is_whole(h.source, h.first_column, h.num_heads, h.head_dim)
+
+
+def _is_whole(source, first_column: int, num_heads: int, head_dim: int) -> bool:
+    """Heads ``[first_column, + num_heads * head_dim)`` cover all of ``source``."""
+    return first_column == 0 and shape(source)[1] == num_heads * head_dim
+
+
+def _settings_match(q: Heads, k: Heads) -> bool:
+    try:
+        _same_settings(q, k)
+        return True
+    except NoMatch:
+        return False
+
+
+def _same_settings(q: Heads, k: Heads) -> Heads:
+    """``q`` if it has one row per token of k's source and k's RoPE, norm and table (the op
+    takes them once for both), else NoMatch saying which differs."""
+    expect(same_size(shape(q.prepared)[0], shape(k.source)[0]), "q: not one row per token of qkv")
+    expect((q.is_neox, q.rotary_dim) == (k.is_neox, k.rotary_dim),
+           f"rope: q is {'NeoX' if q.is_neox else 'GPT-J'} over {q.rotary_dim} dims, k "
+           f"{'NeoX' if k.is_neox else 'GPT-J'} over {k.rotary_dim}; the op rotates both alike")
+    expect(q.positions is k.positions and q.cos_sin_cache is k.cos_sin_cache,
+           "rope: q and k read different positions or tables")
+    expect((q.norm_weight is None) == (k.norm_weight is None), "norm: only one of q and k is normed")
+    expect(q.eps == k.eps, f"norm: q eps {q.eps} and k eps {k.eps} differ; the op takes one eps")
+    return q
+
+
+def projection_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The activation a linear projection read (``mm(x, w)``, ``addmm(b, x, w)``, through
+    views on both sides), or None when ``node`` is no projection."""
+    node, _ = view_chain(node)
+    if is_op(node, aten.mm.default):
+        return view_chain(node.args[0])[0]
+    if is_op(node, aten.addmm.default):
+        return view_chain(node.args[1])[0]
+    return None
+
+
+def _closest_projections(candidates: list, source_of, k_source: torch.fx.Node) -> list:
+    """``candidates`` as they are when at most one; else those projected from the same
+    activation as ``k_source`` (one layer's q_proj/k_proj/v_proj read one input)."""
+    if len(candidates) <= 1:
+        return candidates
+    k_input = projection_input(k_source)
+    if k_input is None:
+        return candidates
+    return [c for c in candidates if projection_input(source_of(c)) is k_input]
+
+
+def q_out_buffer(emit: Emitter, q: Heads) -> torch.fx.Node:
+    """The op's ``q_out [T, Hq, D]``: scratch-arena memory (reservation
+    ``gqa_qknorm_rope_kv_insert.q_out.<k>``, reserved before KV sizing; see
+    ``fx_passes/scratch_buffers.py``), never a per-call allocation."""
+    tokens = emit.size(q.source, 0)
+    return emit.scratch("gqa_qknorm_rope_kv_insert.q_out", [tokens, q.num_heads, q.head_dim], torch.bfloat16, q.source,
+                        name=Q_SCRATCH_NAME)
+
+
+def _v_write_of(k: Heads, k_write: CacheWrite, v_writes: list[CacheWrite], used: set) -> CacheWrite:
+    """The one unused write, to the same slots, of ``k``'s qkv's heads as they are; or,
+    where k is a separate projection, of the whole of another projection (among several,
+    the one projected from k's input)."""
+    found = [w for w in v_writes if w.put not in used and w.slots is k_write.slots and w.cache is not k_write.cache]
+    if _is_separate(k):
+        # v: the whole of another projection, k's heads and head size
+        found = [w for w, plain in ((w, _plain_heads(w.rows)) for w in found)
+                 if _is_whole(*plain) and plain[0] is not k.source and plain[2:] == (k.num_heads, k.head_dim)]
+        found = _closest_projections(found, lambda w: _plain_heads(w.rows)[0], k.source)
+        expect(len(found) == 1, f"v: {len(found)} writes of a separate projection's heads to the same slots fit "
+                                f"k's {recognizers.describe(k.source)}, expected one")
+        return found[0]
+    found = [w for w in found if _plain_heads(w.rows)[0] is k.source]
+    expect(len(found) == 1, f"v: {len(found)} writes of heads of the same qkv to the same slots, expected one")
+    return found[0]
+
+
+def _plain_heads(rows) -> tuple | None:
+    """(qkv, first column, heads, head size) if ``rows`` are qkv heads as they are (v), else None."""
+    try:
+        return gqa_patterns.qkv_heads(rows)
+    except NoMatch:
+        return None
+
+
+def _readers(q: Heads, k_write: CacheWrite, v_write: CacheWrite, shared: SharedBase | None) -> list[torch.fx.Node]:
+    caches = list(shared.written.users) if shared else list(k_write.put.users) + list(v_write.put.users)
+    return list(q.prepared.users) + caches
+
+
+@dataclass
+class SharedBase:
+    """k and v caches are views of one buffer (``kv[:, 0]``, ``kv[:, 1]`` of a
+    ``[NB, 2, bs, Hkv, D]`` cache; AOT autograd merges two aliasing inputs into such a
+    base): ``root`` before both writes, ``written`` after both."""
+
+    root: torch.fx.Node
+    written: torch.fx.Node
+
+
+def _shared_base(first: CacheWrite, second: CacheWrite) -> SharedBase | None:
+    """The buffer both caches view, when ``second`` writes a view of what ``first``'s write produced."""
+    root, chain = view_chain(first.cache)
+    second_root, second_chain = view_chain(second.cache)
+    if not chain or not second_chain:
+        return None
+    try:
+        if scatter_back(first.put, chain) is not second_root:
+            return None
+        return SharedBase(root, scatter_back(second.put, second_chain))
+    except NoMatch:
+        return None
+
+
+def _shared_base_call(emit: Emitter, op, args: dict, root: torch.fx.Node) -> dict[str, torch.fx.Node]:
+    """The call writing both caches as views of ``root``: for v2 one base with each cache's
+    view regenerated from it (``_<arg>_size/_stride/_storage_offset``), which the
+    defunctionalize pass turns into in-place writes; for v1 both views, then their new
+    values scattered back into ``root``. Returns ``q_out`` and the new ``buffer``."""
+    v1, v2 = auto_functionalized_ops()
+    views = {name: val(args[name]) for name in ("k_cache", "v_cache")}
+    if v2 is not None and torch._inductor.config.enable_auto_functionalized_v2:
+        call = {k: v for k, v in args.items() if k not in ("q_out", *views)}
+        call.update(_q_out_base_index=0, _all_bases=[args["q_out"], root])
+        for name, view in views.items():
+            call.update({f"_{name}_base_index": 1, f"_{name}_size": list(view.shape),
+                         f"_{name}_stride": list(view.stride()), f"_{name}_storage_offset": view.storage_offset()})
+        af = emit.node(v2, op, **call)
+        index = output_indices(af)
+        return {"q_out": emit.node(operator.getitem, af, index["q_out"]),
+                "buffer": emit.node(operator.getitem, af, index["k_cache"])}
+    strided = {name: (list(view.shape), list(view.stride()), view.storage_offset()) for name, view in views.items()}
+    call = dict(args, **{name: emit.node(aten.as_strided.default, root, *strided[name]) for name in views})
+    af = emit.node(v1, op, **call)
+    index = output_indices(af)
+    buffer = root
+    for name in views:
+        buffer = emit.node(aten.as_strided_scatter.default, buffer, emit.node(operator.getitem, af, index[name]),
+                           *strided[name])
+    return {"q_out": emit.node(operator.getitem, af, index["q_out"]), "buffer": buffer}

@@ -1,0 +1,231 @@
+"""The GQA (Qwen3 / Llama) preparation patterns, read back out of a post-grad graph.
+
+``match_heads`` reads one prepared head tensor (q, or k before its cache write) back to
+its source: columns of the fused qkv it came from, or the whole of a separate q or k
+projection; ``match_cache_write`` reads one paged-cache ``index_put`` back to its rows
+and slots. Both return what the fused op needs or raise :class:`NoMatch` naming the step
+that differs; ``gqa.py`` combines one q, one k write and one v write (of one
+qkv, or of three projections of one input) into one call. Built from the step
+recognisers of ``matching/recognizers.py``.
+
+One torch difference shows here: torch 2.11's Inductor removes the bf16 round trip of
+``(k.to(bf16).float() / kv_scale)`` before an fp8 cache write (``_compat.
+inductor_drops_narrowing_round_trips``), so its graph quantises the fp32 rotation unrounded.
+Where it does, fp32 heads read only by such quantisations count as the bf16 heads the code
+rounded (``rounding_dropped``): the fused op rounds them to bf16 as the code says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from prepfuse._compat import inductor_drops_narrowing_round_trips
+from prepfuse.fx_passes.matching.cache_writes import first_rows_of
+from prepfuse.fx_passes.matching.recognizers import (
+    CONVERTS, RESHAPES, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe,
+    expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, shape, val,
+    weighted_rms_norm,
+)
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
+
+__all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "is_cache_write", "rounding_dropped"]
+
+CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+@dataclass
+class Heads:
+    """``prepared [T, H, D] bf16 = rope(norm(source[:, first:first + H*D].view(T, H, D)))``."""
+
+    prepared: torch.fx.Node
+    source: torch.fx.Node  # bf16 [T, W]: the fused qkv, or a separate projection (first 0, W = H*D)
+    first_column: int
+    num_heads: int
+    head_dim: int
+    norm_weight: torch.fx.Node | None  # bf16 [D], None without norm
+    eps: float | None
+    is_neox: bool
+    rotary_dim: int
+    positions: torch.fx.Node
+    cos_sin_cache: torch.fx.Node
+    bf16_rope: bool  # the source rotates in bf16 (HF): fusing changes its numerics
+
+
+@dataclass
+class CacheWrite:
+    """``cache[slots // bs, slots % bs] = rows`` (rows maybe fp8 of ``x / kv_scale``)."""
+
+    put: torch.fx.Node  # the index_put: its users read the written cache
+    cache: torch.fx.Node  # the cache before the write, [NB, bs, Hkv, D]
+    slots: torch.fx.Node  # int64 [n]
+    rows: torch.fx.Node  # bf16 [n, Hkv, D] or [T, Hkv, D] (first n inserted), before quantisation
+    #   (fp32 where Inductor removed their bf16 round trip: ``rounding_dropped``)
+    kv_scale: torch.fx.Node | None
+
+
+# --------------------------------------------------------------------------------------
+# Heads: qkv columns -> (weighted RMSNorm) -> RoPE (full or partial) -> bf16
+# --------------------------------------------------------------------------------------
+def qkv_heads(node) -> tuple[torch.fx.Node, int, int, int]:
+    """(source, first column, heads, head size) for ``qkv[:, a:b].view(T, H, D)`` (or a
+    split), or ``x.view(T, H, D)`` of a whole ``[T, H*D]`` tensor (a separate projection)."""
+    expect(is_op(node, *RESHAPES) and len(shape(node)) == 3, f"heads: {describe(node)} is not a [T, H, D] view of qkv columns")
+    _, num_heads, head_dim = shape(node)
+    found = last_dim_slice(node.args[0])
+    if found is None and isinstance(node.args[0], torch.fx.Node) and len(shape(node.args[0])) == 2:
+        whole = node.args[0]  # the view is of a whole [T, H*D] tensor: a separate projection
+        found = (whole, 0, shape(whole)[1], 1)
+    expect(found is not None and len(shape(found[0])) == 2, f"heads: {describe(node.args[0])} is not a column range of a 2-d qkv")
+    qkv, start, end, step = found
+    expect(step == 1 and end - start == num_heads * head_dim, f"heads: columns [{start}, {end}) are not {num_heads} heads of {head_dim}")
+    expect(val(qkv).dtype == torch.bfloat16, f"heads: qkv is {val(qkv).dtype}, the op reads bfloat16")
+    return qkv, start, num_heads, head_dim
+
+
+def _rotation(body) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, bool, bool]:
+    """(x, cos, sin, is_neox, cos/sin cast to bf16) of one RoPE formula's result."""
+    if is_op(body, *RESHAPES):  # GPT-J: a flatten of (even, odd) pairs
+        x, cos, sin = rope_gptj(body)
+        return x, cos, sin, False, False
+    x, cos, sin, cast = rope_neox(body)
+    expect(cast in (None, torch.bfloat16), f"rope: cos/sin are cast to {cast}")
+    return x, cos, sin, True, cast is not None
+
+
+def match_heads(prepared: torch.fx.Node) -> Heads:
+    """Pattern (Hugging Face ``Qwen3Attention``, engine layout ``[T, H, D]``)::
+
+        h = qkv.split([Hq*D, Hkv*D, Hkv*D], -1)[i].view(T, H, D)     # or qkv[:, a:b]
+        h = norm_weight * rms_norm(h.float(), eps).to(bf16)           # Qwen3 only
+        c, s = cos_sin_cache[positions].chunk(2, -1)                 # [T, R/2] fp32 each
+        out = rope(h[..., :R], c, s)    # NeoX or GPT-J; in fp32 then .to(bf16), or HF all-bf16
+        prepared = cat((out, h[..., R:]), -1)                          # partial only (R < D)
+        (a full rotation read only by an fp8 quantisation may be the fp32 ``out`` before its
+         ``.to(bf16)``, where Inductor dropped the round trip: ``rounding_dropped``)
+      ->  (with the k side and the v write, gqa.py)
+        af = auto_functionalized(gqa_qknorm_rope_kv_insert, qkv, norm_weight(s), q_out=empty(T, Hq, D), ..)
+        (or gqa_separate_qknorm_rope_kv_insert(q, k, v, ..) where the heads are whole projections)
+        (every reader of the prepared q reads af[q_out])
+    """
+    pv = val(prepared)
+    dropped = rounding_dropped(prepared)
+    expect(pv.dtype == torch.bfloat16 or dropped, f"heads: the prepared tensor is {pv.dtype}, the op writes bfloat16")
+    expect(pv.dim() == 3 and pv.shape[2] in HEAD_DIMS, f"heads: shape {tuple(pv.shape)}, the op's head size is one of {HEAD_DIMS}")
+    head_dim = pv.shape[2]
+    rot, rest = prepared, None
+    if is_op(prepared, aten.cat.default) and len(prepared.args[0]) == 2 and last_dim_slice(prepared.args[0][1]) is not None:
+        rot, rest = prepared.args[0]  # partial rotary: cat((rope(h[..., :R]), h[..., R:]), -1)
+    rot_dim = shape(rot)[-1]
+    # the fp32 rotation before its rounding to bf16 (``prepared`` itself when Inductor dropped that)
+    inner = prepared if dropped else convert_source(rot, torch.bfloat16)
+    fp32 = inner is not None and val(inner).dtype == torch.float32
+    x, cos, sin, is_neox, cast = _rotation(inner if fp32 else rot)
+    expect(fp32 or cast or val(x).dtype == torch.bfloat16, "rope: mixed dtypes")
+    if rest is not None:
+        h = bf16_columns(x, 0, rot_dim, "rope input") if fp32 else columns(x, 0, rot_dim, "rope input")
+        expect(columns(rest, rot_dim, head_dim, "pass-through dims") is h, "rope: rotated and pass-through dims of different tensors")
+    else:
+        h = convert_source(x, torch.float32) if fp32 else x
+        expect(h is not None, f"rope: fp32 rotation of {describe(x)}, not of the bf16 heads cast to fp32")
+    weight = eps = None
+    if not is_op(h, *RESHAPES):  # normed heads (Qwen3)
+        h, weight, eps = weighted_rms_norm(h)
+        wv = val(weight)
+        expect(wv.dtype == torch.bfloat16 and wv.shape == (head_dim,) and wv.stride(0) == 1,
+               f"norm: weight is {wv.dtype} {tuple(wv.shape)}, the op reads a dense bfloat16 [{head_dim}]")
+    qkv, first, num_heads, hd = qkv_heads(h)
+    expect(hd == head_dim, f"heads: head size {hd} != {head_dim}")
+    table, positions = cos_sin_rows(cos, sin, shape(prepared)[0], rank=3)
+    expect(shape(table)[1] == rot_dim, f"rope: the cos/sin table has {shape(table)[1]} columns, the rotary dim is {rot_dim}")
+    return Heads(prepared, qkv, first, num_heads, head_dim, weight, eps, is_neox, rot_dim, positions, table,
+                 bf16_rope=cast or not fp32)
+
+
+def rounding_dropped(node) -> bool:
+    """Whether ``node`` is fp32 rows whose ``.to(bf16).float()`` before an fp8 cache write
+    Inductor removed (``inductor_drops_narrowing_round_trips``; torch 2.11): every reader
+    is ``(node / kv_scale).clamp(..).to(e4m3)``. The graph then cannot tell this from code
+    that quantised the fp32 rows unrounded; the pass reads it as the rounded rows (what the
+    supported spellings write, and the op computes). Readers other than the quantisation
+    (a q read by attention) keep an fp32 tensor from passing for bf16 heads.
+    """
+    if val(node).dtype != torch.float32 or not node.users or not inductor_drops_narrowing_round_trips():
+        return False
+    return all(_quantised_to_e4m3(user, node) for user in node.users)
+
+
+def _quantised_to_e4m3(div: torch.fx.Node, rows: torch.fx.Node) -> bool:
+    """``div`` is ``rows / scale``, read only through clamps by casts to float8_e4m3fn."""
+    if not (is_op(div, aten.div.Tensor) and div.args[0] is rows):
+        return False
+    node = div
+    while len(node.users) == 1 and is_op(next(iter(node.users)), aten.clamp_min.default, aten.clamp_max.default,
+                                         aten.clamp.default):
+        node = next(iter(node.users))
+    return bool(node.users) and all(convert_source(u, torch.float8_e4m3fn) is node for u in node.users)
+
+
+# --------------------------------------------------------------------------------------
+# Cache writes: index_put(cache, [slots // bs, slots % bs], rows)
+# --------------------------------------------------------------------------------------
+def is_cache_write(node) -> bool:
+    """A candidate: a non-accumulating ``index_put`` of ``[n, H, D]`` rows into a 4-d tensor."""
+    if not is_op(node, aten.index_put.default):
+        return False
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    return not accumulate and len(shape(node.args[0])) == 4 and len(shape(put_rows(node))) == 3
+
+
+def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(bf16 rows, kv_scale) for ``(rows.float() / kv_scale).clamp(-448, 448).to(e4m3)``
+    (the fp32 rows where Inductor dropped their bf16 round trip: ``rounding_dropped``)."""
+    clamped = convert_source(values, torch.float8_e4m3fn)
+    expect(clamped is not None, f"fp8: rows {describe(values)} are not a cast to float8_e4m3fn")
+    scaled, lo, hi = clamp_bounds(clamped)
+    expect((lo, hi) == (-FP8_MAX, FP8_MAX), f"fp8: clamp to [{lo}, {hi}], expected [-448, 448]")
+    expect(is_op(scaled, aten.div.Tensor), f"fp8: rows are scaled by {describe(scaled)}; the op divides by kv_scale "
+                                           "(a true division: a multiply by 1/kv_scale rounds differently)")
+    x, scale = scaled.args[:2]
+    sv = val(scale)
+    expect(isinstance(scale, torch.fx.Node) and sv.dtype == torch.float32 and sv.numel() == 1 and sv.dim() <= 1,
+           f"fp8: divisor {describe(scale)} is not a device fp32 kv_scale of shape [1] or []")
+    if rounding_dropped(x):
+        return x, scale
+    rows = convert_source(x, torch.float32)
+    expect(rows is not None and val(rows).dtype == torch.bfloat16, f"fp8: {describe(x)} is not bf16 rows cast to fp32")
+    return rows, scale
+
+
+def match_cache_write(put: torch.fx.Node) -> CacheWrite:
+    """Pattern (``cache [NB, bs, Hkv, D]``, bf16 or e4m3)::
+
+        cache[slots // bs, slots % bs] = rows[:n]                   # bf16 cache
+        cache[slots // bs, slots % bs] = (rows[:n].float() / kv_scale).clamp(-448, 448).to(e4m3)
+        # functional: index_put(cache, [div, remainder], ..), copy_(cache, index_put) at the end
+      ->  (the k write and the v write of one qkv, with its q)
+        af = auto_functionalized(gqa_qknorm_rope_kv_insert, .., k_cache=k_cache, v_cache=v_cache, ..)
+        (every reader of the written caches reads af[k_cache], af[v_cache])
+    """
+    cache, indices = put.args[:2]
+    values = put_rows(put)  # [n, Hkv, D], also for a single slot
+    cv = val(cache)
+    expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
+    expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")
+    if len(indices) == 3 and indices[1] is None:
+        raise NoMatch("write: indices [block, :, row]: a [num_blocks, Hkv, block_size, D] cache (heads before slots); "
+                      "the op's cache is [num_blocks, block_size, Hkv, D]")
+    slots = paged_slots(list(indices), cv.shape[1])
+    expect(tuple(shape(values)[1:]) == tuple(cv.shape[2:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the cache")
+    expect(same_size(shape(values)[0], shape(slots)[0]), "write: not one row per slot")
+    scale = None
+    values = first_rows_of(values, shape(slots)[0])  # rows[:n], sliced after quantisation
+    if cv.dtype == torch.float8_e4m3fn:
+        values, scale = _fp8_rows(values)
+    expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
+           f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
+    while is_op(values, *CONVERTS) and val(values.args[0]).dtype == torch.bfloat16:
+        values = values.args[0]  # a no-op cast kept by the graph
+    return CacheWrite(put, cache, slots, first_rows_of(values, shape(slots)[0]), scale)

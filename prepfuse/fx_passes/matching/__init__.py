@@ -1,0 +1,20 @@
+"""What every fusion family shares: reading preparation math back out of a post-grad graph,
+and emitting the fused call.
+
+- ``recognizers.py``: one small matcher per step (norm, RoPE, gathers, slices, view chains),
+  each returning the step's inputs or raising ``NoMatch`` with what it found instead;
+- ``cache_writes.py``: paged byte-cache writes read back to their layout, and the write of a
+  data row's scale bytes;
+- ``emitter.py``: what every rewrite inserts (fake values, the functional call);
+- ``scratch_buffers.py``: output buffers from the scratch arena.
+
+A family (``fusion/<family>.py``) borrows from here, never from another family.
+``MATCHING_MODULES`` lists these modules for the passes' uuids: editing one invalidates
+Inductor's cache for every pass that uses it.
+"""
+
+from prepfuse.fx_passes.matching import cache_writes, emitter, recognizers, scratch_buffers
+
+MATCHING_MODULES = (recognizers, cache_writes, emitter, scratch_buffers)
+
+__all__ = ["MATCHING_MODULES", "cache_writes", "emitter", "recognizers", "scratch_buffers"]

@@ -1,0 +1,88 @@
+"""Node emission for the pattern passes: what each rewrite inserts, with fake values.
+
+Every fused-op pass builds its replacement the same way: nodes inserted before one
+point (the first reader of the outputs), each given its fake value (later passes and
+Inductor read ``meta['val']``) and the matched code's source line (for the report),
+output buffers from the scratch arena, and the call as ``auto_functionalized[_v2]``
+with a getitem per written argument, derived from the op's schema.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from prepfuse._compat import auto_functionalized_ops
+from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
+from prepfuse.fx_passes.matching.recognizers import aten, prims, shape, val
+from prepfuse.fx_passes.matching.scratch_buffers import scratch_buffer
+from prepfuse.ops import SCRATCH
+
+__all__ = ["Emitter"]
+
+
+class Emitter:
+    """Inserts nodes before ``point``, each with its fake value (later passes read ``meta['val']``)."""
+
+    def __init__(self, graph: torch.fx.Graph, point: torch.fx.Node, source: torch.fx.Node) -> None:
+        self.graph, self.point = graph, point
+        # the matched code's source line, for the report's rows about emitted nodes
+        self.stack_trace = source.meta.get("stack_trace")
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+
+    def node(self, target, *args, name: str | None = None, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(self.point):
+            node = self.graph.call_function(target, args, kwargs)
+        if name is not None:
+            node._rename(name)
+        if self.stack_trace:
+            node.meta["stack_trace"] = self.stack_trace
+        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        return node
+
+    def size(self, tensor: torch.fx.Node, dim: int):
+        """``tensor.size(dim)``: an int, or a ``sym_size`` node when it is symbolic."""
+        size = shape(tensor)[dim]
+        return size if isinstance(size, int) else self.node(aten.sym_size.int, tensor, dim)
+
+    def empty(self, sizes, dtype, like: torch.fx.Node) -> torch.fx.Node:
+        return self.node(aten.empty.memory_format, sizes, dtype=dtype, device=val(like).device, pin_memory=False)
+
+    def scratch(self, base: str, sizes, dtype, like: torch.fx.Node, name: str) -> torch.fx.Node:
+        """An arena-backed output buffer (``scratch_buffer``): no allocation per call."""
+        node = scratch_buffer(self.graph, self.point, base, sizes, dtype, val(like).device, node_name=name)
+        if node.target is SCRATCH and self.stack_trace and "stack_trace" not in node.meta:
+            node.meta["stack_trace"] = self.stack_trace
+        return node
+
+    def functional_call(self, op, kwargs: dict) -> dict[str, torch.fx.Node]:
+        """``auto_functionalized[_v2](op, ..)`` and a getitem per written argument, by name.
+
+        The written arguments come from the schema (``mutation_info``); for v2 each is its
+        own base in ``_all_bases``.
+        """
+        v1, v2 = auto_functionalized_ops()
+        written = [arg.name for arg in mutated_args(op)]
+        if v2 is not None and torch._inductor.config.enable_auto_functionalized_v2:
+            hop = v2
+            call = {k: v for k, v in kwargs.items() if k not in written}
+            call.update({f"_{name}_base_index": i for i, name in enumerate(written)})
+            call["_all_bases"] = [kwargs[name] for name in written]
+        else:
+            hop, call = v1, kwargs
+        af = self.node(hop, op, **call)
+        return {name: self.node(operator.getitem, af, index) for name, index in output_indices(af).items()}
+
+    def as_bf16(self, node: torch.fx.Node) -> torch.fx.Node:
+        """``node`` as the ops read it, bf16. A pattern that found the fp32 value whose
+        ``.to(bf16)`` torch 2.11's Inductor dropped (``_compat.inductor_drops_narrowing_round_trips``)
+        hands it over as fp32: the cast goes back in front of the call, so the call
+        rounds as the code does."""
+        if val(node).dtype == torch.float32:
+            return self.node(prims.convert_element_type.default, node, torch.bfloat16)
+        return node

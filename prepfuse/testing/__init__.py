@@ -1,0 +1,15 @@
+"""Inputs and comparisons shared by the tests, the benchmark and the demo.
+
+Checks follow one rule: fresh random data every run, outputs poisoned before the call
+(q_out with -123.0, every cache byte with 0xA5), so a byte that should have been written and
+was not shows up, and a byte that should not have been written shows up too.
+
+One module per family (``dsv4``, ``gqa``, ``dsv4_indexer``), what they share (``common``) and
+the demo's quick GPU timing (``timing``); everything is exported here too.
+"""
+
+from prepfuse.testing.common import *  # noqa: F401,F403
+from prepfuse.testing.dsv4 import *  # noqa: F401,F403
+from prepfuse.testing.dsv4_indexer import *  # noqa: F401,F403
+from prepfuse.testing.gqa import *  # noqa: F401,F403
+from prepfuse.testing.timing import *  # noqa: F401,F403

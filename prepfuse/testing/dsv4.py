@@ -1,0 +1,169 @@
+"""``prepfuse::dsv4_qnorm_rope_kv_insert``: one call's inputs, made fresh and poisoned, and the
+comparison the spec bounds (bf16 ULPs of q, fp8 codes of the cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import HEAD_DIM, NOPE_DIM, SLOT_BYTES
+from prepfuse.testing.common import (
+    Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
+)
+
+__all__ = ["Dsv4Inputs", "make_dsv4_inputs", "Dsv4Comparison", "fp8_data_byte_mask", "compare_dsv4_q", "compare_dsv4"]
+
+
+@dataclass
+class Dsv4Inputs:
+    """One call's arguments of ``prepfuse::dsv4_qnorm_rope_kv_insert``."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    q_out: torch.Tensor
+    k_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    eps: float
+    block_size: int
+
+    def args(self) -> tuple:
+        return (
+            self.q, self.kv, self.q_out, self.k_cache, self.slot_mapping,
+            self.positions, self.cos_sin_cache, self.eps, self.block_size,
+        )
+
+    def fresh_outputs(self) -> "Dsv4Inputs":
+        """The same inputs with newly poisoned q_out and k_cache (same shapes and strides)."""
+        return replace(self, q_out=poisoned_like(self.q_out, value=Q_POISON), k_cache=poisoned_like(self.k_cache))
+
+
+def make_dsv4_inputs(
+    num_tokens: int,
+    num_heads: int,
+    padded_heads: int,
+    block_size: int,
+    device,
+    *,
+    generator: torch.Generator | None = None,
+    num_inserted: int | None = None,
+    skip_fraction: float = 0.1,
+    spare_slots: int = 64,
+    max_pos: int = 8192,
+    eps: float = 1e-6,
+) -> Dsv4Inputs:
+    """Fresh random inputs with poisoned outputs.
+
+    The first ``num_inserted`` rows (default all) get distinct random slots in a cache
+    with ``spare_slots`` more slots than rows; about ``skip_fraction`` of them are -1.
+    q has a wide per-row dynamic range and kv per-block ranges from 1e-6 to 1e3 so that
+    the norm, the UE8M0 exponents and the fp8 subnormals are all exercised. The cache
+    rows are padded past 584 bytes per slot, as engines pad to a multiple of 576.
+    """
+    gen = fresh_generator(generator)
+    num_inserted = num_tokens if num_inserted is None else num_inserted
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    q = randn(num_tokens, num_heads, HEAD_DIM) * torch.exp(randn(num_tokens, num_heads, 1) * 2)
+    kv_scale = torch.exp(randn(num_tokens, 8, 1) * 4).clamp(1e-6, 1e3)
+    kv = (randn(num_tokens, 8, 64) * kv_scale).reshape(num_tokens, HEAD_DIM)
+
+    num_blocks, slots = random_slots(num_inserted, spare_slots, block_size, skip_fraction, gen)
+    row_stride = -(-block_size * SLOT_BYTES // 576) * 576  # padded to a multiple of 576
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+
+    inputs = Dsv4Inputs(
+        q=q.to(torch.bfloat16).to(device),
+        kv=kv.to(torch.bfloat16).to(device),
+        q_out=torch.empty(num_tokens, padded_heads, HEAD_DIM, dtype=torch.bfloat16, device=device),
+        k_cache=torch.empty(num_blocks, row_stride, dtype=torch.uint8, device=device),
+        slot_mapping=slots.to(device),
+        positions=positions.to(device),
+        cos_sin_cache=rope_cos_sin_cache(max_pos, device),
+        eps=eps,
+        block_size=block_size,
+    )
+    return inputs.fresh_outputs()
+
+
+@dataclass
+class Dsv4Comparison:
+    """How two runs of the op on the same inputs differ."""
+
+    q_elements: int
+    q_mismatches: int  # elements of q_out that differ at all
+    q_max_ulp: int  # largest difference, bf16 ULPs
+    q_nope_max_ulp: int  # largest difference among dims [0, 448), bf16 ULPs
+    q_rope_over_1ulp: int  # RoPE-dim elements (448..511) more than 1 bf16 ULP apart
+    cache_bytes: int
+    cache_mismatches: int  # bytes of k_cache that differ at all
+    cache_max_code_diff: int  # largest difference among fp8 data bytes, e4m3 codes
+    cache_non_fp8_mismatches: int  # differing bytes outside fp8 data (bf16 rope, scales, untouched)
+
+    def within_spec(self, per_million: float = 10.0) -> bool:
+        """The DeepSeek-V4 bound (docs/design.md): at most 1 bf16 ULP on a few q values per million, one fp8 code
+        on a few cache bytes per million, everything else identical. "A few" q values has
+        a floor of 32, as they come in clusters: a head whose sum of squares rounds
+        differently moves every value of the head near a rounding boundary (an H200 run
+        saw 14 one-ULP values in 524288 at T=8, H=128; ~3 per million at large T).
+
+        One allowance, in the RoPE dims only: e*cos - o*sin can cancel almost to zero,
+        and there a one-ulp fp32 difference of 1/sqrt(mean(x^2)+eps) (summation order)
+        is many bf16 ULPs of the tiny result. Such values may differ by more than one
+        ULP, at most one per million q values (seen: 1 to 3 per 268M on an H200).
+        """
+        q_ok = (
+            self.q_nope_max_ulp <= 1
+            and self.q_rope_over_1ulp <= max(1, self.q_elements / 1e6)
+            and self.q_mismatches <= max(32, self.q_elements * per_million / 1e6)
+        )
+        c_ok = (
+            self.cache_max_code_diff <= 1
+            and self.cache_non_fp8_mismatches <= max(1, self.cache_bytes * per_million / 1e6)
+            and self.cache_mismatches <= max(1, self.cache_bytes * per_million / 1e6)
+        )
+        return q_ok and c_ok
+
+
+def fp8_data_byte_mask(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """True for the cache bytes that hold fp8 NoPE codes (bytes [0, 448) of each slot row)."""
+    cols = torch.arange(k_cache.shape[1], device=k_cache.device)
+    in_data = cols < block_size * 576
+    return (in_data & (cols % 576 < 448)).expand_as(k_cache)
+
+
+def compare_dsv4_q(a: torch.Tensor, b: torch.Tensor) -> Dsv4Comparison:
+    """Compare two bf16 q tensors [..., 512] alone (the cache fields are zero), e.g. a
+    compiled model's padded q against eager's, with the same ``within_spec`` bound."""
+    ulp = bf16_ulp_diff(a, b)
+    nope_ulp, rope_ulp = ulp[..., :NOPE_DIM], ulp[..., NOPE_DIM:]
+    return Dsv4Comparison(
+        q_elements=a.numel(),
+        q_mismatches=int((ulp != 0).sum()),
+        q_max_ulp=int(ulp.max()) if ulp.numel() else 0,
+        q_nope_max_ulp=int(nope_ulp.max()) if nope_ulp.numel() else 0,
+        q_rope_over_1ulp=int((rope_ulp > 1).sum()),
+        cache_bytes=0,
+        cache_mismatches=0,
+        cache_max_code_diff=0,
+        cache_non_fp8_mismatches=0,
+    )
+
+
+def compare_dsv4(a: Dsv4Inputs, b: Dsv4Inputs) -> Dsv4Comparison:
+    """Compare the outputs of two runs (q_out and the whole cache, untouched bytes included)."""
+    q = compare_dsv4_q(a.q_out, b.q_out)
+    cache_diff = a.k_cache != b.k_cache
+    fp8_mask = fp8_data_byte_mask(a.k_cache, a.block_size)
+    code_diff = torch.where(fp8_mask, e4m3_code_diff(a.k_cache, b.k_cache), 0)
+    return replace(
+        q,
+        cache_bytes=a.k_cache.numel(),
+        cache_mismatches=int(cache_diff.sum()),
+        cache_max_code_diff=int(code_diff.max()) if code_diff.numel() else 0,
+        cache_non_fp8_mismatches=int((cache_diff & ~fp8_mask).sum()),
+    )

@@ -1,0 +1,201 @@
+"""``prepfuse::gqa_qknorm_rope_kv_insert`` (and its separate-projections op): one call's inputs,
+made fresh and poisoned, the comparison, and the bound of Hugging Face's all-bf16 RoPE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from prepfuse.testing.common import (
+    Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
+)
+
+__all__ = ["GqaInputs", "make_gqa_inputs", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
+
+
+@dataclass
+class GqaInputs:
+    """One call's arguments of ``prepfuse::gqa_qknorm_rope_kv_insert``."""
+
+    qkv: torch.Tensor
+    q_norm_weight: torch.Tensor | None
+    k_norm_weight: torch.Tensor | None
+    q_out: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    kv_scale: torch.Tensor | None
+    num_q_heads: int
+    num_kv_heads: int
+    is_neox: bool
+    eps: float
+
+    def args(self) -> tuple:
+        return (
+            self.qkv, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
+            self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale,
+            self.num_q_heads, self.num_kv_heads, self.is_neox, self.eps,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_out.shape[2]
+
+    def separate_args(self, token_padding: int = 0) -> tuple:
+        """The same call as ``prepfuse::gqa_separate_qknorm_rope_kv_insert``'s arguments:
+        qkv's q, k and v columns copied into three tensors of their own (as three
+        projections give them), each row followed by ``token_padding`` unused values
+        (a token stride wider than the row)."""
+        d = self.head_dim
+        widths = (self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        sources = []
+        for part, width in zip(self.qkv.split(widths, dim=1), widths):
+            padded = torch.full((part.shape[0], width + token_padding), -7.0, dtype=part.dtype, device=part.device)
+            padded[:, :width] = part
+            sources.append(padded[:, :width])
+        return (
+            *sources, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
+            self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale, self.is_neox, self.eps,
+        )
+
+    def fresh_outputs(self) -> "GqaInputs":
+        """The same inputs with newly poisoned q_out and caches (same shapes and strides)."""
+        return replace(
+            self,
+            q_out=poisoned_like(self.q_out, value=Q_POISON),
+            k_cache=poisoned_like(self.k_cache),
+            v_cache=poisoned_like(self.v_cache),
+        )
+
+
+def make_gqa_inputs(
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device,
+    *,
+    rotary_dim: int | None = None,
+    is_neox: bool = True,
+    norm: bool = True,
+    cache_dtype: torch.dtype = torch.bfloat16,
+    generator: torch.Generator | None = None,
+    num_inserted: int | None = None,
+    skip_fraction: float = 0.1,
+    spare_slots: int = 64,
+    max_pos: int = 8192,
+    eps: float = 1e-6,
+) -> GqaInputs:
+    """Fresh random inputs with poisoned outputs.
+
+    qkv rows are a view of a wider buffer (token stride > width, as when qkv is a slice
+    of a larger projection output), with a wide per-head dynamic range. The caches are
+    the two halves of one ``[NB, 2, BS, Hkv, D]`` buffer (FlashInfer's layout), so their
+    block strides are not their sizes. For fp8 caches ``kv_scale`` is drawn so that a few
+    values saturate at +-448 and the smallest fall into e4m3's subnormals. The first
+    ``num_inserted`` rows (default all) get distinct random slots; about
+    ``skip_fraction`` of them are -1.
+    """
+    gen = fresh_generator(generator)
+    num_inserted = num_tokens if num_inserted is None else num_inserted
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    n_heads = num_q_heads + 2 * num_kv_heads
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    heads = randn(num_tokens, n_heads, head_dim) * torch.exp(randn(num_tokens, n_heads, 1) * 2)
+    wide = torch.zeros(num_tokens, n_heads * head_dim + 24, dtype=torch.bfloat16)
+    wide[:, 8 : 8 + n_heads * head_dim] = heads.flatten(1).to(torch.bfloat16)
+    qkv = wide.to(device)[:, 8 : 8 + n_heads * head_dim]
+
+    weights = [None, None]
+    if norm:
+        weights = [(randn(head_dim) * 0.3 + 1).to(torch.bfloat16).to(device) for _ in range(2)]
+    kv_scale = None
+    if cache_dtype == torch.float8_e4m3fn:
+        # |normed k| is O(1): saturation starts between 2 and 4, so a few k values clamp;
+        # v and unnormed k keep qkv's per-head range (e^(2*randn)), so whole heads clamp
+        # and others fall into e4m3's subnormals
+        kv_scale = torch.tensor([(2.0 + 2.0 * float(torch.rand(1, generator=gen))) / 448.0], device=device)
+
+    num_blocks, slots = random_slots(num_inserted, spare_slots, block_size, skip_fraction, gen)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+    kv_buffer = torch.empty(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+
+    inputs = GqaInputs(
+        qkv=qkv,
+        q_norm_weight=weights[0],
+        k_norm_weight=weights[1],
+        q_out=torch.empty(num_tokens, num_q_heads, head_dim, dtype=torch.bfloat16, device=device),
+        k_cache=kv_buffer[:, 0],
+        v_cache=kv_buffer[:, 1],
+        slot_mapping=slots.to(device),
+        positions=positions.to(device),
+        cos_sin_cache=rope_cos_sin_cache(max_pos, device, rotary_dim=rotary_dim),
+        kv_scale=kv_scale,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        is_neox=is_neox,
+        eps=eps,
+    )
+    return inputs.fresh_outputs()
+
+
+@dataclass
+class GqaComparison:
+    """How two runs of the GQA op on the same inputs differ."""
+
+    q_elements: int
+    q_mismatches: int  # elements of q_out that differ at all
+    q_max_ulp: int  # largest difference, bf16 ULPs
+    cache_elements: int  # elements of k_cache and v_cache together
+    cache_mismatches: int  # cache elements that differ at all (untouched ones included)
+    cache_max_diff: int  # largest difference, bf16 ULPs or e4m3 codes
+
+    def exact(self) -> bool:
+        return self.q_mismatches == 0 and self.cache_mismatches == 0
+
+
+def compare_gqa(a: GqaInputs, b: GqaInputs) -> GqaComparison:
+    """Compare the outputs of two runs (q_out and both whole caches)."""
+    ulp = bf16_ulp_diff(a.q_out, b.q_out)
+    diffs = []
+    for x, y in ((a.k_cache, b.k_cache), (a.v_cache, b.v_cache)):
+        if x.dtype == torch.float8_e4m3fn:
+            diffs.append(e4m3_code_diff(x.view(torch.uint8), y.view(torch.uint8)).flatten())
+        else:
+            diffs.append(bf16_ulp_diff(x, y).flatten())
+    cache = torch.cat(diffs)
+    return GqaComparison(
+        q_elements=a.q_out.numel(),
+        q_mismatches=int((ulp != 0).sum()),
+        q_max_ulp=int(ulp.max()) if ulp.numel() else 0,
+        cache_elements=cache.numel(),
+        cache_mismatches=int((cache != 0).sum()),
+        cache_max_diff=int(cache.max()) if cache.numel() else 0,
+    )
+
+
+
+def bf16_rope_pair_bound(x: torch.Tensor, rotary_dim: int, is_neox: bool, factor: float = 1.25 * 2**-7) -> torch.Tensor:
+    """How far Hugging Face's all-bf16 RoPE of ``x [..., D]`` may be from the GQA op's fp32
+    rotation, per value: ``factor * (|a| + |b|)`` on rotated dims (``a``, ``b`` the value's
+    pair: ``(i, i + R/2)`` NeoX, ``(2i, 2i + 1)`` GPT-J), 0 on pass-through dims.
+
+    HF casts cos/sin to bf16 and rounds both products and their sum in bf16; with the op's
+    final rounding that is four relative errors of at most 2^-9 each, 2^-7 in all (the op's
+    docstring measured 0.0081); ``factor`` leaves a hair above it.
+    """
+    a = x[..., :rotary_dim].float().abs()
+    if is_neox:
+        partner = torch.cat((a[..., rotary_dim // 2 :], a[..., : rotary_dim // 2]), dim=-1)
+    else:
+        partner = a.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    bound = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    bound[..., :rotary_dim] = factor * (a + partner)
+    return bound
