@@ -1,7 +1,9 @@
-"""Compile-time cost of prepfuse's passes: the demo model compiled with backend="prepfuse"
-with its passes and with none (``passes=()``), fresh each time (no FX graph cache).
+"""Compile-time cost of prepfuse's passes: the demo model, and each case of the corpus of
+other people's code (``prepfuse.models.clients``: transformers' attention modules run
+engine-style), compiled with backend="prepfuse" with its passes and with none
+(``passes=()``), fresh each time (no FX graph cache).
 
-    PYTHONPATH=. python bench/compile_overhead.py [--layers 3] [--repeats 3]
+    PYTHONPATH=. python bench/compile_overhead.py [--layers 3] [--repeats 3] [--no-corpus]
 
 Prints seconds per compile (median of the repeats) for both, the difference, and the
 passes' own time measured inside the pass manager. Runs on the CPU or a GPU.
@@ -22,14 +24,27 @@ from prepfuse.models.dsv4 import Dsv4AttentionBlock, fp8_ds_mla_cache
 from prepfuse.testing import make_dsv4_inputs
 
 
-def compile_seconds(passes, layers: int, device) -> tuple[float, float]:
-    """(wall seconds of the first call, i.e. the compile; seconds inside the pass manager)."""
-    torch._dynamo.reset()
+def demo_model(layers: int, device):
+    """The demo's DeepSeek-V4 block and its arguments."""
     tokens, heads, padded, block_size, dim = 7, 3, 8, 16, 64
     block = Dsv4AttentionBlock(layers, dim, heads, padded, block_size=block_size).to(device)
     inputs = make_dsv4_inputs(tokens, heads, padded, block_size, device, skip_fraction=0.0)
     caches = [fp8_ds_mla_cache(inputs.k_cache.shape[0], block_size, device) for _ in range(layers)]
     x = torch.randn(tokens, dim, device=device).to(torch.bfloat16)
+    return block, (x, inputs.positions, inputs.slot_mapping, inputs.cos_sin_cache, caches)
+
+
+def client_model(case):
+    def build(layers: int, device):
+        from prepfuse.models.clients import build_client
+        return build_client(case, num_layers=layers, device=device)
+    return build
+
+
+def compile_seconds(build, passes, layers: int, device) -> tuple[float, float]:
+    """(wall seconds of the first call, i.e. the compile; seconds inside the pass manager)."""
+    torch._dynamo.reset()
+    block, call_args = build(layers, device)
     options = {"inductor_config": {"fx_graph_cache": False}}
     if passes is not None:
         options["passes"] = passes
@@ -47,7 +62,8 @@ def compile_seconds(passes, layers: int, device) -> tuple[float, float]:
     PrepfusePassManager.__call__ = timed
     try:
         start = time.perf_counter()
-        compiled(x, inputs.positions, inputs.slot_mapping, inputs.cos_sin_cache, caches)
+        with torch.no_grad():
+            compiled(*call_args)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start, in_passes
@@ -59,17 +75,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-corpus", action="store_true", help="the demo model only")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    compile_seconds(None, args.layers, device)  # warm: imports, first-use costs of Inductor
-    rows = {}
-    for label, passes in (("with passes", None), ("no passes", ())):
-        runs = [compile_seconds(passes, args.layers, device) for _ in range(args.repeats)]
-        rows[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-    print(f"torch {torch.__version__}, {device}, {args.layers}-layer demo model, median of {args.repeats} fresh compiles")
-    for label, (total, inside) in rows.items():
-        print(f"  {label:12s} {total:7.2f} s compile   {inside:6.3f} s inside the pass manager")
-    print(f"  passes add {rows['with passes'][0] - rows['no passes'][0]:+.2f} s to the compile")
+    models = {"demo (DeepSeek-V4 block)": demo_model}
+    if not args.no_corpus:
+        from prepfuse.models.clients import CLIENT_CASES
+        models.update({case.name: client_model(case) for case in CLIENT_CASES})
+    compile_seconds(demo_model, None, args.layers, device)  # warm: imports, first-use costs of Inductor
+    print(f"torch {torch.__version__}, {device}, {args.layers} layers, median of {args.repeats} fresh compiles")
+    for name, build in models.items():
+        rows = {}
+        for label, passes in (("with passes", None), ("no passes", ())):
+            runs = [compile_seconds(build, passes, args.layers, device) for _ in range(args.repeats)]
+            rows[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        (total, inside), (bare, _) = rows["with passes"], rows["no passes"]
+        print(f"  {name:26s} with passes {total:6.2f} s ({inside:5.3f} s in the pass manager)   "
+              f"no passes {bare:6.2f} s   passes add {total - bare:+.2f} s ({100 * (total - bare) / bare:+.0f}%)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #   gqa-sweep - the GQA kernel's launch-configuration sweep
 #   indexer - the DeepSeek-V4 indexer ops' benchmark (JSON, PNG, benchmarks_indexer.md into $OUT)
 #   indexer-sweep - the indexer kernel's launch-configuration sweep
+#   clients - transformers' attention modules, backend=prepfuse vs inductor (benchmarks_clients.md into $OUT)
 #   demo  - the README's main command's python part
 # Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
 # No pip there: pure-python wheels carried in .whl/ are unpacked to /tmp/site.
@@ -80,6 +81,10 @@ for what in "${steps[@]}"; do
     indexer-sweep)
         step indexer-sweep
         python3 bench/sweep_dsv4_indexer_launch.py --out-dir "$OUT" ${PREPFUSE_SWEEP_ARGS:-} 2>&1 | tail -n 20 | tee -a "$log" || status=1
+        ;;
+    clients)
+        step clients
+        python3 bench/bench_clients.py --out-dir "$OUT" --docs "$OUT/benchmarks_clients.md" 2>&1 | tail -n 20 | tee -a "$log" || status=1
         ;;
     demo)
         step demo

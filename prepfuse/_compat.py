@@ -261,3 +261,11 @@ def inductor_drops_narrowing_round_trips() -> bool:
             "cannot probe Inductor's pointless_convert (%s: %s); assuming it %s narrowing round trips (torch %s)",
             type(err).__name__, err, "drops" if lossy else "keeps", torch.__version__)
         return lossy
+
+
+def golden_rotary_graph_stable() -> bool:
+    """Whether Hugging Face's rotary module decomposes as the corpus golden graph records it
+    (torch 2.13 and 2.14: ``inv_freq @ positions`` as a broadcast ``mul``); torch 2.11 keeps a
+    ``bmm`` there, which renumbers the graph's nodes. Only the golden print depends on it:
+    the fused part is the same on every version."""
+    return TORCH_VERSION >= (2, 13)

@@ -25,8 +25,8 @@ import torch.fx
 
 from prepfuse.fx_passes.fusion.dsv4_indexer_patterns import rope_tail
 from prepfuse.fx_passes.matching.recognizers import (
-    RESHAPES, NoMatch, _pair_slice, aten, clamp_bounds, convert_source, describe, expect, is_op, same_shape,
-    put_rows, same_size, same_value, scalar, shape, split_operands, strip, val,
+    RESHAPES, _pair_slice, aten, clamp_bounds, convert_source, describe, expect, is_op, NoMatch, pow2_scaled,
+    put_rows, same_size, scalar, shape, split_operands, strip, val,
 )
 from prepfuse.ops.dsv4_indexer_common import (
     E2M1_MAX, HEAD_DIM, MXFP4_AMAX_FLOOR, MXFP4_BLOCK, MXFP4_BLOCKS, MXFP4_PACKED,
@@ -175,27 +175,8 @@ def _rounded(node, c, factor: float) -> float:
 def block_quant(v: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(y, e) for ``v = blocks * exp2(-e)[..., None]``, ``blocks = y.unflatten(-1, (4, 32))``,
     ``e = ceil(log2(max(amax(|blocks|, -1), 6 * 2^-126) / 6))`` (maybe clamped to [-127, 127])."""
-    expect(is_op(v, aten.mul.Tensor), f"quant: {describe(v)} is not blocks * 2^-e")
-    blocks, inv = split_operands(v, lambda n: isinstance(n, torch.fx.Node) and same_shape(n, v))
-    expect(blocks is not None, "quant: no full-size operand in blocks * 2^-e")
-    inv = strip(inv, aten.unsqueeze.default, *RESHAPES)
-    if is_op(inv, aten.exp2.default):
-        neg = inv.args[0]
-    else:
-        expect(is_op(inv, aten.pow.Scalar) and inv.args[0] == 2, f"quant: scale is {describe(inv)}, not exp2(-e)")
-        neg = inv.args[1]
-    expect(is_op(neg, aten.neg.default), f"quant: exponent is {describe(neg)}, not -e")
-    e = neg.args[0]
-    raw, lo, hi = clamp_bounds(e)
-    expect((lo, hi) in ((None, None), (-127.0, 127.0)), f"quant: exponent clamped to [{lo}, {hi}], expected [-127, 127]")
-    expect(is_op(raw, aten.ceil.default) and is_op(raw.args[0], aten.log2.default), "quant: e is not ceil(log2(..))")
-    ratio = raw.args[0].args[0]
-    expect(is_op(ratio, aten.div.Tensor) and ratio.args[1] == E2M1_MAX, f"quant: log2 of {describe(ratio)}, not amax / 6")
-    amax, floor, none = clamp_bounds(ratio.args[0])
-    expect(floor == MXFP4_AMAX_FLOOR and none is None, f"quant: amax floor {floor}, expected 6 * 2^-126 ({MXFP4_AMAX_FLOOR})")
-    expect(is_op(amax, aten.amax.default) and list(amax.args[1]) in ([-1], [len(shape(blocks)) - 1])
-           and is_op(amax.args[0], aten.abs.default), f"quant: {describe(amax)} is not abs(blocks).amax(-1)")
-    expect(same_value(amax.args[0].args[0], blocks), "quant: amax is not of the scaled blocks")
+    blocks, e = pow2_scaled(v, E2M1_MAX, MXFP4_AMAX_FLOOR, "quant", values="blocks",
+                            floor_text=f"6 * 2^-126 ({MXFP4_AMAX_FLOOR})", exponent_clamp=(-127.0, 127.0))
     expect(shape(blocks)[-2:] == (MXFP4_BLOCKS, MXFP4_BLOCK) and is_op(blocks, *RESHAPES),
            f"quant: blocks of shape {shape(blocks)}, expected y.unflatten(-1, (4, 32))")
     y = blocks.args[0]

@@ -24,8 +24,8 @@ import torch.fx
 from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.matching.cache_writes import ByteRowWrite, scale_partner
 from prepfuse.fx_passes.matching.recognizers import (
-    RESHAPES, NoMatch, aten, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
-    put_rows, rope_gptj, same_shape, same_size, same_value, scalar, shape, split_operands, strip, val,
+    RESHAPES, aten, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op, NoMatch,
+    pow2_scaled, put_rows, rope_gptj, same_shape, same_size, scalar, shape, strip, val,
 )
 from prepfuse.ops.dsv4_indexer_common import FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM
 
@@ -82,25 +82,7 @@ def row_quant(codes: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
     expect(clamped is not None, f"quant: {describe(codes)} is not an e4m3 cast")
     scaled, lo, hi = clamp_bounds(clamped)
     expect((lo, hi) == (-FP8_MAX, FP8_MAX), f"quant: clamp to [{lo}, {hi}], expected [-448, 448]")
-    expect(is_op(scaled, aten.mul.Tensor), f"quant: {describe(scaled)} is not y * 2^-e")
-    y, inv = split_operands(scaled, lambda n: isinstance(n, torch.fx.Node) and same_shape(n, scaled))
-    expect(y is not None, "quant: no full-size operand in y * 2^-e")
-    inv = strip(inv, aten.unsqueeze.default, *RESHAPES)
-    if is_op(inv, aten.exp2.default):
-        neg = inv.args[0]
-    else:
-        expect(is_op(inv, aten.pow.Scalar) and inv.args[0] == 2, f"quant: scale is {describe(inv)}, not exp2(-e)")
-        neg = inv.args[1]
-    expect(is_op(neg, aten.neg.default), f"quant: exponent is {describe(neg)}, not -e")
-    e = neg.args[0]
-    expect(is_op(e, aten.ceil.default) and is_op(e.args[0], aten.log2.default), "quant: e is not ceil(log2(..))")
-    ratio = e.args[0].args[0]
-    expect(is_op(ratio, aten.div.Tensor) and ratio.args[1] == FP8_MAX, f"quant: log2 of {describe(ratio)}, not amax / 448")
-    amax, floor, none = clamp_bounds(ratio.args[0])
-    expect(floor == FP8_AMAX_FLOOR and none is None, f"quant: amax floor {floor}, expected {FP8_AMAX_FLOOR}")
-    expect(is_op(amax, aten.amax.default) and list(amax.args[1]) in ([-1], [len(shape(y)) - 1])
-           and is_op(amax.args[0], aten.abs.default), f"quant: {describe(amax)} is not abs(y).amax(-1)")
-    expect(same_value(amax.args[0].args[0], y), "quant: amax is not of the scaled rows")
+    y, e = pow2_scaled(scaled, FP8_MAX, FP8_AMAX_FLOOR, "quant")
     expect(shape(y)[-1] == HEAD_DIM, f"quant: rows of {shape(y)[-1]} values, the indexer quantises 128")
     return y, e
 

@@ -18,8 +18,8 @@ from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.matching import recognizers
 from prepfuse.fx_passes.matching.cache_writes import ByteRowWrite, scale_partner
 from prepfuse.fx_passes.matching.recognizers import (
-    RESHAPES, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
-    last_dim_slice, put_rows, rms_norm, rope_gptj, same_shape, same_size, same_value, shape, split_operands, strip, val,
+    RESHAPES, aten, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op,
+    last_dim_slice, NoMatch, pow2_scaled, put_rows, rms_norm, rope_gptj, same_size, shape, strip, val,
 )
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
     AMAX_FLOOR, CACHE_ROW_BYTES, FP8_MAX, HEAD_DIM, N_QUANT_BLOCKS, NOPE_DIM, QUANT_BLOCK, ROPE_DIM, SCALE_BYTES,
@@ -171,26 +171,7 @@ def _quant_codes(codes) -> tuple[torch.fx.Node, torch.fx.Node]:
            f"kv quant: blocks of {blocks_shape[-1]} values {blocks_shape[1:]}, fp8_ds_mla uses 7 blocks of 64")
     scaled, lo, hi = clamp_bounds(clamped)
     expect((lo, hi) == (-FP8_MAX, FP8_MAX), f"kv quant: clamp to [{lo}, {hi}], expected [-448, 448]")
-    expect(is_op(scaled, aten.mul.Tensor), f"kv quant: {describe(scaled)} is not blocks * 2^-e")
-    blocks, inv = split_operands(scaled, lambda n: isinstance(n, torch.fx.Node) and same_shape(n, scaled))
-    expect(blocks is not None, "kv quant: no full-size operand in blocks * 2^-e")
-    inv = strip(inv, aten.unsqueeze.default, *RESHAPES)
-    if is_op(inv, aten.exp2.default):
-        neg = inv.args[0]
-    else:
-        expect(is_op(inv, aten.pow.Scalar) and inv.args[0] == 2, f"kv quant: scale is {describe(inv)}, not exp2(-e)")
-        neg = inv.args[1]
-    expect(is_op(neg, aten.neg.default), f"kv quant: exponent is {describe(neg)}, not -e")
-    e = neg.args[0]
-    expect(is_op(e, aten.ceil.default) and is_op(e.args[0], aten.log2.default), "kv quant: e is not ceil(log2(..))")
-    ratio = e.args[0].args[0]
-    expect(is_op(ratio, aten.div.Tensor) and ratio.args[1] == FP8_MAX, f"kv quant: log2 of {describe(ratio)}, not amax / 448")
-    amax, floor, none = clamp_bounds(ratio.args[0])
-    expect(floor == AMAX_FLOOR and none is None, f"kv quant: amax floor {floor}, expected {AMAX_FLOOR}")
-    expect(is_op(amax, aten.amax.default) and list(amax.args[1]) in ([-1], [2]) and is_op(amax.args[0], aten.abs.default),
-           f"kv quant: {describe(amax)} is not abs(blocks).amax(-1)")
-    block_src = amax.args[0].args[0]
-    expect(same_value(block_src, blocks), "kv quant: amax is not of the scaled blocks")
+    blocks, e = pow2_scaled(scaled, FP8_MAX, AMAX_FLOOR, "kv quant", values="blocks")
     expect(is_op(blocks, *RESHAPES), f"kv quant: blocks {describe(blocks)} are not a view of the NoPE columns")
     return blocks.args[0], e
 

@@ -48,7 +48,8 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_patterns
 from prepfuse.fx_passes.fusion.gqa_patterns import CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads
 from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
-from prepfuse.fx_passes.matching.emitter import Emitter
+from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
+from prepfuse.fx_passes.matching.layouts import VIEW_OPS, apply_views, token_major_heads
 from prepfuse.fx_passes.matching.recognizers import aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
 from prepfuse.fx_passes.mutation_info import output_indices
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
@@ -83,12 +84,10 @@ class FuseGqaPrepPass(PrepfusePass):
         heads = self._prepared_heads(graph)
         k_writes, v_writes = self._cache_writes(graph)
         matched, used = 0, set()
-        k_rows = {w.rows for w in k_writes}
+        k_rows = {_nearest_heads(w.rows, heads)[0] for w in k_writes}
         for k_write in k_writes:
             try:
-                k = heads.get(k_write.rows)
-                expect(k is not None, f"k: the rows written with {recognizers.describe(k_write.put)} are neither qkv "
-                                      f"heads (v) nor roped ones ({self._why.get(k_write.rows, 'no RoPE found')})")
+                k = self._written_heads(k_write, heads)
                 v_write = _v_write_of(k, k_write, v_writes, used)
                 q = self._separate_q_of(k, v_write, heads, k_rows) if _is_separate(k) else self._q_of(k, v_write, heads)
                 shared = self._check_call(q, k, k_write, v_write)
@@ -106,17 +105,31 @@ class FuseGqaPrepPass(PrepfusePass):
 
     # ----------------------------------------------------------------------------------
     def _prepared_heads(self, graph) -> dict[torch.fx.Node, Heads]:
-        """Every bf16 ``[T, H, D]`` node that reads back as roped qkv heads."""
+        """Every 3-d or 4-d node (``[T, H, D]``, ``[B, S, H, D]``, ``[B, H, S, D]`` ...) that
+        reads back as roped qkv heads."""
         found, self._why = {}, {}
         for node in graph.nodes:
             v = val(node)
-            if node.op != "call_function" or not isinstance(v, torch.Tensor) or v.dim() != 3:
+            if node.op != "call_function" or not isinstance(v, torch.Tensor) or v.dim() not in (3, 4):
                 continue
             try:
                 found[node] = match_heads(node)
             except NoMatch as err:
                 self._why[node] = str(err)
         return found
+
+    def _written_heads(self, write: CacheWrite, heads: dict[torch.fx.Node, Heads]) -> Heads:
+        """The roped heads a cache write writes: its rows, or token-major ``[T, H, D]`` rows
+        of them through views (Hugging Face's ``k.transpose(1, 2).reshape(B * S, H, D)``)."""
+        base, chain = _nearest_heads(write.rows, heads)
+        k = heads.get(base)
+        expect(k is not None, f"k: the rows written with {recognizers.describe(write.put)} are neither qkv heads (v) "
+                              f"nor roped ones ({self._why.get(base, 'no RoPE found')})")
+        layout = apply_views(k.layout, chain)
+        expect(layout is not None and token_major_heads(layout, shape(k.source)[0], k.head_dim) == (0, k.num_heads),
+               f"k: the rows written with {recognizers.describe(write.put)} are roped heads "
+               f"{recognizers.describe(base)} in another order than one row of heads per token")
+        return k
 
     def _cache_writes(self, graph) -> tuple[list[CacheWrite], list[CacheWrite]]:
         """The paged-cache writes, split into candidates for k (any rows) and v (qkv heads as they are)."""
@@ -166,8 +179,7 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(tuple(shape(k_write.cache)) == tuple(shape(v_write.cache)), "write: k and v caches differ in shape")
         shared = _shared_base(k_write, v_write) or _shared_base(v_write, k_write)
         caches = [shared.root] if shared else [k_write.cache, v_write.cache]
-        inputs = [q.source, k.source, _plain_heads(v_write.rows)[0], *caches, k_write.slots, q.positions,
-                  q.cos_sin_cache]
+        inputs = [q.source, k.source, _plain_heads(v_write.rows)[0], *caches, k_write.slots, *q.cos_sin.key()]
         inputs += [n for n in (q.norm_weight, k.norm_weight, k_write.kv_scale) if n is not None]
         readers = _readers(q, k_write, v_write, shared)
         expect(max(self._order[n] for n in inputs) < min(self._order[n] for n in readers),
@@ -188,8 +200,14 @@ class FuseGqaPrepPass(PrepfusePass):
             counts = dict(num_q_heads=q.num_heads, num_kv_heads=k.num_heads)
         args = dict(**sources, q_norm_weight=q.norm_weight, k_norm_weight=k.norm_weight,
                     q_out=q_out_buffer(emit, q), k_cache=k_write.cache, v_cache=v_write.cache,
-                    slot_mapping=k_write.slots, positions=q.positions, cos_sin_cache=q.cos_sin_cache,
+                    slot_mapping=k_write.slots, **cos_sin_args(emit, q.cos_sin, q.source, q.rotary_dim),
                     kv_scale=k_write.kv_scale, **counts, is_neox=q.is_neox, eps=q.eps if q.eps is not None else 0.0)
+        if k_write.rows_per_slot_at_run_time or v_write.rows_per_slot_at_run_time:
+            # an index_put of T rows at T' slots: T' == T at run time, which the graph does not
+            # show (two dynamic sizes); the op inserts the first T' rows, so say it: an assert
+            # that runs with the call, not a guard (nothing recompiles)
+            same = emit.node(operator.eq, emit.size(k_write.slots, 0), emit.size(k.source, 0))
+            emit.node(aten._assert_scalar.default, same, "prepfuse: the cache write's rows and slots differ in number")
         # a cache an earlier rewrite wrote (two calls into one cache) is read from its replacement
         args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
         if shared is None:
@@ -198,13 +216,24 @@ class FuseGqaPrepPass(PrepfusePass):
         else:
             outs = _shared_base_call(emit, op, args, self._replaced.get(shared.root, shared.root))
             written = ((shared.written, outs["buffer"]),)
-        q.prepared.replace_all_uses_with(outs["q_out"])
+        q.prepared.replace_all_uses_with(as_layout(emit, outs["q_out"], q.layout, q.prepared))
         for old, new in written:
             old.replace_all_uses_with(new)
             self._replaced[old] = new
         pattern = ("gqa_qknorm_rope_kv" if q.norm_weight is not None else "gqa_rope_kv") + (
             "+separate" if _is_separate(k) else "") + ("+bf16_rope" if q.bf16_rope else "")
         self.log.matched(self.name, pattern, q.prepared)
+
+
+def _nearest_heads(rows: torch.fx.Node, heads: dict) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """(the first node up from ``rows`` through view ops that is prepared heads, or the first
+    non-view; the views from it down to ``rows``). Not simply the top of the view chain: a
+    GPT-J rotation ends in a view itself (the flatten of its pairs)."""
+    node, chain = rows, []
+    while node not in heads and is_op(node, *VIEW_OPS):
+        chain.insert(0, node)
+        node = node.args[0]
+    return node, chain
 
 
 def _is_separate(h: Heads) -> bool:
@@ -228,12 +257,11 @@ def _settings_match(q: Heads, k: Heads) -> bool:
 def _same_settings(q: Heads, k: Heads) -> Heads:
     """``q`` if it has one row per token of k's source and k's RoPE, norm and table (the op
     takes them once for both), else NoMatch saying which differs."""
-    expect(same_size(shape(q.prepared)[0], shape(k.source)[0]), "q: not one row per token of qkv")
+    expect(same_size(shape(q.source)[0], shape(k.source)[0]), "q: not one row per token of qkv")
     expect((q.is_neox, q.rotary_dim) == (k.is_neox, k.rotary_dim),
            f"rope: q is {'NeoX' if q.is_neox else 'GPT-J'} over {q.rotary_dim} dims, k "
            f"{'NeoX' if k.is_neox else 'GPT-J'} over {k.rotary_dim}; the op rotates both alike")
-    expect(q.positions is k.positions and q.cos_sin_cache is k.cos_sin_cache,
-           "rope: q and k read different positions or tables")
+    expect(q.cos_sin.key() == k.cos_sin.key(), "rope: q and k read different positions or tables")
     expect((q.norm_weight is None) == (k.norm_weight is None), "norm: only one of q and k is normed")
     expect(q.eps == k.eps, f"norm: q eps {q.eps} and k eps {k.eps} differ; the op takes one eps")
     return q
@@ -241,13 +269,24 @@ def _same_settings(q: Heads, k: Heads) -> Heads:
 
 def projection_input(node: torch.fx.Node) -> torch.fx.Node | None:
     """The activation a linear projection read (``mm(x, w)``, ``addmm(b, x, w)``, through
-    views on both sides), or None when ``node`` is no projection."""
+    views on both sides), or None when ``node`` is no projection. Inductor on CUDA may pad
+    the rows of an mm for alignment (``slice(mm(constant_pad_nd(x, [0, 0, 0, p])), 0, 0, -p)``,
+    decided by timing it: some compiles pad, some do not); each projection pads its own copy,
+    so the padding is seen through to ``x``."""
     node, _ = view_chain(node)
     if is_op(node, aten.mm.default):
-        return view_chain(node.args[0])[0]
+        return _unpadded(view_chain(node.args[0])[0])
     if is_op(node, aten.addmm.default):
-        return view_chain(node.args[1])[0]
+        return _unpadded(view_chain(node.args[1])[0])
     return None
+
+
+def _unpadded(node: torch.fx.Node) -> torch.fx.Node:
+    """``x`` for ``constant_pad_nd(x, [0, 0, 0, p])`` (rows added at the end, as Inductor's
+    mm padding does), through views; else ``node``."""
+    if is_op(node, aten.constant_pad_nd.default) and list(node.args[1])[:3] == [0, 0, 0]:
+        return view_chain(node.args[0])[0]
+    return node
 
 
 def _closest_projections(candidates: list, source_of, k_source: torch.fx.Node) -> list:

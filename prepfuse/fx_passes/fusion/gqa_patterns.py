@@ -24,8 +24,10 @@ import torch.fx
 
 from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.matching.cache_writes import first_rows_of
+from prepfuse.fx_passes.matching.cos_sin import CosSin, cos_sin_operand
+from prepfuse.fx_passes.matching.layouts import Layout, apply_views, identity, strip_views, token_major_heads
 from prepfuse.fx_passes.matching.recognizers import (
-    CONVERTS, RESHAPES, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, cos_sin_rows, describe,
+    CONVERTS, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, describe,
     expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, shape, val,
     weighted_rms_norm,
 )
@@ -38,7 +40,8 @@ CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 @dataclass
 class Heads:
-    """``prepared [T, H, D] bf16 = rope(norm(source[:, first:first + H*D].view(T, H, D)))``."""
+    """``prepared = rope(norm(heads))`` bf16, ``heads`` a view of ``source[:, first:first + H*D]``
+    as ``[T, H, D]`` in any layout (``[B, S, H, D]``, ``[B, H, S, D]`` ...: ``layout``)."""
 
     prepared: torch.fx.Node
     source: torch.fx.Node  # bf16 [T, W]: the fused qkv, or a separate projection (first 0, W = H*D)
@@ -49,9 +52,9 @@ class Heads:
     eps: float | None
     is_neox: bool
     rotary_dim: int
-    positions: torch.fx.Node
-    cos_sin_cache: torch.fx.Node
+    cos_sin: CosSin  # a gathered [P, R] table, or the values the graph computes per token
     bf16_rope: bool  # the source rotates in bf16 (HF): fusing changes its numerics
+    layout: Layout  # prepared's dims as factors of the heads' columns of source (token-major: [T, H, D])
 
 
 @dataclass
@@ -64,35 +67,69 @@ class CacheWrite:
     rows: torch.fx.Node  # bf16 [n, Hkv, D] or [T, Hkv, D] (first n inserted), before quantisation
     #   (fp32 where Inductor removed their bf16 round trip: ``rounding_dropped``)
     kv_scale: torch.fx.Node | None
+    # rows and slots have sizes the graph cannot tell equal (two dynamic dims: an engine's
+    # T and T'); index_put needs them equal, and the call asserts so at run time
+    rows_per_slot_at_run_time: bool = False
 
 
 # --------------------------------------------------------------------------------------
 # Heads: qkv columns -> (weighted RMSNorm) -> RoPE (full or partial) -> bf16
 # --------------------------------------------------------------------------------------
+def heads_view(node) -> tuple[torch.fx.Node, int, int, int, Layout]:
+    """(source, first column, heads, head size, layout) for a view of ``H*D`` columns of a 2-d
+    ``source [T, W]`` as heads: ``qkv[:, a:b].view(T, H, D)`` (or a split), ``x.view(T, H, D)``
+    of a whole projection (a separate q, k or v), and any further views of those that keep
+    each head's ``D`` values together (``[B, S, H, D]``, ``.transpose(1, 2)``, a batch of
+    one ...). ``layout`` is ``node``'s dims over the heads' columns (``layouts.py``)."""
+    head_dim = shape(node)[-1]
+    base, chain = strip_views(node)
+    first, cols = 0, base
+    found = last_dim_slice(base)
+    if found is not None and len(shape(found[0])) == 2:  # columns of a 2-d qkv (slice or split)
+        src, first, end, step = found
+        expect(step == 1, f"heads: {describe(base)} takes every {step}th column of {describe(src)}")
+    else:
+        src = base
+    expect(isinstance(src, torch.fx.Node) and len(shape(src)) == 2 and chain,
+           f"heads: {describe(node)} is not a view of columns of a 2-d qkv or projection (it is {describe(base)})")
+    layout = apply_views(identity(cols), chain)
+    expect(layout is not None, f"heads: {describe(node)} is a view of {describe(cols)} that moves values across heads")
+    found = token_major_heads(layout, shape(cols)[0], head_dim) if layout.dims and len(layout.dims) >= 2 else None
+    expect(found is not None or _heads_in_any_order(layout, head_dim),
+           f"heads: {describe(node)} does not hold whole heads of {head_dim} columns of {describe(src)}")
+    num_heads = shape(cols)[1] // head_dim
+    expect(shape(cols)[1] == num_heads * head_dim, f"heads: columns [{first}, {first + shape(cols)[1]}) are not "
+                                                    f"whole heads of {head_dim}")
+    expect(val(src).dtype == torch.bfloat16, f"heads: qkv is {val(src).dtype}, the op reads bfloat16")
+    return src, first, num_heads, head_dim, layout
+
+
+def _heads_in_any_order(layout: Layout, head_dim: int) -> bool:
+    """``layout`` holds tokens, heads and head dims as whole dims, in any order, the head dim
+    last (``[B, H, S, D]``): the values of ``[T, H, D]``, transposed."""
+    dims = [d for d in layout.dims if d != ()]
+    if not dims or len(dims[-1]) != 1 or dims[-1][0].dim != 1 or dims[-1][0].size != head_dim or dims[-1][0].stride != 1:
+        return False
+    return all(len(d) == 1 for d in dims)
+
+
 def qkv_heads(node) -> tuple[torch.fx.Node, int, int, int]:
-    """(source, first column, heads, head size) for ``qkv[:, a:b].view(T, H, D)`` (or a
-    split), or ``x.view(T, H, D)`` of a whole ``[T, H*D]`` tensor (a separate projection)."""
-    expect(is_op(node, *RESHAPES) and len(shape(node)) == 3, f"heads: {describe(node)} is not a [T, H, D] view of qkv columns")
-    _, num_heads, head_dim = shape(node)
-    found = last_dim_slice(node.args[0])
-    if found is None and isinstance(node.args[0], torch.fx.Node) and len(shape(node.args[0])) == 2:
-        whole = node.args[0]  # the view is of a whole [T, H*D] tensor: a separate projection
-        found = (whole, 0, shape(whole)[1], 1)
-    expect(found is not None and len(shape(found[0])) == 2, f"heads: {describe(node.args[0])} is not a column range of a 2-d qkv")
-    qkv, start, end, step = found
-    expect(step == 1 and end - start == num_heads * head_dim, f"heads: columns [{start}, {end}) are not {num_heads} heads of {head_dim}")
-    expect(val(qkv).dtype == torch.bfloat16, f"heads: qkv is {val(qkv).dtype}, the op reads bfloat16")
-    return qkv, start, num_heads, head_dim
+    """(source, first column, heads, head size) of ``heads_view`` for rows read as they are
+    (v): token-major ``[T, H, D]`` only, the order the cache rows are in."""
+    src, first, num_heads, head_dim, layout = heads_view(node)
+    expect(token_major_heads(layout, shape(src)[0], head_dim) is not None,
+           f"heads: {describe(node)} holds its heads transposed, not one row of heads per token")
+    return src, first, num_heads, head_dim
 
 
-def _rotation(body) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, bool, bool]:
-    """(x, cos, sin, is_neox, cos/sin cast to bf16) of one RoPE formula's result."""
-    if is_op(body, *RESHAPES):  # GPT-J: a flatten of (even, odd) pairs
+def _rotation(body) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, bool, bool, bool]:
+    """(x, cos, sin, is_neox, cos/sin cast to bf16, cos/sin full width) of one RoPE formula's result."""
+    if is_op(body, aten.view.default, aten.reshape.default, aten._unsafe_view.default):  # GPT-J: (even, odd) pairs
         x, cos, sin = rope_gptj(body)
-        return x, cos, sin, False, False
-    x, cos, sin, cast = rope_neox(body)
+        return x, cos, sin, False, False, False
+    x, cos, sin, cast, full = rope_neox(body)
     expect(cast in (None, torch.bfloat16), f"rope: cos/sin are cast to {cast}")
-    return x, cos, sin, True, cast is not None
+    return x, cos, sin, True, cast is not None, full
 
 
 def match_heads(prepared: torch.fx.Node) -> Heads:
@@ -113,8 +150,10 @@ def match_heads(prepared: torch.fx.Node) -> Heads:
     pv = val(prepared)
     dropped = rounding_dropped(prepared)
     expect(pv.dtype == torch.bfloat16 or dropped, f"heads: the prepared tensor is {pv.dtype}, the op writes bfloat16")
-    expect(pv.dim() == 3 and pv.shape[2] in HEAD_DIMS, f"heads: shape {tuple(pv.shape)}, the op's head size is one of {HEAD_DIMS}")
-    head_dim = pv.shape[2]
+    # sizes are compared only where static: a test of a symbolic T would add a guard
+    head_dim = pv.shape[-1]
+    expect(pv.dim() in (3, 4) and isinstance(head_dim, int) and head_dim in HEAD_DIMS,
+           f"heads: shape {tuple(pv.shape)}, the op's head size is one of {HEAD_DIMS}")
     rot, rest = prepared, None
     if is_op(prepared, aten.cat.default) and len(prepared.args[0]) == 2 and last_dim_slice(prepared.args[0][1]) is not None:
         rot, rest = prepared.args[0]  # partial rotary: cat((rope(h[..., :R]), h[..., R:]), -1)
@@ -122,7 +161,9 @@ def match_heads(prepared: torch.fx.Node) -> Heads:
     # the fp32 rotation before its rounding to bf16 (``prepared`` itself when Inductor dropped that)
     inner = prepared if dropped else convert_source(rot, torch.bfloat16)
     fp32 = inner is not None and val(inner).dtype == torch.float32
-    x, cos, sin, is_neox, cast = _rotation(inner if fp32 else rot)
+    x, cos, sin, is_neox, cast, full = _rotation(inner if fp32 else rot)
+    if full:  # full-width values multiplied in: rounded as the model rounds them
+        cast = val(cos).dtype == torch.bfloat16 and val(x).dtype == torch.bfloat16
     expect(fp32 or cast or val(x).dtype == torch.bfloat16, "rope: mixed dtypes")
     if rest is not None:
         h = bf16_columns(x, 0, rot_dim, "rope input") if fp32 else columns(x, 0, rot_dim, "rope input")
@@ -131,17 +172,27 @@ def match_heads(prepared: torch.fx.Node) -> Heads:
         h = convert_source(x, torch.float32) if fp32 else x
         expect(h is not None, f"rope: fp32 rotation of {describe(x)}, not of the bf16 heads cast to fp32")
     weight = eps = None
-    if not is_op(h, *RESHAPES):  # normed heads (Qwen3)
-        h, weight, eps = weighted_rms_norm(h)
+    normed, after_norm = strip_views(h)  # Hugging Face: the norm on [B, S, H, D], then .transpose(1, 2)
+    if is_op(normed, aten.mul.Tensor, *CONVERTS):  # normed heads (Qwen3)
+        heads, weight, eps = weighted_rms_norm(normed)
         wv = val(weight)
         expect(wv.dtype == torch.bfloat16 and wv.shape == (head_dim,) and wv.stride(0) == 1,
                f"norm: weight is {wv.dtype} {tuple(wv.shape)}, the op reads a dense bfloat16 [{head_dim}]")
-    qkv, first, num_heads, hd = qkv_heads(h)
+        qkv, first, num_heads, hd, layout = heads_view(heads)
+        layout = apply_views(layout, after_norm)
+        expect(layout is not None, f"heads: the normed heads are moved by a view that mixes their values ({describe(h)})")
+    else:
+        qkv, first, num_heads, hd, layout = heads_view(h)
     expect(hd == head_dim, f"heads: head size {hd} != {head_dim}")
-    table, positions = cos_sin_rows(cos, sin, shape(prepared)[0], rank=3)
-    expect(shape(table)[1] == rot_dim, f"rope: the cos/sin table has {shape(table)[1]} columns, the rotary dim is {rot_dim}")
-    return Heads(prepared, qkv, first, num_heads, head_dim, weight, eps, is_neox, rot_dim, positions, table,
-                 bf16_rope=cast or not fp32)
+    num_tokens = shape(qkv)[0]
+    token_major = token_major_heads(layout, num_tokens, head_dim) is not None
+    cos_sin = cos_sin_operand(cos, sin, layout, shape(prepared), num_tokens, rot_dim, full=full,
+                              table_rank=3 if token_major and pv.dim() == 3 else None)
+    if cos_sin.table is not None:
+        expect(shape(cos_sin.table)[1] == rot_dim,
+               f"rope: the cos/sin table has {shape(cos_sin.table)[1]} columns, the rotary dim is {rot_dim}")
+    return Heads(prepared, qkv, first, num_heads, head_dim, weight, eps, is_neox, rot_dim, cos_sin,
+                 bf16_rope=bool(cast) or not fp32, layout=layout)
 
 
 def rounding_dropped(node) -> bool:
@@ -219,7 +270,10 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
                       "the op's cache is [num_blocks, block_size, Hkv, D]")
     slots = paged_slots(list(indices), cv.shape[1])
     expect(tuple(shape(values)[1:]) == tuple(cv.shape[2:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the cache")
-    expect(same_size(shape(values)[0], shape(slots)[0]), "write: not one row per slot")
+    rows_n, slots_n = shape(values)[0], shape(slots)[0]
+    at_run_time = not same_size(rows_n, slots_n)
+    expect(not (at_run_time and isinstance(rows_n, int) and isinstance(slots_n, int)),
+           f"write: {rows_n} rows for {slots_n} slots, not one row per slot")
     scale = None
     values = first_rows_of(values, shape(slots)[0])  # rows[:n], sliced after quantisation
     if cv.dtype == torch.float8_e4m3fn:
@@ -228,4 +282,5 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
            f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
     while is_op(values, *CONVERTS) and val(values.args[0]).dtype == torch.bfloat16:
         values = values.args[0]  # a no-op cast kept by the graph
-    return CacheWrite(put, cache, slots, first_rows_of(values, shape(slots)[0]), scale)
+    return CacheWrite(put, cache, slots, first_rows_of(values, shape(slots)[0]), scale,
+                      rows_per_slot_at_run_time=at_run_time and first_rows_of(values, slots_n) is values)

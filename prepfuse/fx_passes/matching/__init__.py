@@ -3,6 +3,9 @@ and emitting the fused call.
 
 - ``recognizers.py``: one small matcher per step (norm, RoPE, gathers, slices, view chains),
   each returning the step's inputs or raising ``NoMatch`` with what it found instead;
+- ``layouts.py``: logical axes through views (``[B, S, H, D]``, transposes, a batch of one):
+  which elements of a base a chain of view ops shows;
+- ``cos_sin.py``: where a rotation's cos/sin come from, and the table the op reads instead;
 - ``cache_writes.py``: paged byte-cache writes read back to their layout, and the write of a
   data row's scale bytes;
 - ``emitter.py``: what every rewrite inserts (fake values, the functional call);
@@ -13,8 +16,8 @@ A family (``fusion/<family>.py``) borrows from here, never from another family.
 Inductor's cache for every pass that uses it.
 """
 
-from prepfuse.fx_passes.matching import cache_writes, emitter, recognizers, scratch_buffers
+from prepfuse.fx_passes.matching import cache_writes, cos_sin, emitter, layouts, recognizers, scratch_buffers
 
-MATCHING_MODULES = (recognizers, cache_writes, emitter, scratch_buffers)
+MATCHING_MODULES = (recognizers, layouts, cos_sin, cache_writes, emitter, scratch_buffers)
 
-__all__ = ["MATCHING_MODULES", "cache_writes", "emitter", "recognizers", "scratch_buffers"]
+__all__ = ["MATCHING_MODULES", "cache_writes", "cos_sin", "emitter", "layouts", "recognizers", "scratch_buffers"]

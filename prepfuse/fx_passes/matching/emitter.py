@@ -17,11 +17,13 @@ from torch._guards import detect_fake_mode
 
 from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
-from prepfuse.fx_passes.matching.recognizers import aten, prims, shape, val
+from prepfuse.fx_passes.matching.cos_sin import CosSin
+from prepfuse.fx_passes.matching.layouts import Layout, canonical_order
+from prepfuse.fx_passes.matching.recognizers import aten, prims, same_size, shape, val
 from prepfuse.fx_passes.matching.scratch_buffers import scratch_buffer
 from prepfuse.ops import SCRATCH
 
-__all__ = ["Emitter"]
+__all__ = ["Emitter", "as_layout", "cos_sin_args"]
 
 
 class Emitter:
@@ -86,3 +88,50 @@ class Emitter:
         if val(node).dtype == torch.float32:
             return self.node(prims.convert_element_type.default, node, torch.bfloat16)
         return node
+
+
+def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.fx.Node) -> torch.fx.Node:
+    """``tensor`` (token-major ``[T, H, D]``) laid out as ``like``, whose dims ``layout`` gives
+    as factors of the same values (``[B, H, S, D]`` ...): a reshape and a permute, or
+    ``tensor`` itself where ``like`` is token-major ``[T, H, D]`` already. Sizes come from the
+    layout (a symbolic one is ``tensor``'s token count), never from ``like``, which may be
+    computed after the point the nodes go in."""
+    order = canonical_order(layout)
+    if order is None:
+        raise ValueError(f"as_layout: {like.name}'s layout mixes base dims: {layout}")
+    sizes = []
+    for group in layout.dims:
+        size = 1
+        for factor in group:
+            size = size * factor.size
+        sizes.append(size)
+    canonical = [sizes[i] for i in sorted(range(len(order)), key=order.__getitem__)]
+    identity = order == list(range(len(order)))
+    if identity and len(canonical) == len(shape(tensor)) and all(same_size(a, b) for a, b in zip(canonical, shape(tensor))):
+        return tensor
+    canonical = [s if isinstance(s, int) else emit.size(tensor, 0) for s in canonical]
+    node = emit.node(aten.reshape.default, tensor, canonical)
+    return node if identity else emit.node(aten.permute.default, node, order)
+
+
+def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_dim: int) -> dict[str, torch.fx.Node]:
+    """The op's ``positions`` and ``cos_sin_cache`` for ``cos_sin``: the gathered table as it
+    is, or, for values the graph computes per token, ``cat(cos[:, :R/2], sin[:, :R/2])`` as fp32
+    ``[T, R]`` (what Inductor computes, the op reads) with ``positions = arange(T)``."""
+    if not cos_sin.per_token:
+        return {"positions": cos_sin.positions, "cos_sin_cache": cos_sin.table}
+    tokens, half = emit.size(source, 0), rotary_dim // 2
+    width = rotary_dim if cos_sin.full else half
+    halves = []
+    for values in (cos_sin.cos, cos_sin.sin):
+        rows = emit.node(aten.reshape.default, values, [tokens, width])
+        if cos_sin.full:  # the same R/2 values twice (``cos_sin.duplicated_halves``): the first
+            rows = emit.node(aten.slice.Tensor, rows, 1, 0, half)
+        halves.append(rows)
+    table = emit.node(aten.cat.default, halves, -1)
+    if val(table).dtype != torch.float32:
+        table = emit.node(prims.convert_element_type.default, table, torch.float32)
+    # prims.iota, not aten.arange: post-grad graphs hold decomposed ops only
+    positions = emit.node(prims.iota.default, tokens, start=0, step=1, dtype=torch.int64, device=val(source).device,
+                          requires_grad=False)
+    return {"positions": positions, "cos_sin_cache": table}

@@ -271,6 +271,12 @@ def rms_norm(y) -> tuple[torch.fx.Node, float]:
     else:
         raise NoMatch(f"norm: x is scaled by {describe(r)}, not by rsqrt(mean(x^2) + eps)")
     m_eps = add_scalar(a)
+    if m_eps is None and is_op(a, aten.add.Tensor) and any(
+            isinstance(t, torch.fx.Node) and val(t).dim() == 0 and mean_last_dim(o) is not None
+            for t, o in ((a.args[1], a.args[0]), (a.args[0], a.args[1]))):
+        raise NoMatch("norm: eps is a 0-d tensor the graph reads at run time (torch.compile(dynamic=True) makes a "
+                      "model's float eps a graph input unless torch._dynamo.config.specialize_float is set); "
+                      "the op takes eps as a constant")
     expect(m_eps is not None, f"norm: expected mean(x^2) + constant eps under the rsqrt, got {describe(a)}")
     m, eps = m_eps
     sq = mean_last_dim(m)
@@ -491,9 +497,11 @@ def _half(node, first: bool):
     return src if (start, end, step) == (*want, 1) and width % 2 == 0 else None
 
 
-def rope_neox(out) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.dtype | None]:
-    """(x, cos, sin, cast) for NeoX (rotate-half) RoPE ``out`` of ``x [..., 2n]``; ``cos``,
-    ``sin`` are the ``[..., n]`` halves, ``cast`` the dtype they were cast to (or None).
+def rope_neox(out) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.dtype | None, bool]:
+    """(x, cos, sin, cast, full) for NeoX (rotate-half) RoPE ``out`` of ``x [..., 2n]``; ``cos``,
+    ``sin`` are the ``[..., n]`` halves, ``cast`` the dtype they were cast to (or None); or,
+    ``full``, the ``[..., 2n]`` values the Hugging Face form multiplies by, where they are not
+    spelled ``cat((c, c), -1)`` in reach (``matching/cos_sin.py`` proves their halves equal).
 
     Hugging Face form: ``x * cat((c, c)) + rotate_half(x) * cat((s, s))`` with
     ``rotate_half(x) = cat((-x[..., n:], x[..., :n]), -1)``. vLLM's ``forward_native`` form:
@@ -513,7 +521,7 @@ def rope_neox(out) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.d
                "rope: not the two halves (x[..., :n], x[..., n:]) of one tensor")
         expect({frozenset(m.args[:2]) for m in prods[2:]} == {frozenset((x2, cos)), frozenset((x1, sin))},
                "rope: second half is not x2*cos + x1*sin")
-        return _half(x1, True), cos, sin, None
+        return _half(x1, True), cos, sin, None, False
     expect(is_op(out, aten.add.Tensor) and all(is_op(a, aten.mul.Tensor) for a in out.args[:2]),
            f"rope: {describe(out)} is not x * cos + rotate_half(x) * sin")
     a, b = out.args[:2]
@@ -534,10 +542,15 @@ def rope_neox(out) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.d
     expect(x is not None and _half(x1, True) is x, "rope: rotate_half is not cat((-x[..., n:], x[..., :n]), -1)")
     x_again, cos_full = split_operands(plain, lambda n: n is x)
     expect(x_again is x, "rope: the cos term does not multiply the rotated tensor itself")
-    cos, cast = repeated_halves(strip(cos_full, aten.unsqueeze.default))
-    sin, sin_cast = repeated_halves(strip(sin_full, aten.unsqueeze.default))
+    try:
+        cos, cast = repeated_halves(strip(cos_full, aten.unsqueeze.default))
+        sin, sin_cast = repeated_halves(strip(sin_full, aten.unsqueeze.default))
+    except NoMatch:
+        # full-width values not spelled cat((c, c), -1) here (computed upstream, Hugging Face's
+        # rotary module): the caller takes them as they are, proving their halves equal
+        return x, cos_full, sin_full, None, True
     expect(cast == sin_cast, f"rope: cos is cast to {cast}, sin to {sin_cast}")
-    return x, cos, sin, cast
+    return x, cos, sin, cast, False
 
 
 def weighted_rms_norm(out) -> tuple[torch.fx.Node, torch.fx.Node, float]:
@@ -581,11 +594,53 @@ def put_rows(put) -> torch.fx.Node:
 
     With a single index (one token, or one slot, under static shapes) torch's index_put
     decomposition reshapes the ``[1, ...]`` rows to ``[...]``, which broadcast over the
-    single index: look through that reshape (seen for every pattern at T=1).
+    single index: look through that reshape (seen for every pattern at T=1). Only where the
+    index is known to select one row: rows of a batch of one, ``[1, T, H, D]`` reshaped to
+    ``[T, H, D]`` for T slots, are the reshaped rows themselves.
     """
     values = put.args[2]
-    if is_op(values, aten.reshape.default, aten.view.default, aten.squeeze.dim, aten.squeeze.default):
+    first = next((i for i in put.args[1] if isinstance(i, torch.fx.Node)), None)
+    count = shape(first)[0] if first is not None and shape(first) else 1  # rows the index selects
+    if same_size(count, 1) and is_op(values, aten.reshape.default, aten.view.default, aten.squeeze.dim,
+                                     aten.squeeze.default):
         rows = values.args[0]
         if tuple(shape(rows)) == (1, *shape(values)):
             return rows
     return values
+
+
+# --------------------------------------------------------------------------------------
+# Power-of-two scaled quantisation: v = y * 2^-e, e = ceil(log2(max(amax(|y|), floor) / qmax))
+# --------------------------------------------------------------------------------------
+def pow2_scaled(v, qmax: float, floor: float, what: str, *, values: str = "y", floor_text: str = "",
+                exponent_clamp: tuple[float, float] | None = None) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(y, e) for ``v = y * exp2(-e)`` (or ``2 ** -e``), the scale broadcast over the last
+    dim, ``e = ceil(log2(max(y.abs().amax(-1), floor) / qmax))``, maybe clamped to
+    ``exponent_clamp``: the scaling every block-scaled format here shares (DeepSeek-V4's
+    UE8M0 blocks, the indexer's FP8 rows and MXFP4 blocks). ``what`` starts each reason;
+    ``values`` names ``y`` in them."""
+    expect(is_op(v, aten.mul.Tensor), f"{what}: {describe(v)} is not {values} * 2^-e")
+    y, inv = split_operands(v, lambda n: isinstance(n, torch.fx.Node) and same_shape(n, v))
+    expect(y is not None, f"{what}: no full-size operand in {values} * 2^-e")
+    inv = strip(inv, aten.unsqueeze.default, *RESHAPES)
+    if is_op(inv, aten.exp2.default):
+        neg = inv.args[0]
+    else:
+        expect(is_op(inv, aten.pow.Scalar) and inv.args[0] == 2, f"{what}: scale is {describe(inv)}, not exp2(-e)")
+        neg = inv.args[1]
+    expect(is_op(neg, aten.neg.default), f"{what}: exponent is {describe(neg)}, not -e")
+    e = neg.args[0]
+    raw = e
+    if exponent_clamp is not None:
+        raw, lo, hi = clamp_bounds(e)
+        expect((lo, hi) in ((None, None), exponent_clamp),
+               f"{what}: exponent clamped to [{lo}, {hi}], expected [{exponent_clamp[0]:g}, {exponent_clamp[1]:g}]")
+    expect(is_op(raw, aten.ceil.default) and is_op(raw.args[0], aten.log2.default), f"{what}: e is not ceil(log2(..))")
+    ratio = raw.args[0].args[0]
+    expect(is_op(ratio, aten.div.Tensor) and ratio.args[1] == qmax, f"{what}: log2 of {describe(ratio)}, not amax / {qmax:g}")
+    amax, got_floor, none = clamp_bounds(ratio.args[0])
+    expect(got_floor == floor and none is None, f"{what}: amax floor {got_floor}, expected {floor_text or floor}")
+    expect(is_op(amax, aten.amax.default) and list(amax.args[1]) in ([-1], [len(shape(y)) - 1])
+           and is_op(amax.args[0], aten.abs.default), f"{what}: {describe(amax)} is not abs({values}).amax(-1)")
+    expect(same_value(amax.args[0].args[0], y), f"{what}: amax is not of the scaled {'rows' if values == 'y' else values}")
+    return y, e

@@ -1,0 +1,138 @@
+"""Where a rotation's cos/sin come from, and the table the fused op reads instead.
+
+The ops read a ``[P, R]`` fp32 table (per position ``R/2`` cos, then ``R/2`` sin) and a
+position per token. Models make cos/sin in many ways (a table gathered by positions, vLLM's
+layout; Hugging Face's rotary module computing ``cos(cat(freqs, freqs))`` from ``inv_freq``
+in the forward, scaled, cast to bf16; tables passed in). What varies is left to Inductor:
+the pass takes the values the graph computes, per token, as the operand
+(``CosSin.per_token``): the emitted call reads ``table = cat(cos[:, :R/2], sin[:, :R/2])``
+as fp32 with ``positions = arange(T)``, so the op rotates by exactly the values the model
+multiplies with (bf16-rounded ones where the model rounds them).
+
+Full-width cos/sin (Hugging Face's ``[.., R]``, the same ``R/2`` values twice) are taken by
+their first half only where the graph proves the halves equal: the values are, up to
+elementwise steps (casts, a scalar factor such as ``attention_scaling``, ``cos``, ``sin``),
+``cat((f, f), -1)`` or its decomposed form (``duplicated_halves``). A table passed in from
+outside cannot be proven so and is declined with that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from prepfuse.fx_passes.matching.layouts import VIEW_OPS, Layout
+from prepfuse.fx_passes.matching.recognizers import (
+    CONVERTS, NoMatch, aten, cos_sin_rows, describe, expect, is_op, repeated_halves, same_size, scalar, shape, val,
+)
+
+__all__ = ["CosSin", "cos_sin_operand", "duplicated_halves"]
+
+# steps that act on each value alone: a duplication below them is one above them too
+_ELEMENTWISE = (aten.cos.default, aten.sin.default, aten.neg.default, *CONVERTS)
+_SCALAR_STEPS = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar)
+
+
+@dataclass(frozen=True)
+class CosSin:
+    """The op's cos/sin operand: a gathered table (``table``, ``positions``), or the values
+    the graph computes per token (``cos``, ``sin``: ``[T, R/2]`` after ``reshape`` and, when
+    ``full``, the first half of ``[T, R]``)."""
+
+    table: torch.fx.Node | None = None
+    positions: torch.fx.Node | None = None
+    cos: torch.fx.Node | None = None
+    sin: torch.fx.Node | None = None
+    full: bool = False  # per-token cos/sin are R wide, the same R/2 values twice
+
+    @property
+    def per_token(self) -> bool:
+        return self.table is None
+
+    def key(self) -> tuple:
+        """What two rotations must share to be one call's (q and k): the same nodes."""
+        return (self.table, self.positions) if self.table is not None else (self.cos, self.sin)
+
+
+def duplicated_halves(node: torch.fx.Node) -> bool:
+    """Whether the graph proves ``node[..., :n] == node[..., n:]`` (``node`` ``2n`` wide): up
+    to views that keep the last dim, elementwise steps and scalar factors, it is
+    ``cat((f, f), -1)`` (or that cat's decomposition, ``repeated_halves``)."""
+    width = shape(node)[-1]
+    while isinstance(node, torch.fx.Node) and shape(node)[-1] == width:
+        try:
+            repeated_halves(node)
+            return True
+        except NoMatch:
+            pass
+        if is_op(node, *VIEW_OPS) and shape(node.args[0])[-1] == width and \
+                not is_op(node, aten.permute.default, aten.transpose.int, aten.t.default):
+            node = node.args[0]  # a view that keeps the last dim whole (unsqueeze, a batch reshape)
+        elif is_op(node, *_ELEMENTWISE):
+            node = node.args[0]
+        elif is_op(node, *_SCALAR_STEPS) and scalar(node.args[1]) is not None and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]
+        elif is_op(node, aten.mul.Tensor) and scalar(node.args[0]) is not None and isinstance(node.args[1], torch.fx.Node):
+            node = node.args[1]
+        else:
+            return False
+    return False
+
+
+def _per_token(c: torch.fx.Node, x_layout: Layout, x_shape: tuple, width: int, name: str) -> None:
+    """Checks that ``c`` broadcasts against the rotated ``x`` per token: size 1 on x's heads
+    (and size-1) dims, x's sizes on its token dims, ``width`` last; and that the token dims
+    come in x in order (outer first), so ``c.reshape(T, width)`` lists tokens as the op does."""
+    cs = shape(c)
+    expect(len(cs) <= len(x_shape), f"rope: {name} {describe(c)} has more dims than the rotated heads")
+    cs = (1,) * (len(x_shape) - len(cs)) + tuple(cs)
+    expect(cs[-1] == width, f"rope: {name} is {cs[-1]} wide, expected {width}")
+    token_strides = []
+    for i, (group, size) in enumerate(zip(x_layout.dims[:-1], cs[:-1])):
+        is_token = bool(group) and group[0].dim == 0
+        if is_token:
+            expect(same_size(size, x_shape[i]),
+                   f"rope: {name} {describe(c)} is not one row per token (size {size} on a token dim of {x_shape[i]})")
+            token_strides.append(group[0].stride)
+        else:
+            expect(isinstance(size, int) and size == 1,
+                   f"rope: {name} {describe(c)} differs across heads (size {size} on dim {i}); the op takes one per token")
+    expect(len(token_strides) <= 1 or all(isinstance(a, int) and isinstance(b, int) and a > b
+                                          for a, b in zip(token_strides, token_strides[1:])),
+           f"rope: {name}: the rotated heads hold tokens out of order")
+
+
+def cos_sin_operand(cos: torch.fx.Node, sin: torch.fx.Node, x_layout: Layout, x_shape: tuple, num_tokens,
+                    rotary_dim: int, *, full: bool, table_rank: int | None) -> CosSin:
+    """The operand for a rotation of ``x`` (layout ``x_layout`` over its ``[T, W]`` source)
+    by ``cos``, ``sin`` (each ``R/2`` wide, or ``R`` wide when ``full``).
+
+    A gather ``table[positions]`` of a ``[P, R]`` fp32 table is taken as it is where the heads
+    are ``[T, H, D]`` (``table_rank``: the rank ``cos_sin_rows`` reads); otherwise the values
+    themselves, per token, when they broadcast so and (``full``) their halves are proven equal.
+    """
+    if table_rank is not None and not full:
+        try:
+            table, positions = cos_sin_rows(cos, sin, num_tokens, rank=table_rank)
+            return CosSin(table=table, positions=positions)
+        except NoMatch as err:
+            gathered_reason = str(err)
+    else:
+        gathered_reason = None
+    width = rotary_dim if full else rotary_dim // 2
+    try:
+        for c, name in ((cos, "cos"), (sin, "sin")):
+            _per_token(c, x_layout, x_shape, width, name)
+            expect(val(c).dtype in (torch.float32, torch.bfloat16, torch.float16),
+                   f"rope: {name} is {val(c).dtype}")
+            if full:
+                expect(duplicated_halves(c), f"rope: {name} {describe(c)} is {width} wide and the graph does not show "
+                                             f"its halves equal (cat((f, f), -1) of computed values); a table from "
+                                             "outside the graph is not read as half a table")
+    except NoMatch as err:
+        if gathered_reason is not None:
+            raise NoMatch(f"{gathered_reason}; nor per-token values: {err}") from None
+        raise
+    return CosSin(cos=cos, sin=sin, full=full)

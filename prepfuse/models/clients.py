@@ -1,0 +1,140 @@
+"""Other people's code: Hugging Face transformers' own attention modules, run the way engines
+run them, as cases the passes are measured on (``tests/corpus/``, ``bench/compile_overhead.py``,
+``docs/passes.md``'s corpus table).
+
+An engine runs HF modeling code with an attention function of its own registered through
+transformers' ``AttentionInterface`` (``ENGINE_ATTENTION``): the module projects, norms and
+ropes q and k in its own layout (``[B, S, H, D]``, transposed to ``[B, H, S, D]``), and the
+function writes the step's k and v into a paged cache ``[num_blocks, block_size, Hkv, D]``
+by index assignment (``cache[slots // bs, slots % bs] = k.transpose(1, 2).reshape(B*S, Hkv, D)``),
+then attends (SDPA over the step's tokens; where an engine reads the cache back is its own
+kernel's business). cos/sin come from the model's own rotary module, as the model computes
+them (``rotary="module"``: from ``inv_freq`` in the forward, cast to the activation dtype), or
+from outside the compiled code (``rotary="inputs"``: full-width tables passed in).
+
+``transformers`` is a test dependency, not a runtime one: this module imports it when a case
+is built. Each case says how many fused calls it should give and, where the passes cannot
+fuse it yet, why (``expected_reason``): the corpus table reports both.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ClientCase", "CLIENT_CASES", "ENGINE_ATTENTION", "build_client", "register_engine_attention"]
+
+ENGINE_ATTENTION = "prepfuse_paged"  # the name the engine's attention function is registered under
+
+
+def _engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An engine's attention function: the step's k and v into the paged cache by index
+    assignment, then SDPA over the step's tokens (causal, GQA by repeating kv heads)."""
+    k_cache, v_cache, slots, block_size = kwargs["k_cache"], kwargs["v_cache"], kwargs["slot_mapping"], kwargs["block_size"]
+    batch, kv_heads, seq, head_dim = key.shape
+    k_cache[slots // block_size, slots % block_size] = key.transpose(1, 2).reshape(batch * seq, kv_heads, head_dim)
+    v_cache[slots // block_size, slots % block_size] = value.transpose(1, 2).reshape(batch * seq, kv_heads, head_dim)
+    groups = query.shape[1] // kv_heads
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_engine_attention() -> None:
+    """Register ``_engine_attention`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ENGINE_ATTENTION, _engine_attention)
+
+
+@dataclass(frozen=True)
+class ClientCase:
+    """One piece of client code: a transformers model family's attention, how cos/sin reach
+    it, and what the passes should make of it."""
+
+    name: str
+    family: str  # transformers.models.<family>
+    prefix: str  # class name prefix: <prefix>Config, <prefix>Attention, <prefix>RotaryEmbedding
+    rotary: str = "module"  # "module": the model's rotary module inside the compiled code; "inputs"
+    expected_fused: int = 1  # fused calls per layer
+    expected_reason: str = ""  # a fragment of the near miss, where nothing fuses yet
+    pattern: str = ""  # the report's pattern name of each fused call
+    config: tuple = ()  # extra config items
+
+    @property
+    def source(self) -> str:
+        return f"transformers.models.{self.family}.modeling_{self.family}.{self.prefix}Attention"
+
+
+_HALVES_UNPROVEN = "the graph does not show its halves equal"
+CLIENT_CASES: tuple[ClientCase, ...] = (
+    ClientCase("hf-qwen3", "qwen3", "Qwen3", pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
+    ClientCase("hf-llama", "llama", "Llama", pattern="gqa_rope_kv+separate+bf16_rope"),
+    ClientCase("hf-qwen2", "qwen2", "Qwen2", pattern="gqa_rope_kv+separate+bf16_rope"),
+    ClientCase("hf-mistral", "mistral", "Mistral", pattern="gqa_rope_kv+separate+bf16_rope"),
+    # cos/sin made outside the compiled code: full-width tables the graph cannot prove are
+    # two equal halves; the op reads half tables (a full-width operand is the next step)
+    ClientCase("hf-qwen3-cos-sin-inputs", "qwen3", "Qwen3", rotary="inputs", expected_fused=0,
+               expected_reason=_HALVES_UNPROVEN),
+    ClientCase("hf-llama-cos-sin-inputs", "llama", "Llama", rotary="inputs", expected_fused=0,
+               expected_reason=_HALVES_UNPROVEN),
+)
+
+
+class _EngineLayers(nn.Module):
+    """``num_layers`` attention modules of one model family sharing the rotary module, the
+    slots and (as engines do) the step's positions: each writes its own caches."""
+
+    def __init__(self, case: ClientCase, config, num_layers: int, block_size: int):
+        super().__init__()
+        module = importlib.import_module(f"transformers.models.{case.family}.modeling_{case.family}")
+        attention = getattr(module, f"{case.prefix}Attention")
+        self.layers = nn.ModuleList(attention(config, i) for i in range(num_layers))
+        self.rotary = getattr(module, f"{case.prefix}RotaryEmbedding")(config)
+        self.case, self.block_size = case, block_size
+
+    def forward(self, x, position_ids, slot_mapping, caches, cos_sin=None):
+        cos_sin = self.rotary(x, position_ids) if cos_sin is None else cos_sin
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+            out, _ = layer(x, cos_sin, None, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+                           block_size=self.block_size)
+            x = x + out
+        return x
+
+
+def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
+                 head_dim: int = 64, num_layers: int = 2, block_size: int = 16, num_blocks: int | None = None,
+                 device="cpu", seed: int | None = None):
+    """(model, args) for ``case``: ``model(*args)`` runs the layers on fresh random inputs
+    (bf16 weights and activations, slots all valid and distinct), the caches in ``args[3]``."""
+    register_engine_attention()
+    module = importlib.import_module(f"transformers.models.{case.family}.modeling_{case.family}")
+    config = getattr(module, f"{case.prefix}Config")(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=64, num_hidden_layers=num_layers, max_position_embeddings=4096, **dict(case.config))
+    config._attn_implementation = ENGINE_ATTENTION
+    with torch.random.fork_rng(devices=[]):  # fresh random weights and inputs; the global RNG is left alone
+        if seed is None:
+            torch.seed()
+        else:
+            torch.manual_seed(seed)
+        model = _EngineLayers(case, config, num_layers, block_size).to(torch.bfloat16)
+        for layer in model.layers:  # HF inits norm weights to ones: make them say something
+            for norm in ("q_norm", "k_norm"):
+                if hasattr(layer, norm):
+                    getattr(layer, norm).weight.data.uniform_(0.5, 1.5)
+        x = torch.randn(1, num_tokens, hidden).to(torch.bfloat16)
+        num_blocks = num_blocks or -(-(num_tokens + 16) // block_size)
+        slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    model = model.to(device)
+    positions = torch.arange(num_tokens, device=device)[None]
+    caches = [tuple(torch.full((num_blocks, block_size, kv_heads, head_dim), -7.0, dtype=torch.bfloat16, device=device)
+                    for _ in range(2)) for _ in range(num_layers)]
+    args = [x.to(device), positions, slots.to(device), caches]
+    if case.rotary == "inputs":
+        with torch.no_grad():
+            args.append(tuple(t.clone() for t in model.rotary(args[0], positions)))
+    return model, tuple(args)
