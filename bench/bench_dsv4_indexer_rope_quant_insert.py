@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -452,14 +451,7 @@ def render_plot(data: dict, path: Path) -> None:
 
 
 def write_reports(data: dict, json_path: Path, docs_path: Path | None) -> None:
-    png_path = json_path.with_suffix(".png")
-    try:
-        render_plot(data, png_path)
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
-    md = render_markdown(data, json_path.name, png_path.name)
-    (docs_path or json_path.parent / "benchmarks_indexer.md").write_text(md)
-    print(md)
+    print(harness.write_page(render_markdown, render_plot, data, json_path, docs_path or json_path.parent / "benchmarks_indexer.md"))
 
 
 # --------------------------------------------------------------------------------------
@@ -491,13 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.from_json:
-        path = Path(args.from_json)
-        write_reports(json.loads(path.read_text()), path, Path(args.docs))
-        return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
-        return 2
+    early = harness.from_json_or_cuda(args, write_reports)
+    if early is not None:
+        return early
     data = run_benchmark(args)
     json_path = Path(args.out_dir) / f"{STEM}_{data['device_slug']}{args.name_suffix}.json"
     write_reports(data, json_path, Path(args.docs) if not args.name_suffix else None)

@@ -113,13 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", default=str(HERE.parent / "docs" / "benchmarks_e2e.md"))
     parser.add_argument("--from-json", default=None, help="regenerate the page and plot from a result file")
     args = parser.parse_args(argv)
-    if args.from_json:
-        path = Path(args.from_json)
-        write_reports(json.loads(path.read_text()), path, Path(args.docs))
-        return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
-        return 2
+    early = harness.from_json_or_cuda(args, write_reports)
+    if early is not None:
+        return early
 
     info = harness.device_info()
     heads, padded = args.heads, opbench.padded_heads(args.heads)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -301,14 +300,7 @@ def render_plot(data: dict, path: Path) -> None:
 
 
 def write_reports(data: dict, json_path: Path, docs_path: Path | None) -> None:
-    png_path = json_path.with_suffix(".png")
-    try:
-        render_plot(data, png_path)
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
-    md = render_markdown(data, json_path.name, png_path.name)
-    (docs_path or json_path.parent / "benchmarks_gqa.md").write_text(md)
-    print(md)
+    print(harness.write_page(render_markdown, render_plot, data, json_path, docs_path or json_path.parent / "benchmarks_gqa.md"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,13 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.models:
         if m not in MODELS:
             p.error(f"--models: unknown model {m!r}; known: {', '.join(MODELS)}")
-    if args.from_json:
-        path = Path(args.from_json)
-        write_reports(json.loads(path.read_text()), path, Path(args.docs))
-        return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
-        return 2
+    early = harness.from_json_or_cuda(args, write_reports)
+    if early is not None:
+        return early
     import prepfuse  # noqa: F401  (registers the ops)
 
     if args.sweep_config:

@@ -286,3 +286,29 @@ def write_json(path: Path, data: dict) -> None:
 def loud(msg: str) -> None:
     bar = "!" * 78
     print(f"\n{bar}\n{msg}\n{bar}\n", flush=True)
+
+
+def write_page(render_markdown, render_plot, data: dict, json_path: Path, docs_path: Path) -> str:
+    """A result file's plot (``json_path`` with ``.png``; skipped, said, without matplotlib)
+    and page (``render_markdown(data, json name, png name)`` into ``docs_path``); returns the page."""
+    png_path = json_path.with_suffix(".png")
+    try:
+        render_plot(data, png_path)
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+    md = render_markdown(data, json_path.name, png_path.name)
+    docs_path.write_text(md)
+    return md
+
+
+def from_json_or_cuda(args, write_reports) -> int | None:
+    """What a benchmark's ``main`` does before measuring: with ``--from-json``, regenerate the
+    page and plot from that result file (0); without a CUDA device, say so (2); else None."""
+    if args.from_json:
+        path = Path(args.from_json)
+        write_reports(json.loads(path.read_text()), path, Path(args.docs))
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    return None

@@ -35,6 +35,7 @@ from prepfuse.ops import (
     dsv4_qnorm_rope_kv_insert_reference,
     dsv4_qnorm_rope_kv_insert_triton,
 )
+from tests.ops.bad_inputs import assert_rejected, changed
 from prepfuse.testing import CACHE_POISON, Dsv4Inputs, call_with_fake_tensors, compare_dsv4, make_dsv4_inputs
 
 # Where kernels run: compiled on a CUDA device when there is one, else triton's CPU
@@ -607,9 +608,7 @@ def good_args(device) -> dict:
 
 
 def bad_args(change, device) -> dict:
-    args = good_args(device)
-    args.update(change(args))
-    return args
+    return changed(good_args(device), change)
 
 
 def call_fake(args: dict) -> None:
@@ -618,16 +617,12 @@ def call_fake(args: dict) -> None:
 
 @pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS + BAD_INDEX_VALUES])
 def test_bad_input_raises_in_eager(name, change):
-    args = bad_args(change, DEVICE)
-    with pytest.raises(ValueError, match=rf"^{name}: "):
-        DSV4_QNORM_ROPE_KV_INSERT(*args.values())
+    assert_rejected(DSV4_QNORM_ROPE_KV_INSERT, bad_args(change, DEVICE), name, fake=False)
 
 
 @pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS])
 def test_bad_input_raises_in_fake_impl(name, change):
-    args = bad_args(change, "cpu")
-    with pytest.raises(ValueError, match=rf"^{name}: "):
-        call_fake(args)
+    assert_rejected(DSV4_QNORM_ROPE_KV_INSERT, bad_args(change, "cpu"), name, fake=True)
 
 
 @pytest.mark.parametrize("change", [pytest.param(c, id=i) for i, _, c in BAD_INDEX_VALUES])

@@ -34,6 +34,7 @@ from prepfuse.ops import (
     gqa_qknorm_rope_kv_insert_triton,
 )
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import rms_norm_reference
+from tests.ops.bad_inputs import assert_rejected, changed
 from prepfuse.testing import CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, make_gqa_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -601,9 +602,7 @@ def good_args(device) -> dict:
 
 
 def bad_args(change, device) -> dict:
-    args = good_args(device)
-    args.update(change(args))
-    return args
+    return changed(good_args(device), change)
 
 
 def call_fake(args: dict) -> None:
@@ -612,16 +611,12 @@ def call_fake(args: dict) -> None:
 
 @pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS + BAD_INDEX_VALUES])
 def test_bad_input_raises_in_eager(name, change):
-    args = bad_args(change, DEVICE)
-    with pytest.raises(ValueError, match=rf"^{name}: "):
-        GQA_QKNORM_ROPE_KV_INSERT(*args.values())
+    assert_rejected(GQA_QKNORM_ROPE_KV_INSERT, bad_args(change, DEVICE), name, fake=False)
 
 
 @pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS])
 def test_bad_input_raises_in_fake_impl(name, change):
-    args = bad_args(change, "cpu")
-    with pytest.raises(ValueError, match=rf"^{name}: "):
-        call_fake(args)
+    assert_rejected(GQA_QKNORM_ROPE_KV_INSERT, bad_args(change, "cpu"), name, fake=True)
 
 
 @pytest.mark.parametrize("change", [pytest.param(c, id=i) for i, _, c in BAD_INDEX_VALUES])

@@ -24,6 +24,7 @@ from prepfuse.ops import (
     gqa_separate_qknorm_rope_kv_insert_reference,
     gqa_separate_qknorm_rope_kv_insert_triton,
 )
+from tests.ops.bad_inputs import assert_rejected
 from prepfuse.testing import GqaInputs, call_with_fake_tensors, compare_gqa, make_gqa_inputs
 
 FP8 = torch.float8_e4m3fn
@@ -139,16 +140,14 @@ def named_args() -> dict:
 def test_bad_input_raises_in_eager(name, change):
     args = named_args()
     change(args)
-    with pytest.raises(ValueError, match=rf"^{name}: "):
-        GQA_SEPARATE_QKNORM_ROPE_KV_INSERT(*args.values())
+    assert_rejected(GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, args, name, fake=False)
 
 
 @pytest.mark.parametrize("name, change", [pytest.param(n, c, id=i) for i, n, c in BAD_INPUTS])
 def test_bad_input_raises_in_fake_impl(name, change):
     args = named_args()
     change(args)
-    with pytest.raises(ValueError, match=rf"^{name}: "):
-        call_with_fake_tensors(GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, args)
+    assert_rejected(GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, args, name, fake=True)
 
 
 def test_good_input_passes_fake_impl():
