@@ -25,7 +25,9 @@ import torch.fx
 from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.matching.cache_writes import first_rows_of
 from prepfuse.fx_passes.matching.cos_sin import CosSin, cos_sin_operand
-from prepfuse.fx_passes.matching.layouts import Layout, apply_views, identity, strip_views, token_major_heads
+from prepfuse.fx_passes.matching.layouts import (
+    Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
+)
 from prepfuse.fx_passes.matching.recognizers import (
     CONVERTS, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, describe,
     expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, shape, val,
@@ -95,7 +97,7 @@ def heads_view(node) -> tuple[torch.fx.Node, int, int, int, Layout]:
     layout = apply_views(identity(cols), chain)
     expect(layout is not None, f"heads: {describe(node)} is a view of {describe(cols)} that moves values across heads")
     found = token_major_heads(layout, shape(cols)[0], head_dim) if layout.dims and len(layout.dims) >= 2 else None
-    expect(found is not None or _heads_in_any_order(layout, head_dim),
+    expect(found is not None or _heads_in_any_order(layout, shape(cols)[0], head_dim),
            f"heads: {describe(node)} does not hold whole heads of {head_dim} columns of {describe(src)}")
     num_heads = shape(cols)[1] // head_dim
     expect(shape(cols)[1] == num_heads * head_dim, f"heads: columns [{first}, {first + shape(cols)[1]}) are not "
@@ -104,13 +106,15 @@ def heads_view(node) -> tuple[torch.fx.Node, int, int, int, Layout]:
     return src, first, num_heads, head_dim, layout
 
 
-def _heads_in_any_order(layout: Layout, head_dim: int) -> bool:
-    """``layout`` holds tokens, heads and head dims as whole dims, in any order, the head dim
-    last (``[B, H, S, D]``): the values of ``[T, H, D]``, transposed."""
-    dims = [d for d in layout.dims if d != ()]
-    if not dims or len(dims[-1]) != 1 or dims[-1][0].dim != 1 or dims[-1][0].size != head_dim or dims[-1][0].stride != 1:
+def _heads_in_any_order(layout: Layout, num_tokens, head_dim: int) -> bool:
+    """``layout`` holds token-major heads ``[T, H, D]`` with its dims permuted, the head dim
+    still last (``[B, H, S, D]``): sorted back into base order, it is token-major."""
+    order = canonical_order(layout)
+    if order is None or order[-1] != len(order) - 1:
         return False
-    return all(len(d) == 1 for d in dims)
+    by_position = sorted(range(len(order)), key=order.__getitem__)
+    return token_major_heads(Layout(tuple(layout.dims[i] for i in by_position), layout.offsets),
+                             num_tokens, head_dim) is not None
 
 
 def qkv_heads(node) -> tuple[torch.fx.Node, int, int, int]:
