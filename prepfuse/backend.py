@@ -58,7 +58,7 @@ import torch
 from prepfuse._compat import inductor_config_keys, inductor_mode_options, register_dynamo_backend
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
 from prepfuse.fx_passes.placement import PlacementPass, PlacementPolicy
-from prepfuse.fx_passes.registry import get_pass, placement_position, registered_passes
+from prepfuse.fx_passes.registry import LAST_PASS, get_pass, placement_position, registered_passes
 from prepfuse.fx_passes.report import GraphReport, Reports
 
 __all__ = [
@@ -96,19 +96,24 @@ class PrepfuseOptions:
     def __post_init__(self) -> None:
         available = registered_passes()
         passes = tuple(available) if self.passes is None else self.passes
-        if isinstance(passes, str) or not all(isinstance(p, str) for p in passes):
-            raise ValueError(f"passes: expected a sequence of pass names, got {self.passes!r}")
+        if not isinstance(passes, (list, tuple)) or not all(isinstance(p, str) for p in passes):
+            # a list or tuple: a generator would be used up by this check and leave no passes
+            raise ValueError(f"passes: expected a sequence of pass names (a list or tuple), got {self.passes!r}")
         passes = tuple(passes)
         for name in passes:
             get_pass(name)  # ValueError naming the available passes
         if len(set(passes)) != len(passes):
             raise ValueError(f"passes: a pass is named twice in {passes}")
+        if LAST_PASS in passes and passes[-1] != LAST_PASS:
+            raise ValueError(f"passes: {LAST_PASS!r} must come last (it removes the auto_functionalized calls the "
+                             f"fusion passes make), got {passes}")
         object.__setattr__(self, "passes", passes)
 
         if self.debug_dir is not None:
             if not isinstance(self.debug_dir, (str, os.PathLike)):
                 raise ValueError(f"debug_dir: expected a path, got {self.debug_dir!r}")
             object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
+            _check_writable(self.debug_dir)
         for name in ("strict", "record_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
@@ -123,6 +128,7 @@ class PrepfuseOptions:
                 raise ValueError(f"inductor_config: {key!r} is set by the backend: {_RESERVED_CONFIG[key]}")
             if key not in known:
                 raise ValueError(f"inductor_config: {key!r} is not an Inductor config name (torch._inductor.config)")
+            _check_config_type(key, self.inductor_config[key])
         object.__setattr__(self, "inductor_config", MappingProxyType(dict(self.inductor_config)))
         # splitting_ops, cudagraphs and output_buffers: PlacementPolicy validates and decides
         placement = PlacementPolicy(self.splitting_ops, self.cudagraphs)
@@ -131,10 +137,22 @@ class PrepfuseOptions:
         for key in placement.owned_config():
             if key in self.inductor_config:
                 raise ValueError(f"inductor_config: {key!r} is set by cudagraphs={self.cudagraphs!r}")
+        if self.cudagraphs == "piecewise" and not placement.splitting_ops:
+            raise ValueError("cudagraphs: 'piecewise' cuts the graph at splitting_ops, and none are given; "
+                             "use 'full' to capture the whole forward")
 
     @property
     def placement(self) -> PlacementPolicy:
         return PlacementPolicy(self.splitting_ops, self.cudagraphs)
+
+    def __hash__(self) -> int:
+        # the generated hash would hash the read-only inductor_config mapping, which cannot be
+        return hash(repr((self.cache_key(), self.debug_dir, self.record_graphs)))
+
+    def __reduce__(self):
+        # pickling and deepcopy: the mapping proxy as a plain dict, validated again on the way back
+        return (type(self), tuple(dict(getattr(self, f.name)) if f.name == "inductor_config" else getattr(self, f.name)
+                                  for f in fields(self)))
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | PrepfuseOptions | None) -> PrepfuseOptions:
@@ -172,6 +190,27 @@ class PrepfuseOptions:
             self.passes, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict,
             self.splitting_ops, self.cudagraphs, self.output_buffers,
         )
+
+
+def _check_writable(path: str) -> None:
+    """``debug_dir`` can take the dumps: made if missing, writable (else the compile would fail
+    late, inside Inductor, on the first graph)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"debug_dir: cannot create {path!r}: {err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"debug_dir: {path!r} is not writable")
+
+
+def _check_config_type(key: str, value) -> None:
+    """An Inductor config value of the type the setting holds (``{"fx_graph_cache": "no"}``
+    would leave the cache on: a non-empty string is true)."""
+    current = torch._inductor.config.get_config_copy().get(key)
+    if isinstance(current, bool) and not isinstance(value, bool):
+        raise ValueError(f"inductor_config: {key!r} takes True or False, got {value!r}")
+    if isinstance(current, int) and not isinstance(current, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"inductor_config: {key!r} takes an int, got {value!r}")
 
 
 class _ReportLog:

@@ -205,13 +205,17 @@ def test_uuid_is_stable():
         {"inductor_config": {"max_autotune": True}},
         {"strict": True},
         {"splitting_ops": ["aten::mm"]},
-        {"cudagraphs": "piecewise"},
+        {"cudagraphs": "piecewise", "splitting_ops": ["aten::mm"]},
         {"cudagraphs": "full"},
         {"output_buffers": "graph"},
     ],
 )
 def test_uuid_changes_with_options(options):
     assert manager_uuid(**options) != manager_uuid()
+
+
+def test_uuid_tells_piecewise_from_the_same_splitting_ops_uncaptured():
+    assert manager_uuid(cudagraphs="piecewise", splitting_ops=["aten::mm"]) != manager_uuid(splitting_ops=["aten::mm"])
 
 
 def test_uuid_changes_with_pass_settings_and_source():
@@ -312,3 +316,37 @@ def test_cache_hit_is_reported():
     first, second = reports()
     assert not first.cached and first.count("defunctionalize") == 1
     assert second.cached and "served from Inductor's cache" in second.format()
+
+
+# --------------------------------------------------------------------------------------
+# Options that were accepted and meant something else (issue: reliability, item 9)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options, why", [
+    ({"passes": (p for p in ["fuse_gqa_prep"])}, r"passes: expected a sequence of pass names \(a list or tuple\)"),
+    ({"passes": ("defunctionalize", "fuse_gqa_prep")}, "'defunctionalize' must come last"),
+    ({"inductor_config": {"fx_graph_cache": "no"}}, "'fx_graph_cache' takes True or False"),  # "no" is true
+    ({"cudagraphs": "piecewise"}, "'piecewise' cuts the graph at splitting_ops, and none are given"),
+    ({"splitting_ops": ("aten::mm", "aten::mm.default"), "cudagraphs": "piecewise"},
+     "'aten::mm.default' is already covered by 'aten::mm'"),
+])
+def test_options_that_meant_something_else_are_refused(options, why):
+    with pytest.raises(ValueError, match=why):
+        PrepfuseOptions.from_mapping(options)
+
+
+def test_an_unwritable_debug_dir_is_refused_up_front(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="debug_dir: cannot create"):
+        PrepfuseOptions(debug_dir=str(blocker / "dumps"))
+
+
+def test_options_hash_and_backends_pickle_and_copy():
+    import copy
+    import pickle
+
+    opts = PrepfuseOptions(inductor_config={"max_autotune": False}, strict=True)
+    assert hash(opts) == hash(PrepfuseOptions(inductor_config={"max_autotune": False}, strict=True))
+    assert pickle.loads(pickle.dumps(opts)) == opts and copy.deepcopy(opts) == opts
+    backend = PrepfuseBackend(opts)
+    assert copy.deepcopy(backend).options == opts and pickle.loads(pickle.dumps(backend)).options == opts

@@ -382,7 +382,7 @@ def check_common_inputs(
 ) -> None:
     """Dtypes, shapes, devices and strides of everything but the format's q outputs;
     raises ValueError naming the argument. Runs in eager and in the fake impls."""
-    device = q.device
+    device = q.device if isinstance(q, torch.Tensor) else None  # check_tensor names a non-tensor q
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=device)
     if not isinstance(weights, torch.Tensor) or weights.dtype not in (torch.bfloat16, torch.float32):
         got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
@@ -416,7 +416,7 @@ def check_common_inputs(
     )
     for name, t in named:
         check_unit_last_stride(name, t)
-    if not isinstance(block_size, int) or block_size <= 0:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
     require(
         k_cache.stride(0) >= block_size * slot_bytes and k_cache.shape[1] >= block_size * slot_bytes,

@@ -333,7 +333,7 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
 
     Runs in the eager paths and in the fake impl (where sizes may be symbolic).
     """
-    device = q.device
+    device = q.device if isinstance(q, torch.Tensor) else None  # check_tensor names a non-tensor q
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=device)
     check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, device=device)
     check_tensor("q_out", q_out, dtype=torch.bfloat16, ndim=3, device=device)
@@ -363,7 +363,7 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
     )
     for name, t in named:
         check_unit_last_stride(name, t)
-    if not isinstance(block_size, int) or block_size <= 0:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
     require(
         k_cache.stride(0) >= block_size * SLOT_BYTES and k_cache.shape[1] >= block_size * SLOT_BYTES,

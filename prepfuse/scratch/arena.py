@@ -105,6 +105,15 @@ class ScratchArena:
         """End growth: from now on every ``take`` fits its reservation or raises."""
         self._frozen = True
 
+    def reset(self) -> None:
+        """Drop every reservation and end the freeze: the arena as new. For an engine that
+        re-profiles (a new maximum batch) or a test; only when no view it handed out is in
+        use and no CUDA graph captured on it will replay (their bytes go back to the
+        caching allocator)."""
+        with self._lock:
+            self._reservations.clear()
+            self._frozen = False
+
     def reservations(self) -> list[Reservation]:
         """Every reservation, by name then device."""
         return sorted(self._reservations.values(), key=lambda r: (r.name, str(r.device)))
@@ -209,6 +218,8 @@ def _device(device) -> torch.device:
         device = torch.device(device)
     except (TypeError, RuntimeError) as err:
         raise ValueError(f"device: expected a torch.device or device string, got {device!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device: {device} asked for, but CUDA is not available to this process")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

@@ -43,5 +43,5 @@ def use_arena(arena: ScratchArena) -> Iterator[ScratchArena]:
     try:
         yield arena
     finally:
-        with _lock:
-            _installed.remove(arena)
+        with _lock:  # the innermost entry of this arena: use_arena(A), use_arena(B), use_arena(A) nest
+            del _installed[len(_installed) - 1 - _installed[::-1].index(arena)]

@@ -632,3 +632,12 @@ def test_fake_impl_does_not_read_index_values(change):
 
 def test_good_input_passes_fake_impl():
     call_fake(good_args("cpu"))
+
+
+@pytest.mark.parametrize("name, change", [
+    ("q", lambda a: {"q": None}),  # was AttributeError ('NoneType' has no attribute 'device')
+    ("block_size", lambda a: {"block_size": True}),  # was taken as 1
+])
+def test_reference_refuses_a_missing_q_and_a_bool_block_size(name, change):
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        dsv4_qnorm_rope_kv_insert_reference(*bad_args(change, "cpu").values())

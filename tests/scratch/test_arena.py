@@ -157,3 +157,29 @@ def test_use_arena_nests_and_restores():
     with pytest.raises(ValueError, match="arena: expected a ScratchArena"):
         with use_arena(object()):
             pass
+
+
+def test_nested_use_of_one_arena_restores_the_one_around_it():
+    a, b = ScratchArena(), ScratchArena()
+    with use_arena(a):
+        with use_arena(b):
+            with use_arena(a):
+                assert current_arena() is a
+            assert current_arena() is b  # was a: the outer entry of a had been removed
+        assert current_arena() is a
+    assert current_arena() is default_arena()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+def test_a_cuda_take_without_cuda_says_so():
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        ScratchArena().take("x.0", [4], torch.float32, "cuda")
+
+
+def test_reset_drops_reservations_and_the_freeze():
+    arena = ScratchArena()
+    arena.take("x.0", [4], torch.float32, "cpu")
+    arena.freeze()
+    arena.reset()
+    assert not arena.frozen and arena.reservations() == []
+    assert arena.take("x.0", [64], torch.float32, "cpu").shape == (64,)  # grows again

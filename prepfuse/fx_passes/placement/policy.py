@@ -98,6 +98,11 @@ class PlacementPolicy:
         names = tuple(normalize_op_name(op, option="splitting_ops") for op in ops)
         if len(set(names)) != len(names):
             raise ValueError(f"splitting_ops: an op is named twice in {names}")
+        for name in names:  # "ns::op.overload" beside "ns::op", which names every overload already
+            packet = name.rsplit(".", 1)[0] if "." in name.split("::", 1)[1] else None
+            if packet in names:
+                raise ValueError(f"splitting_ops: {name!r} is already covered by {packet!r}")
+
         if self.cudagraphs == "full" and names:
             raise ValueError(
                 "splitting_ops: cudagraphs='full' captures the whole forward, splitting ops included; "
