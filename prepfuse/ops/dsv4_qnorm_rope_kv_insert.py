@@ -198,7 +198,9 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
         block_h = 2
     else:
         block_h = 4
-    return min(block_h, triton.next_power_of_2(padded_heads)), 2
+    # a kv-only call (the pass emits one: q and q_out [T, 0, 512]) has no q heads: one head a
+    # program keeps the grid's arithmetic defined (next_power_of_2(0) is 0)
+    return min(block_h, max(1, triton.next_power_of_2(padded_heads))), 2
 
 
 def dsv4_qnorm_rope_kv_insert_triton(

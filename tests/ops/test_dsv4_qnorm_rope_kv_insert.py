@@ -641,3 +641,17 @@ def test_good_input_passes_fake_impl():
 def test_reference_refuses_a_missing_q_and_a_bool_block_size(name, change):
     with pytest.raises(ValueError, match=rf"^{name}: "):
         dsv4_qnorm_rope_kv_insert_reference(*bad_args(change, "cpu").values())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kv_only_call_with_no_q_heads(impl):
+    """The call the pass emits for a kv side alone: q and q_out ``[T, 0, 512]``. The checks
+    accept it, so every implementation runs it (the launcher had divided by
+    next_power_of_2(0) == 0); the cache bytes are the reference's exactly."""
+    generator, seed = new_generator()
+    inputs = make_dsv4_inputs(5, 3, 8, 16, "cpu", generator=generator)
+    inputs = dataclasses.replace(inputs, q=inputs.q[:, :0].contiguous(), q_out=inputs.q_out[:, :0].contiguous())
+    got = run(impl, to_device(inputs, DEVICE))
+    want = run(dsv4_qnorm_rope_kv_insert_reference, inputs)
+    assert got.q_out.shape == (5, 0, 512)
+    assert torch.equal(got.k_cache.cpu(), want.k_cache), f"seed={seed}"
