@@ -49,7 +49,7 @@ from prepfuse.fx_passes.fusion import gqa_patterns
 from prepfuse.fx_passes.fusion.gqa_patterns import CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads
 from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
-from prepfuse.fx_passes.matching.layouts import VIEW_OPS, apply_views, token_major_heads
+from prepfuse.fx_passes.matching.layouts import apply_views, strip_views, token_major_heads
 from prepfuse.fx_passes.matching.recognizers import aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
 from prepfuse.fx_passes.mutation_info import output_indices
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
@@ -84,7 +84,7 @@ class FuseGqaPrepPass(PrepfusePass):
         heads = self._prepared_heads(graph)
         k_writes, v_writes = self._cache_writes(graph)
         matched, used = 0, set()
-        k_rows = {_nearest_heads(w.rows, heads)[0] for w in k_writes}
+        k_rows = {strip_views(w.rows, stop=heads.__contains__)[0] for w in k_writes}
         for k_write in k_writes:
             try:
                 k = self._written_heads(k_write, heads)
@@ -121,12 +121,14 @@ class FuseGqaPrepPass(PrepfusePass):
     def _written_heads(self, write: CacheWrite, heads: dict[torch.fx.Node, Heads]) -> Heads:
         """The roped heads a cache write writes: its rows, or token-major ``[T, H, D]`` rows
         of them through views (Hugging Face's ``k.transpose(1, 2).reshape(B * S, H, D)``)."""
-        base, chain = _nearest_heads(write.rows, heads)
+        # up to the first prepared node, not the top of the views: a GPT-J rotation ends in a
+        # view itself (the flatten of its pairs; torch 2.11 shows it without a cast after it)
+        base, chain = strip_views(write.rows, stop=heads.__contains__)
         k = heads.get(base)
         expect(k is not None, f"k: the rows written with {recognizers.describe(write.put)} are neither qkv heads (v) "
                               f"nor roped ones ({self._why.get(base, 'no RoPE found')})")
         layout = apply_views(k.layout, chain)
-        expect(layout is not None and token_major_heads(layout, shape(k.source)[0], k.head_dim) == (0, k.num_heads),
+        expect(layout is not None and token_major_heads(layout, shape(k.source)[0], k.head_dim) == k.num_heads,
                f"k: the rows written with {recognizers.describe(write.put)} are roped heads "
                f"{recognizers.describe(base)} in another order than one row of heads per token")
         return k
@@ -223,17 +225,6 @@ class FuseGqaPrepPass(PrepfusePass):
         pattern = ("gqa_qknorm_rope_kv" if q.norm_weight is not None else "gqa_rope_kv") + (
             "+separate" if _is_separate(k) else "") + ("+bf16_rope" if q.bf16_rope else "")
         self.log.matched(self.name, pattern, q.prepared)
-
-
-def _nearest_heads(rows: torch.fx.Node, heads: dict) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    """(the first node up from ``rows`` through view ops that is prepared heads, or the first
-    non-view; the views from it down to ``rows``). Not simply the top of the view chain: a
-    GPT-J rotation ends in a view itself (the flatten of its pairs)."""
-    node, chain = rows, []
-    while node not in heads and is_op(node, *VIEW_OPS):
-        chain.insert(0, node)
-        node = node.args[0]
-    return node, chain
 
 
 def _is_separate(h: Heads) -> bool:

@@ -96,7 +96,7 @@ def heads_view(node) -> tuple[torch.fx.Node, int, int, int, Layout]:
            f"heads: {describe(node)} is not a view of columns of a 2-d qkv or projection (it is {describe(base)})")
     layout = apply_views(identity(cols), chain)
     expect(layout is not None, f"heads: {describe(node)} is a view of {describe(cols)} that moves values across heads")
-    found = token_major_heads(layout, shape(cols)[0], head_dim) if layout.dims and len(layout.dims) >= 2 else None
+    found = token_major_heads(layout, shape(cols)[0], head_dim)
     expect(found is not None or _heads_in_any_order(layout, shape(cols)[0], head_dim),
            f"heads: {describe(node)} does not hold whole heads of {head_dim} columns of {describe(src)}")
     num_heads = shape(cols)[1] // head_dim
@@ -113,7 +113,7 @@ def _heads_in_any_order(layout: Layout, num_tokens, head_dim: int) -> bool:
     if order is None or order[-1] != len(order) - 1:
         return False
     by_position = sorted(range(len(order)), key=order.__getitem__)
-    return token_major_heads(Layout(tuple(layout.dims[i] for i in by_position), layout.offsets),
+    return token_major_heads(Layout(tuple(layout.dims[i] for i in by_position)),
                              num_tokens, head_dim) is not None
 
 

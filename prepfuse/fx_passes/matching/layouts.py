@@ -50,14 +50,10 @@ class Axis:
 
 @dataclass(frozen=True)
 class Layout:
-    """A node's dims as factors of a base's dims (outer first), and where in each base dim
-    the view starts (``offsets``: a slice's start)."""
+    """A node's dims as factors of a base's dims (outer first). A slice is never followed:
+    it is a base of its own (``gqa_patterns.heads_view`` counts its start)."""
 
     dims: tuple[tuple[Axis, ...], ...]
-    offsets: tuple[tuple[int, int], ...] = ()  # (base dim, first index)
-
-    def offset(self, dim: int) -> int:
-        return dict(self.offsets).get(dim, 0)
 
 
 def _known(cond) -> bool:
@@ -120,24 +116,24 @@ def follow(layout: Layout, view: torch.fx.Node) -> Layout | None:
         return layout
     if t is aten.permute.default:
         order = [d % ndim for d in args[1]]
-        return Layout(tuple(dims[d] for d in order), layout.offsets)
+        return Layout(tuple(dims[d] for d in order))
     if t is aten.t.default:
-        return Layout(tuple(reversed(dims)), layout.offsets)
+        return Layout(tuple(reversed(dims)))
     if t is aten.transpose.int:
         a, b = args[1] % ndim, args[2] % ndim
         dims[a], dims[b] = dims[b], dims[a]
-        return Layout(tuple(dims), layout.offsets)
+        return Layout(tuple(dims))
     if t is aten.unsqueeze.default:
         d = args[1] % (ndim + 1)
-        return Layout(tuple(dims[:d] + [()] + dims[d:]), layout.offsets)
+        return Layout(tuple(dims[:d] + [()] + dims[d:]))
     if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
         drop = set(range(ndim)) if t is aten.squeeze.default else (
             {args[1] % ndim} if t is aten.squeeze.dim else {d % ndim for d in args[1]})
         kept = tuple(f for i, f in enumerate(dims) if not (i in drop and f == ()))
-        return Layout(kept, layout.offsets)
+        return Layout(kept)
     if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         grouped = _regroup([f for group in dims for f in group], _shape(view))
-        return None if grouped is None else Layout(grouped, layout.offsets)
+        return None if grouped is None else Layout(grouped)
     return None
 
 
@@ -150,18 +146,20 @@ def apply_views(layout: Layout, chain: list[torch.fx.Node]) -> Layout | None:
     return layout
 
 
-def strip_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    """(the first non-view node up from ``node``, the view ops from it down to ``node``)."""
+def strip_views(node: torch.fx.Node, stop=None) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """(the first non-view node up from ``node``, or the first for which ``stop(node)`` holds;
+    the view ops from it down to ``node``)."""
     chain = []
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in VIEW_OPS \
+            and not (stop is not None and stop(node)):
         chain.append(node)
         node = node.args[0]
     return node, chain[::-1]
 
 
 def token_major_heads(layout: Layout, num_tokens, head_dim: int, token_dim: int = 0, width_dim: int = 1
-                      ) -> tuple[int, int] | None:
-    """(first column, heads) when ``layout`` shows a ``[num_tokens, W]`` base as token-major
+                      ) -> int | None:
+    """The head count H when ``layout`` shows a ``[num_tokens, W]`` base as token-major
     heads ``[tokens..., H, head_dim]``: every dim but the last two made of token factors (base
     dim ``token_dim``, outer first, all of it), then H heads of ``head_dim`` columns of
     ``width_dim``; else None."""
@@ -175,7 +173,7 @@ def token_major_heads(layout: Layout, num_tokens, head_dim: int, token_dim: int 
         return None
     token_factors = [f for group in tokens for f in group]
     if not token_factors:  # one token: its size-1 dims hold no factor
-        return (layout.offset(width_dim), heads[0].size) if _is_one(num_tokens) else None
+        return heads[0].size if _is_one(num_tokens) else None
     if any(f.dim != token_dim for f in token_factors):
         return None
     strides = [f.stride for f in token_factors]
@@ -184,7 +182,7 @@ def token_major_heads(layout: Layout, num_tokens, head_dim: int, token_dim: int 
         return None
     if not _known(token_factors[0].size * token_factors[0].stride == num_tokens):
         return None  # a part of the tokens only
-    return layout.offset(width_dim), heads[0].size
+    return heads[0].size
 
 
 def canonical_order(layout: Layout) -> list[int] | None:
@@ -195,9 +193,9 @@ def canonical_order(layout: Layout) -> list[int] | None:
     for group in layout.dims:
         if group and len({f.dim for f in group}) > 1:
             return None
-        keys.append((group[0].dim, 0) if group else (-1, 0))
+        keys.append(group[0].dim if group else -1)
     # within a base dim, a larger stride is outer
-    order = sorted(range(len(layout.dims)), key=lambda i: (keys[i][0], -_static_stride(layout.dims[i])))
+    order = sorted(range(len(layout.dims)), key=lambda i: (keys[i], -_static_stride(layout.dims[i])))
     return [order.index(i) for i in range(len(order))]
 
 

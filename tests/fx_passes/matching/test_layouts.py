@@ -36,7 +36,7 @@ def test_hf_transpose_is_heads_before_tokens():
 
 def test_transposed_back_and_flattened_is_token_major():
     layout = layout_of(lambda x: x.view(1, T, H, D).transpose(1, 2).transpose(1, 2).reshape(T, H, D))
-    assert token_major_heads(layout, T, D) == (0, H)
+    assert token_major_heads(layout, T, D) == H
 
 
 def test_a_reshape_of_transposed_values_is_not_token_major():
@@ -47,7 +47,7 @@ def test_a_reshape_of_transposed_values_is_not_token_major():
 
 def test_a_batch_of_tokens_splits_the_token_dim():
     layout = layout_of(lambda x: x.view(7, 1, H, D))
-    assert token_major_heads(layout, T, D) == (0, H)
+    assert token_major_heads(layout, T, D) == H
     layout = layout_of(lambda x: x.view(T, H * D // 2, 2))  # pairs within a head: not heads of D
     assert token_major_heads(layout, T, D) is None
 
@@ -56,4 +56,4 @@ def test_one_token():
     gm = make_fx(lambda x: x.view(1, 1, H, D), tracing_mode="fake")(torch.empty(1, H * D))
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     base, chain = strip_views(out)
-    assert token_major_heads(apply_views(identity(base), chain), 1, D) == (0, H)
+    assert token_major_heads(apply_views(identity(base), chain), 1, D) == H
