@@ -79,6 +79,11 @@ class IndexerFormat:
     # q_out and q_scale outputs: (name, columns per head, dtype); weights_out is common
     q_outputs: tuple[tuple[str, int, torch.dtype], ...]
     weights_by_shape: bool  # the weights product is claimed by shape (MXFP4), not read off q (FP8)
+    node_prefix: str  # the scratch nodes' names in debug dumps and golden graphs
+
+    @property
+    def op_name(self) -> str:
+        return self.op._schema.name.split("::", 1)[1]
 
 
 def _fp8_anchors(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -93,11 +98,13 @@ def _mxfp4_anchors(node: torch.fx.Node) -> list[torch.fx.Node]:
 FORMATS = {
     "fp8": IndexerFormat(
         "fp8", DSV4_INDEXER_ROPE_FP8_INSERT, "dsv4_indexer", HEAD_DIM, FP8_SLOT_BYTES, _fp8_anchors,
-        match_fp8_q_side, match_fp8_k_rows, (("q_out", HEAD_DIM, torch.float8_e4m3fn),), weights_by_shape=False),
+        match_fp8_q_side, match_fp8_k_rows, (("q_out", HEAD_DIM, torch.float8_e4m3fn),), weights_by_shape=False,
+        node_prefix="prepfuse_indexer_"),
     "mxfp4": IndexerFormat(
         "mxfp4", DSV4_INDEXER_ROPE_MXFP4_INSERT, "dsv4_indexer_mxfp4", MXFP4_PACKED, MXFP4_SLOT_BYTES, _mxfp4_anchors,
         match_mxfp4_q_side, match_mxfp4_k_rows,
-        (("q_out", MXFP4_PACKED, torch.uint8), ("q_scale", MXFP4_BLOCKS, torch.uint8)), weights_by_shape=True),
+        (("q_out", MXFP4_PACKED, torch.uint8), ("q_scale", MXFP4_BLOCKS, torch.uint8)), weights_by_shape=True,
+        node_prefix="prepfuse_indexer_mxfp4_"),
 }
 
 
@@ -225,9 +232,8 @@ class _FuseDsv4IndexerPass(PrepfusePass):
     def _scratch(self, emit: Emitter, output: str, sizes, dtype, like) -> torch.fx.Node:
         """An output buffer in scratch-arena memory (reserved before KV sizing), not
         allocated per call: reservation ``<op>.<output>.<k>``."""
-        prefix = "prepfuse_indexer_" if self.fmt.name == "fp8" else f"prepfuse_indexer_{self.fmt.name}_"
-        return emit.scratch(f"{self.fmt.op._schema.name.split('::')[1]}.{output}", sizes, dtype, like,
-                            name=f"{prefix}{output}_scratch")
+        return emit.scratch(f"{self.fmt.op_name}.{output}", sizes, dtype, like,
+                            name=f"{self.fmt.node_prefix}{output}_scratch")
 
 
 class FuseDsv4IndexerPrepPass(_FuseDsv4IndexerPass):
