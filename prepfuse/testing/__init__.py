@@ -5,11 +5,12 @@ Checks follow one rule: fresh random data every run, outputs poisoned before the
 was not shows up, and a byte that should not have been written shows up too.
 
 One module per family (``dsv4``, ``gqa``, ``dsv4_indexer``), what they share (``common``) and
-the demo's quick GPU timing (``timing``); everything is exported here too.
+the demo's quick GPU timing (``timing``), golden files for graph tests (``golden``); everything is exported here too.
 """
 
 from prepfuse.testing.common import *  # noqa: F401,F403
 from prepfuse.testing.dsv4 import *  # noqa: F401,F403
 from prepfuse.testing.dsv4_indexer import *  # noqa: F401,F403
+from prepfuse.testing.golden import *  # noqa: F401,F403
 from prepfuse.testing.gqa import *  # noqa: F401,F403
 from prepfuse.testing.timing import *  # noqa: F401,F403

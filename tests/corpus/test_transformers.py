@@ -16,7 +16,6 @@ layers, block 16); the FX graph cache is off.
 
 from __future__ import annotations
 
-import expecttest
 import pytest
 import torch
 
@@ -25,6 +24,9 @@ pytest.importorskip("transformers")
 from prepfuse._compat import golden_rotary_graph_stable  # noqa: E402
 from prepfuse.backend import PrepfuseBackend  # noqa: E402
 from prepfuse.models.clients import CLIENT_CASES, build_client  # noqa: E402
+from prepfuse.testing.golden import GoldenFiles
+
+GOLDEN = GoldenFiles.beside(__file__)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 CASES = {c.name: c for c in CLIENT_CASES}
@@ -110,89 +112,7 @@ def test_client_matches_inductor(name, device):
 def test_qwen3_golden_graph():
     backend = PrepfuseBackend({"record_graphs": True})
     compiled_run(CASES["hf-qwen3"], backend, num_layers=1)
-    expecttest.assert_expected_inline(backend.reports[0].graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7, arg8, arg9, arg10, arg11 = placeholders()
-reshape = aten.reshape.default(arg0, [7, 256])
-permute = aten.permute.default(arg1, [1, 0])
-mm = aten.mm.default(reshape, permute)
-reshape_1 = aten.reshape.default(mm, [1, 7, 128])
-reshape_2 = aten.reshape.default(reshape_1, [1, 7, -1, 64])
-convert_element_type = prims.convert_element_type.default(reshape_2, float32)
-pow = aten.pow.Tensor_Scalar(convert_element_type, 2)
-mean = aten.mean.dim(pow, [-1], True)
-add = aten.add.Tensor(mean, 1e-06)
-rsqrt = aten.rsqrt.default(add)
-mul = aten.mul.Tensor(convert_element_type, rsqrt)
-convert_element_type_1 = prims.convert_element_type.default(mul, bfloat16)
-mul_1 = aten.mul.Tensor(arg2, convert_element_type_1)
-permute_1 = aten.permute.default(mul_1, [0, 2, 1, 3])
-unsqueeze = aten.unsqueeze.default(arg3, 0)
-unsqueeze_1 = aten.unsqueeze.default(unsqueeze, 2)
-convert_element_type_2 = prims.convert_element_type.default(unsqueeze_1, float32)
-expand = aten.expand.default(convert_element_type_2, [1, -1, 1])
-expand_1 = aten.expand.default(expand, [1, 32, 1])
-unsqueeze_2 = aten.unsqueeze.default(arg4, 1)
-convert_element_type_3 = prims.convert_element_type.default(unsqueeze_2, float32)
-expand_2 = aten.expand.default(convert_element_type_3, [1, 1, 7])
-mul_2 = aten.mul.Tensor(expand_1, expand_2)
-permute_2 = aten.permute.default(mul_2, [0, 2, 1])
-unsqueeze_3 = aten.unsqueeze.default(permute_2, 2)
-expand_3 = aten.expand.default(unsqueeze_3, [1, 7, 2, 32])
-clone = aten.clone.default(expand_3, memory_format=torch.contiguous_format)
-reshape_3 = aten.reshape.default(clone, [1, 7, 64])
-cos = aten.cos.default(reshape_3)
-mul_3 = aten.mul.Tensor(cos, 1.0)
-convert_element_type_4 = prims.convert_element_type.default(mul_3, bfloat16)
-unsqueeze_4 = aten.unsqueeze.default(convert_element_type_4, 1)
-mul_4 = aten.mul.Tensor(permute_1, unsqueeze_4)
-slice = aten.slice.Tensor(permute_1, 3, 32, 9223372036854775807)
-neg = aten.neg.default(slice)
-slice_1 = aten.slice.Tensor(permute_1, 3, 0, 32)
-cat = aten.cat.default([neg, slice_1], -1)
-sin = aten.sin.default(reshape_3)
-mul_5 = aten.mul.Tensor(sin, 1.0)
-convert_element_type_5 = prims.convert_element_type.default(mul_5, bfloat16)
-unsqueeze_5 = aten.unsqueeze.default(convert_element_type_5, 1)
-mul_6 = aten.mul.Tensor(cat, unsqueeze_5)
-add_1 = aten.add.Tensor(mul_4, mul_6)
-reshape_4 = aten.reshape.default(arg0, [7, 256])
-permute_3 = aten.permute.default(arg5, [1, 0])
-mm_1 = aten.mm.default(reshape_4, permute_3)
-reshape_5 = aten.reshape.default(mm_1, [1, 7, 128])
-reshape_6 = aten.reshape.default(reshape_5, [1, 7, -1, 64])
-permute_4 = aten.permute.default(reshape_6, [0, 2, 1, 3])
-reshape_7 = aten.reshape.default(arg0, [7, 256])
-permute_5 = aten.permute.default(arg6, [1, 0])
-mm_2 = aten.mm.default(reshape_7, permute_5)
-unsqueeze_6 = aten.unsqueeze.default(add_1, 2)
-expand_4 = aten.expand.default(unsqueeze_6, [1, 2, 2, 7, 64])
-clone_1 = aten.clone.default(expand_4, memory_format=torch.contiguous_format)
-reshape_8 = aten.reshape.default(clone_1, [1, 4, 7, 64])
-unsqueeze_7 = aten.unsqueeze.default(permute_4, 2)
-expand_5 = aten.expand.default(unsqueeze_7, [1, 2, 2, 7, 64])
-clone_2 = aten.clone.default(expand_5, memory_format=torch.contiguous_format)
-reshape_9 = aten.reshape.default(clone_2, [1, 4, 7, 64])
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-reshape_10 = aten.reshape.default(unsqueeze_4, [7, 64])
-slice_2 = aten.slice.Tensor(reshape_10, 1, 0, 32)
-reshape_11 = aten.reshape.default(unsqueeze_5, [7, 64])
-slice_3 = aten.slice.Tensor(reshape_11, 1, 0, 32)
-cat_1 = aten.cat.default([slice_2, slice_3], -1)
-convert_element_type_6 = prims.convert_element_type.default(cat_1, float32)
-iota = prims.iota.default(7, start=0, step=1, dtype=int64, device='cpu', requires_grad=False)
-gqa_separate_qknorm_rope_kv_insert = prepfuse.gqa_separate_qknorm_rope_kv_insert.default(mm_2, mm, mm_1, arg7, arg2, scratch, arg8, arg9, arg10, iota, convert_element_type_6, None, True, 1e-06)
-reshape_12 = aten.reshape.default(scratch, [1, 7, 4, 64])
-permute_6 = aten.permute.default(reshape_12, [0, 2, 1, 3])
-_scaled_dot_product_flash_attention_for_cpu = aten._scaled_dot_product_flash_attention_for_cpu.default(permute_6, reshape_8, reshape_9, 0.0, True, scale=0.125)
-getitem = getitem(_scaled_dot_product_flash_attention_for_cpu, 0)
-permute_7 = aten.permute.default(getitem, [0, 2, 1, 3])
-reshape_13 = aten.reshape.default(permute_7, [1, 7, -1])
-reshape_14 = aten.reshape.default(reshape_13, [7, 256])
-permute_8 = aten.permute.default(arg11, [1, 0])
-mm_3 = aten.mm.default(reshape_14, permute_8)
-reshape_15 = aten.reshape.default(mm_3, [1, 7, 256])
-add_2 = aten.add.Tensor(arg0, reshape_15)
-return (add_2,)""")
+    GOLDEN.check(backend.reports[0].graph, "qwen3")
 
 
 @pytest.mark.parametrize("mode", ["mark_dynamic", "dynamic=True"])

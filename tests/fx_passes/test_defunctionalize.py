@@ -13,7 +13,6 @@ it is generic over mutating ops.
 
 from __future__ import annotations
 
-import expecttest
 import pytest
 import torch
 import torch.fx
@@ -28,6 +27,9 @@ from prepfuse.fx_passes.graph_print import normalized_graph
 from prepfuse.fx_passes.registry import register_pass, unregister_pass
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT
 from prepfuse.testing import make_dsv4_inputs
+from prepfuse.testing.golden import GoldenFiles
+
+GOLDEN = GoldenFiles.beside(__file__)
 
 AF_V1, AF_V2 = auto_functionalized_ops()
 VERSIONS = [pytest.param(False, id="v1"), pytest.param(True, id="v2")]
@@ -103,10 +105,7 @@ def test_direct_call_runs_in_place(v2):
     assert report.matched_counts == {"defunctionalize": 1}
     assert report.pattern_counts() == {f"{DSV4_QNORM_ROPE_KV_INSERT}/{'v2' if v2 else 'v1'}": 1}
     assert report.near_misses() == [] and report.functionalized_left == []
-    expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg0, arg1, arg2, arg3, arg4, arg5, arg6, 1e-06, 16)
-return ()""")
+    GOLDEN.check(report.graph, "direct_call_runs_in_place")
     # q_out (arg2_1) and k_cache (arg3_1) are written where they are: no temporary, no copy.
     FileCheck().check_not("clone").check_not("copy").check_not("empty_strided").check(
         "torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert.default(arg0_1, arg1_1, arg2_1, arg3_1, "
@@ -120,19 +119,9 @@ def test_views_of_inputs_run_in_place(v2):
     assert report.matched_counts == {"defunctionalize": 1}
     assert report.near_misses() == [] and report.functionalized_left == []
     if v2:  # v2 regenerates the views from _all_bases: a slice, and as_strided for the select
-        expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-slice = aten.slice.Tensor(arg0, 0, 0, 7)
-as_strided = aten.as_strided.default(arg1, (5, 9792), (9792, 1), 48960)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, slice, as_strided, arg4, arg5, arg6, 1e-06, 16)
-return ()""")
+        GOLDEN.check(report.graph, "views_of_inputs_run_in_place_v2")
     else:  # v1 passed the views themselves; their slice_scatter/select_scatter write-back is gone
-        expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-slice = aten.slice.Tensor(arg0, 0, 0, 7)
-select = aten.select.int(arg1, 0, 1)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, slice, select, arg4, arg5, arg6, 1e-06, 16)
-return ()""")
+        GOLDEN.check(report.graph, "views_of_inputs_run_in_place_v1")
     # scratch (arg0_1) and caches (arg1_1) are written through views of themselves.
     FileCheck().check_not("clone").check_not("copy").check_not("empty_strided").check(
         "torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2_1, arg3_1, reinterpret_tensor(arg0_1, (7, 8, 512)"
@@ -255,8 +244,4 @@ def test_generic_op_with_a_return(v2):
     assert_same_bytes(compiled_args, eager_args)
     (report,) = backend.reports
     assert report.matched_counts == {"defunctionalize_wide": 1}
-    expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2 = placeholders()
-scale_into = prepfuse_test.scale_into.default(arg0, arg1, arg2)
-add = aten.add.Tensor(scale_into, 1)
-return (add,)""")
+    GOLDEN.check(report.graph, "generic_op_with_a_return")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import expecttest
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -37,7 +36,10 @@ from prepfuse.models import dsv4 as model
 from prepfuse.models.dsv4 import DSV4_LOOKALIKES, DSV4_SPELLINGS, Dsv4AttentionBlock, fp8_ds_mla_cache
 from prepfuse.testing import compare_dsv4, compare_dsv4_q, make_dsv4_inputs
 from prepfuse.models import dsv4_prep_unfused
+from prepfuse.testing.golden import GoldenFiles
 from tests.fx_passes.pass_harness import PassReportQueries, compile_beside_eager
+
+GOLDEN = GoldenFiles.beside(__file__)
 
 T, H, HP, BLOCK, EPS = 7, 3, 8, 16, 1e-6
 PASS = FuseDsv4PrepPass.name
@@ -162,23 +164,9 @@ def test_spelling_fuses_into_one_call(name):
     assert r.matched == 1
     assert r.events("matched") == ["dsv4_q+kv"]
     if SPELLINGS[name].norm == "rms_norm":  # F.rms_norm's eps arrives rounded to fp32
-        expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5 = placeholders()
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=arg0, kv=arg1, slot_mapping=arg2, positions=arg3, cos_sin_cache=arg4, eps=9.999999974752427e-07, block_size=16, _q_out_base_index=0, _k_cache_base_index=1, _all_bases=[scratch, arg5])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-copy_ = aten.copy_.default(arg5, getitem_1)
-return (getitem,)""")
+        GOLDEN.check(r.report.graph, "spelling_fuses_eps_rounded_to_fp32")
     else:
-        expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5 = placeholders()
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=arg0, kv=arg1, slot_mapping=arg2, positions=arg3, cos_sin_cache=arg4, eps=1e-06, block_size=16, _q_out_base_index=0, _k_cache_base_index=1, _all_bases=[scratch, arg5])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-copy_ = aten.copy_.default(arg5, getitem_1)
-return (getitem,)""")
+        GOLDEN.check(r.report.graph, "spelling_fuses_into_one_call")
 
 
 @pytest.mark.parametrize("v2", VERSIONS)
@@ -187,23 +175,9 @@ def test_functionalization_versions(v2):
     assert_close_to_eager(r)
     assert r.matched == 1
     if v2:
-        expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5 = placeholders()
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=arg0, kv=arg1, slot_mapping=arg2, positions=arg3, cos_sin_cache=arg4, eps=1e-06, block_size=16, _q_out_base_index=0, _k_cache_base_index=1, _all_bases=[scratch, arg5])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-copy_ = aten.copy_.default(arg5, getitem_1)
-return (getitem,)""")
+        GOLDEN.check(r.report.graph, "functionalization_v2")
     else:
-        expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5 = placeholders()
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-auto_functionalized = auto_functionalized(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=arg0, kv=arg1, q_out=scratch, k_cache=arg2, slot_mapping=arg3, positions=arg4, cos_sin_cache=arg5, eps=1e-06, block_size=16)
-getitem = getitem(auto_functionalized, 1)
-getitem_1 = getitem(auto_functionalized, 2)
-copy_ = aten.copy_.default(arg2, getitem_1)
-return (getitem,)""")
+        GOLDEN.check(r.report.graph, "functionalization_v1")
 
 
 @pytest.mark.parametrize("v2", VERSIONS)
@@ -232,29 +206,14 @@ def test_q_side_alone():
     r = run(q_only(DSV4_SPELLINGS[1]))
     assert_close_to_eager(r)
     assert r.matched == 1 and r.events("matched") == ["dsv4_q"]
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2 = placeholders()
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-select = aten.select.int(arg0, 1, 0)
-scratch_1 = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.unused_k_cache.0', [1, 584], uint8, 'cpu')
-empty = aten.empty.memory_format([0], dtype=int64, device='cpu', pin_memory=False)
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=arg0, kv=select, slot_mapping=empty, positions=arg1, cos_sin_cache=arg2, eps=1e-06, block_size=1, _q_out_base_index=0, _k_cache_base_index=1, _all_bases=[scratch, scratch_1])
-getitem = getitem(auto_functionalized_v2, 1)
-return (getitem,)""")
+    GOLDEN.check(r.report.graph, "q_side_alone")
 
 
 def test_kv_side_alone():
     r = run(kv_only(DSV4_SPELLINGS[2]))
     assert_close_to_eager(r)
     assert r.matched == 1 and r.events("matched") == ["dsv4_kv"]
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4 = placeholders()
-empty = aten.empty.memory_format([7, 0, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-empty_1 = aten.empty.memory_format([7, 0, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=empty, kv=arg0, slot_mapping=arg1, positions=arg2, cos_sin_cache=arg3, eps=0.0, block_size=16, _q_out_base_index=0, _k_cache_base_index=1, _all_bases=[empty_1, arg4])
-getitem = getitem(auto_functionalized_v2, 2)
-copy_ = aten.copy_.default(arg4, getitem)
-return ()""")
+    GOLDEN.check(r.report.graph, "kv_side_alone")
 
 
 def test_extra_users_keep_their_values():
@@ -267,23 +226,7 @@ def test_extra_users_keep_their_values():
     torch._dynamo.reset()
     unfused = run(with_extra_users, r.inputs, passes=())
     assert unfused.matched == 0 and torch.equal(r.out[1], unfused.out[1])
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5 = placeholders()
-convert_element_type = prims.convert_element_type.default(arg0, float32)
-pow = aten.pow.Tensor_Scalar(convert_element_type, 2)
-mean = aten.mean.dim(pow, [-1], True)
-add = aten.add.Tensor(mean, 1e-06)
-rsqrt = aten.rsqrt.default(add)
-mul = aten.mul.Tensor(convert_element_type, rsqrt)
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=arg0, kv=arg1, slot_mapping=arg2, positions=arg3, cos_sin_cache=arg4, eps=1e-06, block_size=16, _q_out_base_index=0, _k_cache_base_index=1, _all_bases=[scratch, arg5])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-slice = aten.slice.Tensor(getitem, 1, 0, 3)
-select = aten.select.int(slice, 1, 0)
-mul_1 = aten.mul.Tensor(select, 2)
-copy_ = aten.copy_.default(arg5, getitem_1)
-return (getitem, mul, mul_1)""")
+    GOLDEN.check(r.report.graph, "extra_users_keep_their_values")
 
 
 def test_fewer_slots_than_tokens():
@@ -291,14 +234,7 @@ def test_fewer_slots_than_tokens():
     r = run(prep(DSV4_SPELLINGS[0]), make_inputs(num_inserted=4))
     assert_close_to_eager(r)
     assert r.matched == 1 and r.events("matched") == ["dsv4_q+kv"]
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5 = placeholders()
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=arg0, kv=arg1, slot_mapping=arg2, positions=arg3, cos_sin_cache=arg4, eps=1e-06, block_size=16, _q_out_base_index=0, _k_cache_base_index=1, _all_bases=[scratch, arg5])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-copy_ = aten.copy_.default(arg5, getitem_1)
-return (getitem,)""")
+    GOLDEN.check(r.report.graph, "fewer_slots_than_tokens")
 
 
 @pytest.mark.parametrize("v2", VERSIONS)
@@ -315,10 +251,7 @@ def test_unfused_baseline_writes_the_callers_buffers(v2):
     assert torch.equal(compiled.q_out, eager.q_out) and torch.equal(compiled.k_cache, eager.k_cache)
     (report,) = backend.reports
     assert nonzero(report.matched_counts) == {PASS: 1, "defunctionalize": 1}
-    expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg0, arg1, arg2, arg3, arg4, arg5, arg6, 1e-06, 16)
-return ()""")
+    GOLDEN.check(report.graph, "unfused_baseline_writes_the_callers_buffers")
     FileCheck().check_count("dsv4_qnorm_rope_kv_insert.default(", 1, exactly=True).check_not("copy_").run(code)
     FileCheck().check_not("cpp_fused").check_not("empty_strided_cpu(").run(code)  # no kernel, no buffer
 
@@ -395,15 +328,7 @@ def test_dynamic_token_count():
         assert_close_to_eager(Run(inputs, out, cache, ref, ref_cache, None))
     (report,) = backend.reports  # one graph for every T
     assert report.matched_counts == {PASS: 1}
-    expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5 = placeholders()
-sym_size = aten.sym_size.int(arg0, 0)
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [sym_size, 8, 512], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, q=arg0, kv=arg1, slot_mapping=arg2, positions=arg3, cos_sin_cache=arg4, eps=9.999999974752427e-07, block_size=16, _q_out_base_index=0, _k_cache_base_index=1, _all_bases=[scratch, arg5])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-copy_ = aten.copy_.default(arg5, getitem_1)
-return (getitem,)""")
+    GOLDEN.check(report.graph, "dynamic_token_count")
 
 
 def _dequantized_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import expecttest
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -30,24 +29,15 @@ from prepfuse.fx_passes.registry import registered_passes
 from prepfuse.models import dsv4_indexer as model
 from prepfuse.models.dsv4_indexer import INDEXER_LOOKALIKES, INDEXER_SPELLINGS, indexer_fp8_cache
 from prepfuse.testing import make_dsv4_indexer_inputs
+from prepfuse.testing.golden import GoldenFiles
 from tests.fx_passes.fusion import indexer_harness as harness
 from tests.fx_passes.fusion.indexer_harness import BLOCK, H, SCALE, TK, T, Run, assert_same_as_eager
+
+GOLDEN = GoldenFiles.beside(__file__)
 
 PASS = FuseDsv4IndexerPrepPass.name
 SPELLINGS = {s.name: s for s in INDEXER_SPELLINGS}
 LOOKALIKES = {s.name: s for s in INDEXER_LOOKALIKES}
-
-GOLDEN_Q_AND_K = """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7 = placeholders()
-scratch = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.q_out.0', [7, 3, 128], float8_e4m3fn, 'cpu')
-scratch_1 = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.weights_out.0', [7, 3], float32, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_indexer_rope_fp8_insert.default, q=arg0, weights=arg1, k=arg2, slot_mapping=arg3, positions=arg4, k_positions=arg5, cos_sin_cache=arg6, weights_scale=0.01, block_size=16, _q_out_base_index=0, _weights_out_base_index=1, _k_cache_base_index=2, _all_bases=[scratch, scratch_1, arg7])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-getitem_2 = getitem(auto_functionalized_v2, 3)
-copy_ = aten.copy_.default(arg7, getitem_2)
-return (getitem, getitem_1)"""
-
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
@@ -79,7 +69,7 @@ def test_spelling_fuses_into_one_call(name):
     r = run(prep(SPELLINGS[name]))
     assert_same_as_eager(r)
     assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q+k"]
-    expecttest.assert_expected_inline(r.report.graph, GOLDEN_Q_AND_K)
+    GOLDEN.check(r.report.graph, "spelling_fuses_into_one_call")
 
 
 @pytest.mark.parametrize("name", list(SPELLINGS))
@@ -97,16 +87,7 @@ def test_functionalization_v1():
     r = run(prep(INDEXER_SPELLINGS[1]), v2=False)
     assert_same_as_eager(r)
     assert r.matched == 1
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7 = placeholders()
-scratch = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.q_out.0', [7, 3, 128], float8_e4m3fn, 'cpu')
-scratch_1 = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.weights_out.0', [7, 3], float32, 'cpu')
-auto_functionalized = auto_functionalized(prepfuse.dsv4_indexer_rope_fp8_insert.default, q=arg0, weights=arg1, k=arg2, q_out=scratch, weights_out=scratch_1, k_cache=arg3, slot_mapping=arg4, positions=arg5, k_positions=arg6, cos_sin_cache=arg7, weights_scale=0.01, block_size=16)
-getitem = getitem(auto_functionalized, 1)
-getitem_1 = getitem(auto_functionalized, 2)
-getitem_2 = getitem(auto_functionalized, 3)
-copy_ = aten.copy_.default(arg3, getitem_2)
-return (getitem, getitem_1)""")
+    GOLDEN.check(r.report.graph, "functionalization_v1")
 
 
 def test_runs_in_place_after_defunctionalize():
@@ -132,18 +113,7 @@ def test_q_side_alone():
     r = run(q_only(INDEXER_SPELLINGS[2]))
     assert_same_as_eager(r)
     assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q"]
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3 = placeholders()
-empty = aten.empty.memory_format([0, 128], dtype=bfloat16, device='cpu', pin_memory=False)
-empty_1 = aten.empty.memory_format([0], dtype=int64, device='cpu', pin_memory=False)
-empty_2 = aten.empty.memory_format([0], dtype=int64, device='cpu', pin_memory=False)
-scratch = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.unused_k_cache.0', [1, 132], uint8, 'cpu')
-scratch_1 = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.q_out.0', [7, 3, 128], float8_e4m3fn, 'cpu')
-scratch_2 = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.weights_out.0', [7, 3], float32, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_indexer_rope_fp8_insert.default, q=arg0, weights=arg1, k=empty, slot_mapping=empty_2, positions=arg2, k_positions=empty_1, cos_sin_cache=arg3, weights_scale=0.01, block_size=1, _q_out_base_index=0, _weights_out_base_index=1, _k_cache_base_index=2, _all_bases=[scratch_1, scratch_2, scratch])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-return (getitem, getitem_1)""")
+    GOLDEN.check(r.report.graph, "q_side_alone")
 
 
 def test_k_side_alone_with_fewer_slots_than_rows():
@@ -151,19 +121,7 @@ def test_k_side_alone_with_fewer_slots_than_rows():
     r = run(k_only(INDEXER_SPELLINGS[3]), make_inputs(num_inserted=3))
     assert_same_as_eager(r)
     assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_k"]
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4 = placeholders()
-slice = aten.slice.Tensor(arg0, 0, 0, 3)
-slice_1 = aten.slice.Tensor(arg1, 0, 0, 3)
-empty = aten.empty.memory_format([0, 1, 128], dtype=bfloat16, device='cpu', pin_memory=False)
-empty_1 = aten.empty.memory_format([0], dtype=int64, device='cpu', pin_memory=False)
-empty_2 = aten.empty.memory_format([0, 1], dtype=float32, device='cpu', pin_memory=False)
-scratch = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.q_out.0', [0, 1, 128], float8_e4m3fn, 'cpu')
-scratch_1 = prepfuse.scratch.default('dsv4_indexer_rope_fp8_insert.weights_out.0', [0, 1], float32, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_indexer_rope_fp8_insert.default, q=empty, weights=empty_2, k=slice, slot_mapping=arg2, positions=empty_1, k_positions=slice_1, cos_sin_cache=arg3, weights_scale=1.0, block_size=16, _q_out_base_index=0, _weights_out_base_index=1, _k_cache_base_index=2, _all_bases=[scratch, scratch_1, arg4])
-getitem = getitem(auto_functionalized_v2, 3)
-copy_ = aten.copy_.default(arg4, getitem)
-return ()""")
+    GOLDEN.check(r.report.graph, "k_side_alone_with_fewer_slots_than_rows")
 
 
 # where Inductor drops the bf16 round trip (torch 2.11) the real spelling's graph is this

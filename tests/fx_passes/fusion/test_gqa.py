@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import expecttest
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -39,7 +38,10 @@ from prepfuse.fx_passes.fusion.gqa import FuseGqaPrepPass
 from prepfuse.models import gqa as model
 from prepfuse.models.gqa import GQA_LOOKALIKES, GQA_SPELLINGS, GqaAttentionBlock, GqaSpelling
 from prepfuse.testing import CACHE_POISON, bf16_rope_pair_bound, e4m3_code_diff, make_gqa_inputs
+from prepfuse.testing.golden import GoldenFiles
 from tests.fx_passes.pass_harness import PassReportQueries, compile_beside_eager
+
+GOLDEN = GoldenFiles.beside(__file__)
 
 T, HQ, HKV, D, BLOCK, EPS = 7, 4, 2, 64, 16, 1e-6
 PASS = FuseGqaPrepPass.name
@@ -223,16 +225,7 @@ def test_one_token_fuses(name):
 def test_qwen3_golden_graph():
     r = run(prep, make_case(SPELLINGS["qwen3-hf"]))
     assert r.matched == 1
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7 = placeholders()
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.gqa_qknorm_rope_kv_insert.default, qkv=arg0, q_norm_weight=arg1, k_norm_weight=arg2, slot_mapping=arg3, positions=arg4, cos_sin_cache=arg5, kv_scale=None, num_q_heads=4, num_kv_heads=2, is_neox=True, eps=1e-06, _q_out_base_index=0, _k_cache_base_index=1, _v_cache_base_index=2, _all_bases=[scratch, arg6, arg7])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-getitem_2 = getitem(auto_functionalized_v2, 3)
-copy_ = aten.copy_.default(arg6, getitem_1)
-copy__1 = aten.copy_.default(arg7, getitem_2)
-return (getitem,)""")
+    GOLDEN.check(r.report.graph, "qwen3")
 
 
 def test_separate_projections_golden_graph():
@@ -241,16 +234,7 @@ def test_separate_projections_golden_graph():
     r = run(prep, make_case(SPELLINGS["llama-gptj-separate-fp8"]))
     assert_close_to_eager(r)
     assert r.matched == 1
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7, arg8 = placeholders()
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.gqa_separate_qknorm_rope_kv_insert.default, q=arg0, k=arg1, v=arg2, q_norm_weight=None, k_norm_weight=None, slot_mapping=arg3, positions=arg4, cos_sin_cache=arg5, kv_scale=arg6, is_neox=False, eps=0.0, _q_out_base_index=0, _k_cache_base_index=1, _v_cache_base_index=2, _all_bases=[scratch, arg7, arg8])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-getitem_2 = getitem(auto_functionalized_v2, 3)
-copy_ = aten.copy_.default(arg7, getitem_1)
-copy__1 = aten.copy_.default(arg8, getitem_2)
-return (getitem,)""")
+    GOLDEN.check(r.report.graph, "separate_projections")
 
 
 def two_layers_of_inputs(case: Case):
@@ -294,31 +278,13 @@ def test_q_of_a_fused_qkv_with_separate_k_and_v_is_declined():
 def test_llama_fp8_partial_golden_graph():
     r = run(prep, make_case(SPELLINGS["llama-halves-partial-fp8"]))
     assert_close_to_eager(r)
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.gqa_qknorm_rope_kv_insert.default, qkv=arg0, q_norm_weight=None, k_norm_weight=None, slot_mapping=arg1, positions=arg2, cos_sin_cache=arg3, kv_scale=arg4, num_q_heads=4, num_kv_heads=2, is_neox=True, eps=0.0, _q_out_base_index=0, _k_cache_base_index=1, _v_cache_base_index=2, _all_bases=[scratch, arg5, arg6])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-getitem_2 = getitem(auto_functionalized_v2, 3)
-copy_ = aten.copy_.default(arg5, getitem_1)
-copy__1 = aten.copy_.default(arg6, getitem_2)
-return (getitem,)""")
+    GOLDEN.check(r.report.graph, "llama_fp8_partial")
 
 
 def test_gptj_golden_graph():
     r = run(prep, make_case(SPELLINGS["qwen3-gptj-slice"]))
     assert_close_to_eager(r)
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7 = placeholders()
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.gqa_qknorm_rope_kv_insert.default, qkv=arg0, q_norm_weight=arg1, k_norm_weight=arg2, slot_mapping=arg3, positions=arg4, cos_sin_cache=arg5, kv_scale=None, num_q_heads=4, num_kv_heads=2, is_neox=False, eps=1e-06, _q_out_base_index=0, _k_cache_base_index=1, _v_cache_base_index=2, _all_bases=[scratch, arg6, arg7])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-getitem_2 = getitem(auto_functionalized_v2, 3)
-copy_ = aten.copy_.default(arg6, getitem_1)
-copy__1 = aten.copy_.default(arg7, getitem_2)
-return (getitem,)""")
+    GOLDEN.check(r.report.graph, "gptj")
 
 
 @pytest.mark.parametrize("v2", VERSIONS)
@@ -327,27 +293,9 @@ def test_functionalization_versions(v2):
     assert_close_to_eager(r)
     assert r.matched == 1
     if v2:
-        expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7, arg8 = placeholders()
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.gqa_qknorm_rope_kv_insert.default, qkv=arg0, q_norm_weight=arg1, k_norm_weight=arg2, slot_mapping=arg3, positions=arg4, cos_sin_cache=arg5, kv_scale=arg6, num_q_heads=4, num_kv_heads=2, is_neox=True, eps=1e-06, _q_out_base_index=0, _k_cache_base_index=1, _v_cache_base_index=2, _all_bases=[scratch, arg7, arg8])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-getitem_2 = getitem(auto_functionalized_v2, 3)
-copy_ = aten.copy_.default(arg7, getitem_1)
-copy__1 = aten.copy_.default(arg8, getitem_2)
-return (getitem,)""")
+        GOLDEN.check(r.report.graph, "functionalization_v2")
     else:
-        expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7, arg8 = placeholders()
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-auto_functionalized = auto_functionalized(prepfuse.gqa_qknorm_rope_kv_insert.default, qkv=arg0, q_norm_weight=arg1, k_norm_weight=arg2, q_out=scratch, k_cache=arg3, v_cache=arg4, slot_mapping=arg5, positions=arg6, cos_sin_cache=arg7, kv_scale=arg8, num_q_heads=4, num_kv_heads=2, is_neox=True, eps=1e-06)
-getitem = getitem(auto_functionalized, 1)
-getitem_1 = getitem(auto_functionalized, 2)
-getitem_2 = getitem(auto_functionalized, 3)
-copy_ = aten.copy_.default(arg3, getitem_1)
-copy__1 = aten.copy_.default(arg4, getitem_2)
-return (getitem,)""")
+        GOLDEN.check(r.report.graph, "functionalization_v1")
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -404,28 +352,10 @@ def test_caches_are_views_of_one_buffer(v2):
         assert report.matched_counts["defunctionalize"] == 1
         FileCheck().check_count("gqa_qknorm_rope_kv_insert.default(", 1, exactly=True).check_not("copy_").run(code)
         FileCheck().check_not("clone").check_not("cpp_fused").run(code)
-        expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7 = placeholders()
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-as_strided = aten.as_strided.default(arg0, [5, 16, 2, 64], [4096, 128, 64, 1], 0)
-as_strided_1 = aten.as_strided.default(arg0, [5, 16, 2, 64], [4096, 128, 64, 1], 2048)
-gqa_qknorm_rope_kv_insert = prepfuse.gqa_qknorm_rope_kv_insert.default(arg1, arg2, arg3, scratch, as_strided, as_strided_1, arg4, arg5, arg6, arg7, 4, 2, True, 1e-06)
-return (scratch,)""")
+        GOLDEN.check(report.graph, "caches_are_views_of_one_buffer_v2")
     else:
         assert report.functionalized_left  # v1 clones each written argument: two views of one buffer stay functional
-        expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7 = placeholders()
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-as_strided = aten.as_strided.default(arg0, [5, 16, 2, 64], [4096, 128, 64, 1], 0)
-as_strided_1 = aten.as_strided.default(arg0, [5, 16, 2, 64], [4096, 128, 64, 1], 2048)
-auto_functionalized = auto_functionalized(prepfuse.gqa_qknorm_rope_kv_insert.default, qkv=arg1, q_norm_weight=arg2, k_norm_weight=arg3, q_out=scratch, k_cache=as_strided, v_cache=as_strided_1, slot_mapping=arg4, positions=arg5, cos_sin_cache=arg6, kv_scale=arg7, num_q_heads=4, num_kv_heads=2, is_neox=True, eps=1e-06)
-getitem = getitem(auto_functionalized, 2)
-as_strided_scatter = aten.as_strided_scatter.default(arg0, getitem, [5, 16, 2, 64], [4096, 128, 64, 1], 0)
-getitem_1 = getitem(auto_functionalized, 3)
-as_strided_scatter_1 = aten.as_strided_scatter.default(as_strided_scatter, getitem_1, [5, 16, 2, 64], [4096, 128, 64, 1], 2048)
-getitem_2 = getitem(auto_functionalized, 1)
-copy_ = aten.copy_.default(arg0, as_strided_scatter_1)
-return (getitem_2,)""")
+        GOLDEN.check(report.graph, "caches_are_views_of_one_buffer_v1")
 
 
 # --------------------------------------------------------------------------------------
@@ -439,27 +369,7 @@ def test_extra_users_keep_their_values():
     torch._dynamo.reset()
     unfused = run(with_extra_users, r.case, passes=())
     assert unfused.matched == 0 and torch.equal(r.out[1], unfused.out[1])  # the same nodes as without the pass
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7, arg8 = placeholders()
-slice = aten.slice.Tensor(arg0, 1, 256, 384)
-reshape = aten.reshape.default(slice, [7, 2, 64])
-convert_element_type = prims.convert_element_type.default(reshape, float32)
-pow = aten.pow.Tensor_Scalar(convert_element_type, 2)
-mean = aten.mean.dim(pow, [-1], True)
-add = aten.add.Tensor(mean, 1e-06)
-rsqrt = aten.rsqrt.default(add)
-mul = aten.mul.Tensor(convert_element_type, rsqrt)
-convert_element_type_1 = prims.convert_element_type.default(mul, bfloat16)
-mul_1 = aten.mul.Tensor(arg1, convert_element_type_1)
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [7, 4, 64], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.gqa_qknorm_rope_kv_insert.default, qkv=arg0, q_norm_weight=arg2, k_norm_weight=arg1, slot_mapping=arg3, positions=arg4, cos_sin_cache=arg5, kv_scale=arg6, num_q_heads=4, num_kv_heads=2, is_neox=True, eps=1e-06, _q_out_base_index=0, _k_cache_base_index=1, _v_cache_base_index=2, _all_bases=[scratch, arg7, arg8])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-getitem_2 = getitem(auto_functionalized_v2, 3)
-mul_2 = aten.mul.Tensor(getitem, 2)
-copy_ = aten.copy_.default(arg7, getitem_1)
-copy__1 = aten.copy_.default(arg8, getitem_2)
-return (getitem, mul_1, mul_2)""")
+    GOLDEN.check(r.report.graph, "extra_users_keep_their_values")
 
 
 def test_fewer_slots_than_tokens():
@@ -484,17 +394,7 @@ def test_dynamic_token_count():
         assert_close_to_eager(Run(case, out, caches, ref, ref_caches, None))
     (report,) = backend.reports  # one graph for every T
     assert report.matched_counts == {PASS: 1}
-    expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-sym_size = aten.sym_size.int(arg0, 0)
-scratch = prepfuse.scratch.default('gqa_qknorm_rope_kv_insert.q_out.0', [sym_size, 4, 64], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.gqa_qknorm_rope_kv_insert.default, qkv=arg0, q_norm_weight=None, k_norm_weight=None, slot_mapping=arg1, positions=arg2, cos_sin_cache=arg3, kv_scale=arg4, num_q_heads=4, num_kv_heads=2, is_neox=True, eps=0.0, _q_out_base_index=0, _k_cache_base_index=1, _v_cache_base_index=2, _all_bases=[scratch, arg5, arg6])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-getitem_2 = getitem(auto_functionalized_v2, 3)
-copy_ = aten.copy_.default(arg5, getitem_1)
-copy__1 = aten.copy_.default(arg6, getitem_2)
-return (getitem,)""")
+    GOLDEN.check(report.graph, "dynamic_token_count")
 
 
 @pytest.mark.parametrize("name, op", [("qwen3-hf", "gqa_qknorm_rope_kv_insert"),

@@ -10,7 +10,6 @@ the pass tests).
 
 from __future__ import annotations
 
-import expecttest
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -24,6 +23,9 @@ from prepfuse.models.dsv4 import DSV4_SPELLINGS, Dsv4AttentionBlock, fp8_ds_mla_
 from prepfuse.ops import SCRATCH
 from prepfuse.scratch import ScratchArena, use_arena
 from prepfuse.testing import compare_dsv4_q, make_dsv4_inputs
+from prepfuse.testing.golden import GoldenFiles
+
+GOLDEN = GoldenFiles.beside(__file__)
 
 H, HP, BLOCK, EPS = 3, 8, 16, 1e-6
 Q_OUT_0 = f"{Q_SCRATCH_BASE}.0"
@@ -164,14 +166,7 @@ def test_layers_of_one_graph_share_one_reservation(arena):
     assert {k: v for k, v in report.matched_counts.items() if v} == {"fuse_dsv4_prep": 2}
     lines = [line.split(", q=")[0] + (", _all_bases=" + line.split("_all_bases=")[1] if "_all_bases" in line else "")
              for line in report.graph.splitlines() if "scratch" in line or "auto_functionalized" in line]
-    expecttest.assert_expected_inline("\n".join(lines), """\
-scratch = prepfuse.scratch.default('dsv4_qnorm_rope_kv_insert.q_out.0', [7, 8, 512], bfloat16, 'cpu')
-auto_functionalized_v2 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, _all_bases=[scratch, arg7])
-getitem = getitem(auto_functionalized_v2, 1)
-getitem_1 = getitem(auto_functionalized_v2, 2)
-auto_functionalized_v2_1 = auto_functionalized_v2(prepfuse.dsv4_qnorm_rope_kv_insert.default, _all_bases=[getitem, arg12])
-getitem_2 = getitem(auto_functionalized_v2_1, 1)
-getitem_3 = getitem(auto_functionalized_v2_1, 2)""")
+    GOLDEN.check("\n".join(lines), "layers_of_one_graph_share_one_reservation")
 
 
 def two_q_preps(readers: str):

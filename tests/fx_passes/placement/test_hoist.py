@@ -18,7 +18,6 @@ import dataclasses
 import operator
 import re
 
-import expecttest
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -32,7 +31,10 @@ from prepfuse.models import dsv4 as model
 from prepfuse.models.dsv4 import DSV4_SPELLINGS
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT
 from prepfuse.testing import compare_dsv4_q, compare_gqa, make_dsv4_inputs, make_gqa_inputs
+from prepfuse.testing.golden import GoldenFiles
 from tests.placement_ops import ATTENTION
+
+GOLDEN = GoldenFiles.beside(__file__)
 
 T, H, HP, BLOCK, EPS = 7, 3, 8, 16, 1e-6
 SPELLING = DSV4_SPELLINGS[0]
@@ -153,14 +155,7 @@ def test_prep_written_after_attention_moves_ahead_of_it(v2):
     assert r.report.placement.layout() == "captured 0 | eager prepfuse_test.attention.default | captured 1"
     # every registered pattern pass, then placement, then defunctionalize
     assert "fuse_dsv4_prep" in r.report.passes and r.report.passes[-2:] == ("placement", "defunctionalize")
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-mul = aten.mul.Tensor(arg0, 2)
-empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg1, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
-attention = prepfuse_test.attention.default(mul, arg0)
-add = aten.add.Tensor(attention, 1)
-return (add, empty)""")
+    GOLDEN.check(r.report.graph, "prep_written_after_attention_moves_ahead_of_it")
 
 
 def test_report_gives_the_partition_of_each_prepfuse_op():
@@ -197,14 +192,7 @@ def test_any_prepfuse_op_moves_with_its_inputs():
     (report,) = backend.reports
     assert report.matched_counts[PlacementPass.name] == 1
     assert report.partition_of() == {"gqa_qknorm_rope_kv_insert_default": 0}
-    expecttest.assert_expected_inline(report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6, arg7, arg8, arg9 = placeholders()
-mul = aten.mul.Tensor(arg0, 2)
-mul_1 = aten.mul.Tensor(arg1, 2)
-gqa_qknorm_rope_kv_insert = prepfuse.gqa_qknorm_rope_kv_insert.default(mul_1, arg2, arg3, arg4, arg5, arg6, arg7, arg8, arg9, None, 4, 2, True, 1e-06)
-attention = prepfuse_test.attention.default(mul, arg0)
-add = aten.add.Tensor(attention, 1)
-return (add,)""")
+    GOLDEN.check(report.graph, "any_prepfuse_op_moves_with_its_inputs")
 
 
 # --------------------------------------------------------------------------------------
@@ -219,13 +207,7 @@ def test_prep_reading_attention_output_stays_after_it():
         "after prepfuse_test.attention.default", "it reads the output of splitting op attention",
     )]
     assert r.report.partition_of() == {"dsv4_qnorm_rope_kv_insert_default": 1}
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-mul = aten.mul.Tensor(arg0, 2)
-attention = prepfuse_test.attention.default(arg1, mul)
-empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
-return (empty,)""")
+    GOLDEN.check(r.report.graph, "prep_reading_attention_output_stays_after_it")
 
 
 @pytest.mark.parametrize("v2", [pytest.param(False, id="v1"), pytest.param(True, id="v2")])
@@ -239,13 +221,7 @@ def test_cache_write_stays_after_attention_reading_the_cache(v2):
     )]
     assert r.report.partition_of() == {"dsv4_qnorm_rope_kv_insert_default": 1}
     assert r.report.functionalized_left == []  # stayed in place: no cache copy
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-mul = aten.mul.Tensor(arg0, 2)
-attention = prepfuse_test.attention.default(mul, arg1)
-empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(arg2, arg3, empty, arg1, arg4, arg5, arg6, 1e-06, 16)
-return (attention, empty)""")
+    GOLDEN.check(r.report.graph, "cache_write_stays_after_attention_reading_the_cache")
 
 
 def test_prep_moves_back_to_the_partition_after_its_last_dependency():
@@ -257,15 +233,7 @@ def test_prep_moves_back_to_the_partition_after_its_last_dependency():
         "captured 0 | eager prepfuse_test.attention.default | captured 1 | "
         "eager prepfuse_test.attention.default | captured 2"
     )
-    expecttest.assert_expected_inline(r.report.graph, """\
-arg0, arg1, arg2, arg3, arg4, arg5, arg6 = placeholders()
-mul = aten.mul.Tensor(arg0, 2)
-attention = prepfuse_test.attention.default(arg1, mul)
-empty = aten.empty.memory_format([7, 8, 512], dtype=bfloat16, device='cpu', pin_memory=False)
-dsv4_qnorm_rope_kv_insert = prepfuse.dsv4_qnorm_rope_kv_insert.default(attention, arg2, empty, arg3, arg4, arg5, arg6, 1e-06, 16)
-attention_1 = prepfuse_test.attention.default(mul, arg0)
-sub = aten.sub.Tensor(attention_1, 1)
-return (sub, empty)""")
+    GOLDEN.check(r.report.graph, "prep_moves_back_to_the_partition_after_its_last_dependency")
 
 
 # --------------------------------------------------------------------------------------
