@@ -105,12 +105,7 @@ def fp8_row_quant(y: torch.Tensor, spelling: IndexerSpelling) -> tuple[torch.Ten
 
 
 def indexer_q_prep(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    weights_scale: float,
-    spelling: IndexerSpelling,
+    q, weights, positions, cos_sin_cache, weights_scale, spelling,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, 128] bf16, weights [T, H] -> (q fp8 [T, H, 128], weights [T, H] fp32 with the
     per-head q scale folded in), as vLLM's ``fused_indexer_q_rope_quant`` returns them."""
@@ -122,13 +117,7 @@ def indexer_q_prep(
 
 
 def indexer_k_insert(
-    k: torch.Tensor,
-    k_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    block_size: int,
-    spelling: IndexerSpelling,
+    k, k_cache, slot_mapping, k_positions, cos_sin_cache, block_size, spelling,
 ) -> None:
     """Rotate, quantise and write the first ``len(slot_mapping)`` rows of k [Tk, 128] into the
     fp8 indexer cache [NB, S] uint8: per block, ``block_size`` rows of 128 code bytes, then
@@ -142,15 +131,25 @@ def indexer_k_insert(
         scales = torch.exp2(e).unsqueeze(-1).view(torch.uint8)  # [n, 4]: fp32 little-endian
     else:
         scales = torch.exp2(e).view(torch.uint8).view(-1, 4)
+    write_slot_rows(k_cache, data, scales, slot_mapping, block_size, spelling.write)
+
+
+def write_slot_rows(k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_size: int, write: str) -> None:
+    """Write data rows [n, W] and scale bytes [n, 4] at ``slot_mapping`` into an indexer cache
+    [NB, S] uint8 (per block, ``block_size`` data rows, then ``block_size`` scale rows), the
+    way a model spells it: ``"columns"`` scatters through computed byte columns, otherwise
+    through [NB, block_size, W] views of each region. Both formats' model code writes this way."""
+    width = data.shape[-1]
     blk, row = slot_mapping // block_size, slot_mapping % block_size
-    if spelling.write == "columns":
+    if write == "columns":
         blk, row = blk.unsqueeze(1), row.unsqueeze(1)
-        k_cache[blk, row * HEAD_DIM + torch.arange(HEAD_DIM, device=k_cache.device)] = data
-        k_cache[blk, block_size * HEAD_DIM + row * 4 + torch.arange(4, device=k_cache.device)] = scales
+        k_cache[blk, row * width + torch.arange(width, device=k_cache.device)] = data
+        k_cache[blk, block_size * width + row * 4 + torch.arange(4, device=k_cache.device)] = scales
         return
     num_blocks = k_cache.shape[0]
-    k_cache[:, : block_size * HEAD_DIM].view(num_blocks, block_size, HEAD_DIM)[blk, row] = data
-    k_cache[:, block_size * HEAD_DIM : block_size * (HEAD_DIM + 4)].view(num_blocks, block_size, 4)[blk, row] = scales
+    k_cache[:, : block_size * width].view(num_blocks, block_size, width)[blk, row] = data
+    k_cache[:, block_size * width : block_size * (width + 4)].view(num_blocks, block_size, 4)[blk, row] = scales
 
 
 def indexer_fp8_cache(num_blocks: int, block_size: int, device=None) -> torch.Tensor:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prepfuse.models.dsv4_indexer import rope_tail
+from prepfuse.models.dsv4_indexer import rope_tail, write_slot_rows
 from prepfuse.ops.dsv4_indexer_common import (
     E2M1_MAX,
     MXFP4_AMAX_FLOOR,
@@ -137,12 +137,7 @@ def mxfp4_block_quant(y: torch.Tensor, spelling: Mxfp4Spelling) -> tuple[torch.T
 
 
 def indexer_q_prep(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    weights_scale: float,
-    spelling: Mxfp4Spelling,
+    q, weights, positions, cos_sin_cache, weights_scale, spelling,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, H, 128] bf16, weights [T, H] -> (packed q [T, H, 64] uint8, scale bytes [T, H, 4]
     uint8, weights [T, H] fp32), as vLLM's ``fused_indexer_q_rope_quant`` (MXFP4) returns them."""
@@ -154,13 +149,7 @@ def indexer_q_prep(
 
 
 def indexer_k_insert(
-    k: torch.Tensor,
-    k_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    block_size: int,
-    spelling: Mxfp4Spelling,
+    k, k_cache, slot_mapping, k_positions, cos_sin_cache, block_size, spelling,
 ) -> None:
     """Rotate, quantise and write the first ``len(slot_mapping)`` rows of k [Tk, 128] into the
     MXFP4 indexer cache [NB, S] uint8: per block, ``block_size`` rows of 64 packed bytes, then
@@ -169,16 +158,7 @@ def indexer_k_insert(
     cs = cos_sin_cache[k_positions[:n]]
     y = rope_tail(k[:n].float(), cs[:, : ROPE_DIM // 2], cs[:, ROPE_DIM // 2 :], spelling)
     data, scales = mxfp4_block_quant(y, spelling)  # [n, 64], [n, 4]
-    blk, row = slot_mapping // block_size, slot_mapping % block_size
-    width = MXFP4_PACKED
-    if spelling.write == "columns":
-        blk, row = blk.unsqueeze(1), row.unsqueeze(1)
-        k_cache[blk, row * width + torch.arange(width, device=k_cache.device)] = data
-        k_cache[blk, block_size * width + row * 4 + torch.arange(4, device=k_cache.device)] = scales
-        return
-    num_blocks = k_cache.shape[0]
-    k_cache[:, : block_size * width].view(num_blocks, block_size, width)[blk, row] = data
-    k_cache[:, block_size * width : block_size * MXFP4_SLOT_BYTES].view(num_blocks, block_size, 4)[blk, row] = scales
+    write_slot_rows(k_cache, data, scales, slot_mapping, block_size, spelling.write)
 
 
 def indexer_mxfp4_cache(num_blocks: int, block_size: int, device=None) -> torch.Tensor:

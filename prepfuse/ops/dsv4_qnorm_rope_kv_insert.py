@@ -204,16 +204,7 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
 
 
 def dsv4_qnorm_rope_kv_insert_triton(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    q_out: torch.Tensor,
-    k_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    eps: float,
-    block_size: int,
-    *,
+    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *,
     launch_config: tuple[int, int] | None = None,
 ) -> None:
     """Launch the fused kernel once (q and kv sides together). Inputs are not checked here.
@@ -302,17 +293,7 @@ def write_rows(k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, 
 
 
 def unchecked_reference(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    q_out: torch.Tensor,
-    k_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    eps: float,
-    block_size: int,
-    *,
-    all_slots_valid: bool = False,
+    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *, all_slots_valid: bool = False,
 ) -> None:
     """The op in plain PyTorch, unchecked (``define_op`` runs the checks first).
 

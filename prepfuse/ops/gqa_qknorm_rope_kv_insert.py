@@ -295,32 +295,6 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int,
     return min(block_h, triton.next_power_of_2(max_heads)), num_warps
 
 
-def gqa_qknorm_rope_kv_insert_triton(
-    qkv: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    q_out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    num_q_heads: int,
-    num_kv_heads: int,
-    is_neox: bool,
-    eps: float,
-    *,
-    launch_config: tuple[int, int] | None = None,
-) -> None:
-    """Launch the fused kernel once on qkv's q, k and v column ranges. Inputs are not
-    checked here. ``launch_config`` overrides ``(BLOCK_H, num_warps)`` (for a benchmark sweep).
-    """
-    q, k, v = split_qkv_columns(qkv, num_q_heads, num_kv_heads)
-    launch_gqa_kernel(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-                      cos_sin_cache, kv_scale, is_neox, eps, launch_config=launch_config)
-
-
 def split_qkv_columns(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
     """Views of qkv's q, k and v column ranges, [T, Hq*D], [T, Hkv*D], [T, Hkv*D]."""
     head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
@@ -328,22 +302,8 @@ def split_qkv_columns(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
 
 
 def launch_gqa_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    q_out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    is_neox: bool,
-    eps: float,
-    *,
-    launch_config: tuple[int, int] | None = None,
+    q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
+    kv_scale, is_neox, eps, *, launch_config: tuple[int, int] | None = None,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
@@ -429,58 +389,47 @@ def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch
     cache.view(torch.uint8)[slots // block_size, slots % block_size] = rows.view(torch.uint8)
 
 
-def unchecked_reference(
-    qkv: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    q_out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    num_q_heads: int,
-    num_kv_heads: int,
-    is_neox: bool,
-    eps: float,
-    *,
-    all_slots_valid: bool = False,
+def sources_reference(
+    q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
+    kv_scale, is_neox, eps, *, all_slots_valid: bool = False,
 ) -> None:
-    """The op in plain PyTorch, unchecked (``define_op`` runs the checks first).
+    """Both GQA ops in plain PyTorch, unchecked (``define_op`` runs the checks first), from
+    q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``: the separate op's reference as it stands, the
+    fused op's on qkv's column ranges (``on_qkv_columns``).
 
     ``all_slots_valid``: write every row without filtering skipped (negative) slots, which
     needs a boolean mask, i.e. a host sync: capturable, for the benchmarks' unfused baseline
     (``prepfuse.models.gqa_prep_unfused``)."""
-    q, k_rows, v_rows = prepared_rows_reference(
-        qkv, q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0],
-        num_q_heads, num_kv_heads, is_neox, eps,
+    head_dim = q_out.shape[2]
+    q_vals, k_rows, v_rows = prepared_heads_reference(
+        q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
+        q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0], is_neox, eps,
     )
-    q_out.copy_(q)
+    q_out.copy_(q_vals)
     insert_cache_reference(k_cache, k_rows, slot_mapping, all_slots_valid=all_slots_valid)
     insert_cache_reference(v_cache, v_rows, slot_mapping, all_slots_valid=all_slots_valid)
 
 
-def prepared_rows_reference(
-    qkv: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    n_insert: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    is_neox: bool,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them):
-    everything the op computes before the writes, shared by the reference and the
-    benchmark's capturable unfused baseline (``prepfuse.models.gqa``)."""
-    heads = qkv.unflatten(1, (num_q_heads + 2 * num_kv_heads, -1))  # [T, Hq + 2*Hkv, D]
-    q, k, v = heads.split((num_q_heads, num_kv_heads, num_kv_heads), dim=1)
-    return prepared_heads_reference(q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale,
-                                    n_insert, is_neox, eps)
+def on_qkv_columns(impl):
+    """The fused-qkv op's form of a three-source implementation (``launch_gqa_kernel``,
+    ``sources_reference``): the same call on qkv's q, k and v column ranges, so both ops
+    run one kernel and one reference and cannot drift apart."""
+
+    def on_qkv(qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+               cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, **options):
+        q, k, v = split_qkv_columns(qkv, num_q_heads, num_kv_heads)
+        impl(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
+             cos_sin_cache, kv_scale, is_neox, eps, **options)
+
+    on_qkv.__name__ = on_qkv.__qualname__ = f"{impl.__name__}_on_qkv_columns"
+    on_qkv.__doc__ = f"``{impl.__name__}`` on qkv's column ranges (``on_qkv_columns``); inputs are not checked here."
+    return on_qkv
+
+
+# the fused op's kernel launch (``launch_config`` overrides (BLOCK_H, num_warps), for a
+# benchmark sweep) and its plain-PyTorch math, both on qkv's column ranges
+gqa_qknorm_rope_kv_insert_triton = on_qkv_columns(launch_gqa_kernel)
+unchecked_reference = on_qkv_columns(sources_reference)
 
 
 def prepared_heads_reference(
@@ -496,8 +445,9 @@ def prepared_heads_reference(
     is_neox: bool,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``prepared_rows_reference`` from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]``
-    (of one qkv or of separate projections: both ops' reference)."""
+    """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them)
+    from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]``: everything both ops compute
+    before the writes."""
     if q_norm_weight is not None:
         q = rms_norm_reference(q, q_norm_weight, eps)
         k = rms_norm_reference(k, k_norm_weight, eps)

@@ -33,9 +33,8 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import (
     HEAD_DIMS,
     check_index_values,
     check_prep_args,
-    insert_cache_reference,
     launch_gqa_kernel,
-    prepared_heads_reference,
+    sources_reference,
 )
 
 SCHEMA = (
@@ -78,44 +77,12 @@ def check_separate_inputs(
                     num_kv_heads=num_kv_heads, head_dim=head_dim, device=device, source="q")
 
 
-def _reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    q_out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    is_neox: bool,
-    eps: float,
-) -> None:
-    """The op in plain PyTorch, unchecked: ``define_op`` runs the checks first."""
-    head_dim = q_out.shape[2]
-    q_vals, k_rows, v_rows = prepared_heads_reference(
-        q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
-        q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0], is_neox, eps,
-    )
-    q_out.copy_(q_vals)
-    insert_cache_reference(k_cache, k_rows, slot_mapping)
-    insert_cache_reference(v_cache, v_rows, slot_mapping)
-
-
-def gqa_separate_qknorm_rope_kv_insert_triton(
-    q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, *, launch_config: tuple[int, int] | None = None,
-) -> None:
-    """Launch the fused kernel once (the fused op's kernel, on three sources). Inputs are not checked here."""
-    launch_gqa_kernel(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-                      cos_sin_cache, kv_scale, is_neox, eps, launch_config=launch_config)
-
+# one kernel launch and one reference serve both GQA ops: these are the three-source forms
+gqa_separate_qknorm_rope_kv_insert_triton = launch_gqa_kernel
 
 _OP = define_op(
-    SCHEMA, check=check_separate_inputs, index_check=check_index_values, reference=_reference, triton=gqa_separate_qknorm_rope_kv_insert_triton,
+    SCHEMA, check=check_separate_inputs, index_check=check_index_values, reference=sources_reference,
+    triton=gqa_separate_qknorm_rope_kv_insert_triton,
 )
 gqa_separate_qknorm_rope_kv_insert = _OP.packet
 # the plain-PyTorch path as a function, checks included (tests and benchmarks call it)

@@ -96,6 +96,13 @@ def assert_untouched(out: Dsv4IndexerInputs, seed: int) -> None:
     )
 
 
+def assert_matches_reference(impl, fmt, inputs, seed) -> None:
+    """``impl`` on poisoned outputs writes what the reference writes, and nothing else."""
+    actual = run(impl, inputs)
+    assert_same(run(REFERENCES[fmt], inputs), actual, seed)
+    assert_untouched(actual, seed)
+
+
 # --------------------------------------------------------------------------------------
 # The oracle: numpy float64, scalar by scalar
 # --------------------------------------------------------------------------------------
@@ -400,10 +407,7 @@ INTERPRETER_CASES = [
 @pytest.mark.parametrize("num_tokens, num_heads, block_size, options", INTERPRETER_CASES)
 def test_triton_interpreter_matches_reference(fmt, num_tokens, num_heads, block_size, options):
     inputs, seed = indexer_inputs(fmt, num_tokens, num_heads, block_size, "cpu", **options)
-    expected = run(REFERENCES[fmt], inputs)
-    actual = run(KERNELS[fmt], inputs)
-    assert_same(expected, actual, seed)
-    assert_untouched(actual, seed)
+    assert_matches_reference(KERNELS[fmt], fmt, inputs, seed)
 
 
 @needs_triton
@@ -441,10 +445,7 @@ def test_cuda_kernel_matches_reference(fmt, num_tokens, num_heads, block_size):
     inputs, seed = indexer_inputs(
         fmt, num_tokens, num_heads, block_size, "cuda", num_k=max(1, num_tokens // 4), skip_fraction=0.1
     )
-    expected = run(REFERENCES[fmt], inputs)
-    actual = run(OPS[fmt], inputs)
-    assert_same(expected, actual, seed)
-    assert_untouched(actual, seed)
+    assert_matches_reference(OPS[fmt], fmt, inputs, seed)
 
 
 @pytest.mark.gpu
@@ -453,10 +454,7 @@ def test_cuda_kernel_matches_reference(fmt, num_tokens, num_heads, block_size):
 def test_cuda_kernel_with_an_empty_side(fmt, num_tokens, num_k):
     """The pass emits calls with no tokens or no key rows (empty tensors, null pointers)."""
     inputs, seed = indexer_inputs(fmt, num_tokens, 3, 16, "cuda", num_k=num_k)
-    expected = run(REFERENCES[fmt], inputs)
-    actual = run(OPS[fmt], inputs)
-    assert_same(expected, actual, seed)
-    assert_untouched(actual, seed)
+    assert_matches_reference(OPS[fmt], fmt, inputs, seed)
 
 
 @pytest.mark.gpu

@@ -62,16 +62,8 @@ def scratch_name(graph: torch.fx.Graph, base: str) -> str:
     return f"{base}.{k}"
 
 
-def scratch_buffer(
-    graph: torch.fx.Graph,
-    before: torch.fx.Node,
-    base: str,
-    sizes: list,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    node_name: str | None = None,
-) -> torch.fx.Node:
+def scratch_buffer(graph: torch.fx.Graph, before: torch.fx.Node, base: str, sizes: list, dtype: torch.dtype,
+                   device: torch.device, *, node_name: str | None = None) -> torch.fx.Node:
     """An arena-backed output buffer for an op call to be inserted before ``before``.
 
     For an argument the op writes (an alias annotation ``Tensor(a!)``) whole, without
@@ -89,16 +81,8 @@ def scratch_buffer(
     return emit_scratch(graph, before, base, sizes, dtype, device, node_name=node_name)
 
 
-def emit_scratch(
-    graph: torch.fx.Graph,
-    before: torch.fx.Node,
-    base: str,
-    sizes: list,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    node_name: str | None = None,
-) -> torch.fx.Node:
+def emit_scratch(graph: torch.fx.Graph, before: torch.fx.Node, base: str, sizes: list, dtype: torch.dtype,
+                 device: torch.device, *, node_name: str | None = None) -> torch.fx.Node:
     """Insert ``prepfuse::scratch(base.<k>, sizes, dtype, device)`` before ``before``.
 
     ``sizes`` holds ints and, for dynamic sizes, nodes producing SymInts (``sym_size``).
