@@ -1,12 +1,14 @@
 """Compile-time cost of prepfuse's passes: the demo model, and each case of the corpus of
 other people's code (``prepfuse.models.clients``: transformers' attention modules run
-engine-style), compiled with backend="prepfuse" with its passes and with none
-(``passes=()``), fresh each time (no FX graph cache).
+engine-style), compiled with backend="prepfuse" with its passes (validating each rewrite on
+probes, the default), with its passes and ``validate="off"``, and with none (``passes=()``),
+fresh each time (no FX graph cache).
 
     PYTHONPATH=. python bench/compile_overhead.py [--layers 3] [--repeats 3] [--no-corpus]
 
-Prints seconds per compile (median of the repeats) for both, the difference, and the
-passes' own time measured inside the pass manager. Runs on the CPU or a GPU.
+Prints seconds per compile (median of the repeats) for each, what the passes add, what
+validation adds over the passes without it, and the passes' own time measured inside the
+pass manager. Runs on the CPU or a GPU.
 """
 
 from __future__ import annotations
@@ -41,13 +43,11 @@ def client_model(case):
     return build
 
 
-def compile_seconds(build, passes, layers: int, device) -> tuple[float, float]:
+def compile_seconds(build, options: dict, layers: int, device) -> tuple[float, float]:
     """(wall seconds of the first call, i.e. the compile; seconds inside the pass manager)."""
     torch._dynamo.reset()
     block, call_args = build(layers, device)
-    options = {"inductor_config": {"fx_graph_cache": False}}
-    if passes is not None:
-        options["passes"] = passes
+    options = {"inductor_config": {"fx_graph_cache": False}, **options}
     compiled = torch.compile(block, backend=PrepfuseBackend(options), fullgraph=True)
 
     in_passes = 0.0
@@ -71,6 +71,13 @@ def compile_seconds(build, passes, layers: int, device) -> tuple[float, float]:
         PrepfusePassManager.__call__ = original
 
 
+VARIANTS = {  # the default (passes, validated), the passes unvalidated, no passes
+    "passes": {},
+    "validate=off": {"validate": "off"},
+    "no passes": {"passes": ()},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=3)
@@ -82,17 +89,18 @@ def main() -> None:
     if not args.no_corpus:
         from prepfuse.models.clients import CLIENT_CASES
         models.update({case.name: client_model(case) for case in CLIENT_CASES})
-    compile_seconds(demo_model, None, args.layers, device)  # warm: imports, first-use costs of Inductor
+    compile_seconds(demo_model, {}, args.layers, device)  # warm: imports, first-use costs of Inductor
     print(f"torch {torch.__version__}, {device}, {args.layers} layers, median of {args.repeats} fresh compiles")
     for name, build in models.items():
         rows = {}
-        for label, passes in (("with passes", None), ("no passes", ())):
-            runs = [compile_seconds(build, passes, args.layers, device) for _ in range(args.repeats)]
+        for label, options in VARIANTS.items():
+            runs = [compile_seconds(build, options, args.layers, device) for _ in range(args.repeats)]
             rows[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-        (total, inside), (bare, _) = rows["with passes"], rows["no passes"]
-        print(f"  {name:26s} with passes {total:6.2f} s ({inside:5.3f} s in the pass manager)   "
-              f"no passes {bare:6.2f} s   passes add {total - bare:+.2f} s ({100 * (total - bare) / bare:+.0f}%)")
-
+        (total, inside), (unchecked, inside_unchecked), (bare, _) = rows.values()
+        print(f"  {name:26s} passes {total:6.2f} s ({inside:5.3f} s in the pass manager)   "
+              f"validate=off {unchecked:6.2f} s ({inside_unchecked:5.3f} s)   no passes {bare:6.2f} s   "
+              f"passes add {total - bare:+.2f} s ({100 * (total - bare) / bare:+.0f}%), "
+              f"validation {total - unchecked:+.2f} s ({100 * (total - unchecked) / unchecked:+.1f}%)")
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,9 @@ Options (``PrepfuseOptions``; unknown keys are an error)::
                             partition. Empty (default): no placement pass at all
     output_buffers          "arena" (default): the fused ops' output buffers (padded q,
                             indexer codes and weights) are views of the scratch arena,
-                            reserved once; a returned one is valid until the next call.
+                            reserved once; a returned one is valid until the next
+                            run of any graph fusing the same op (this model's or
+                            another's: reservations are shared by name).
                             "graph": ordinary graph buffers (fresh per call, or the
                             cudagraph trees' pool), for callers that keep returned
                             outputs. cudagraphs="piecewise" always uses graph buffers
@@ -36,9 +38,14 @@ Options (``PrepfuseOptions``; unknown keys are an error)::
                             not allowed). "piecewise" and "full" fail the compile when a
                             prepfuse op would run eagerly or a node a CUDA graph cannot
                             hold (.item(), a CPU scalar ...) sits in a captured region
+    validate                "probe" (default): each rewrite runs on probe inputs beside
+                            the code it replaces before it is made, and is declined with
+                            the first differing value if they disagree (docs/passes.md,
+                            "Validation"); "off": trust the recognisers
 
 Output buffers of the fused ops come from the scratch arena (``prepfuse.scratch``): a buffer
-the compiled code returns is valid until it runs again (``docs/cudagraphs.md``).
+the compiled code returns is valid until the next run of any compiled graph that takes the
+same reservation: its own next call, or another compiled model's (``docs/cudagraphs.md``).
 
 What was fused, and where: ``last_reports()`` (the graphs of the latest compile),
 ``reports()`` (every graph since ``clear_reports()``), both ``Reports`` with ``format()``;
@@ -58,6 +65,7 @@ import torch
 from prepfuse._compat import inductor_config_keys, inductor_mode_options, register_dynamo_backend
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
 from prepfuse.fx_passes.placement import PlacementPass, PlacementPolicy
+from prepfuse.fx_passes.matching.validation import VALIDATE_MODES
 from prepfuse.fx_passes.registry import LAST_PASS, get_pass, placement_position, registered_passes
 from prepfuse.fx_passes.report import GraphReport, Reports
 
@@ -92,6 +100,7 @@ class PrepfuseOptions:
     splitting_ops: tuple[str, ...] = ()
     cudagraphs: str = "none"
     output_buffers: str = "arena"
+    validate: str = "probe"
 
     def __post_init__(self) -> None:
         available = registered_passes()
@@ -114,6 +123,8 @@ class PrepfuseOptions:
                 raise ValueError(f"debug_dir: expected a path, got {self.debug_dir!r}")
             object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
             _check_writable(self.debug_dir)
+        if self.validate not in VALIDATE_MODES:
+            raise ValueError(f"validate: expected one of {', '.join(map(repr, VALIDATE_MODES))}, got {self.validate!r}")
         for name in ("strict", "record_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
@@ -188,7 +199,7 @@ class PrepfuseOptions:
         """What, besides the passes, makes compiled code differ (enters the uuid)."""
         return (
             self.passes, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict,
-            self.splitting_ops, self.cudagraphs, self.output_buffers,
+            self.splitting_ops, self.cudagraphs, self.output_buffers, self.validate,
         )
 
 
@@ -257,6 +268,8 @@ class PrepfuseBackend:
         """A fresh manager with fresh pass instances, as one compile uses."""
         opts = self.options
         passes = [get_pass(name)() for name in opts.passes]
+        for p in passes:
+            p.validate = opts.validate
         if opts.placement.moves_prep:
             passes.insert(placement_position(list(opts.passes)), PlacementPass(opts.placement))
         return PrepfusePassManager(

@@ -27,7 +27,7 @@ class PassEvent:
     kind: str  # "matched" | "declined"
     pattern: str  # which pattern / spelling
     where: str  # the anchor node, as printed by FX
-    why: str = ""  # for declined candidates: eps mismatch, extra user, dtype ...
+    why: str = ""  # declined: eps mismatch, extra user, dtype ...; matched: how it was checked
 
 
 @dataclass
@@ -36,8 +36,8 @@ class PassLog:
 
     events: list[PassEvent] = field(default_factory=list)
 
-    def matched(self, pass_name: str, pattern: str, node: torch.fx.Node) -> None:
-        self.events.append(PassEvent(pass_name, "matched", pattern, node.format_node() or node.name))
+    def matched(self, pass_name: str, pattern: str, node: torch.fx.Node, note: str = "") -> None:
+        self.events.append(PassEvent(pass_name, "matched", pattern, node.format_node() or node.name, note))
 
     def declined(self, pass_name: str, pattern: str, node: torch.fx.Node, why: str) -> None:
         log.debug("%s: %s declined at %s: %s", pass_name, pattern, node.name, why)
@@ -54,6 +54,9 @@ class PrepfusePass(CustomGraphPass):
 
     name: str = "prepfuse_pass"
     uuid_sources: tuple = ()
+    # fusion passes prove each rewrite on probes before making it ("probe") or not ("off");
+    # the backend's ``validate`` option sets it, and it enters the uuid
+    validate: str = "probe"
 
     def __init__(self) -> None:
         self.matched_count = 0
@@ -77,5 +80,5 @@ class PrepfusePass(CustomGraphPass):
         digest = hashlib.sha256()
         for obj in (type(self), inspect.getmodule(type(self)), *self.uuid_sources):
             digest.update(inspect.getsource(obj).encode())
-        digest.update(repr(self.settings()).encode())
+        digest.update(repr((self.settings(), self.validate)).encode())
         return digest.hexdigest()

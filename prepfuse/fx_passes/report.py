@@ -42,7 +42,7 @@ class Rewrite:
     anchor: str  # name of the anchor node in the post-grad graph
     node: str  # the anchor node as FX prints it
     source: str = ""  # "model.py:42  q = self.norm(q)", from the node's stack trace
-    why: str = ""  # near misses only
+    why: str = ""  # near misses: why declined; matches: how the rewrite was checked ("validated on 2 probes")
 
 
 def _anchor_name(where: str) -> str:
@@ -116,8 +116,8 @@ class GraphReport:
         lines += _table(rows)
         if self.matches():
             lines.append("  where:")
-            lines += _table([("pass", "pattern", "anchor", "source")] + [
-                (r.pass_name, r.pattern, r.anchor, r.source or "-") for r in self.matches()
+            lines += _table([("pass", "pattern", "anchor", "checked", "source")] + [
+                (r.pass_name, r.pattern, r.anchor, r.why or "-", r.source or "-") for r in self.matches()
             ], indent=4)
         misses = self.near_misses()
         if verbose and misses:

@@ -59,7 +59,7 @@ _SPLITS = ("slice", "split")
 _ROPES = ("strided", "complex", "neox")
 _PADS = ("pad", "new_zeros")
 _EXP2S = ("exp2", "pow")
-_WRITES = ("view", "columns")
+_WRITES = ("view", "columns", "columns_next_row")  # the last: a look-alike
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ DSV4_LOOKALIKES: tuple[Dsv4Spelling, ...] = (
     Dsv4Spelling("quant_block_128", quant_block=128),
     Dsv4Spelling("cache_row_640", cache_row_bytes=640),
     Dsv4Spelling("cache_row_640_columns", write="columns", cache_row_bytes=640),
+    Dsv4Spelling("cache_row_offset_by_one", write="columns_next_row"),
     Dsv4Spelling("float16", dtype=torch.float16),
 )
 
@@ -233,7 +234,9 @@ def dsv4_kv_insert(
 
     row = spelling.cache_row_bytes
     blk, pos_in_blk = slot_mapping // block_size, slot_mapping % block_size
-    if spelling.write == "columns":  # byte columns of the 2-d cache, no view
+    if spelling.write == "columns_next_row":  # look-alike: each row one row further into its block
+        pos_in_blk = (slot_mapping + 1) % block_size
+    if spelling.write != "view":  # byte columns of the 2-d cache, no view
         blk, pos_in_blk = blk.unsqueeze(1), pos_in_blk.unsqueeze(1)
         data_cols = pos_in_blk * row + torch.arange(CACHE_ROW_BYTES, device=k_cache.device)
         scale_cols = block_size * row + pos_in_blk * SCALE_BYTES + torch.arange(SCALE_BYTES, device=k_cache.device)

@@ -37,7 +37,7 @@ from prepfuse.ops.dsv4_indexer_common import FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, 
 
 _SPLITS = ("slice", "split")
 _ROPES = ("strided", "complex", "neox")
-_WRITES = ("view", "columns")
+_WRITES = ("view", "columns", "columns_next_row")  # the last: a look-alike (tests/fx_passes/test_validation.py)
 _SCALES = ("unsqueeze", "bytes")
 
 
@@ -142,7 +142,9 @@ def write_slot_rows(k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Ten
     through [NB, block_size, W] views of each region. Both formats' model code writes this way."""
     width = data.shape[-1]
     blk, row = slot_mapping // block_size, slot_mapping % block_size
-    if write == "columns":
+    if write == "columns_next_row":  # look-alike: each row one row further into its block
+        row = (slot_mapping + 1) % block_size
+    if write != "view":
         blk, row = blk.unsqueeze(1), row.unsqueeze(1)
         k_cache[blk, row * width + torch.arange(width, device=k_cache.device)] = data
         k_cache[blk, block_size * width + row * 4 + torch.arange(4, device=k_cache.device)] = scales

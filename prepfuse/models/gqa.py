@@ -59,7 +59,7 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS, unchecked
 _NORMS = ("hf", "none", "weight_in_fp32")
 _SPLITS = ("split", "slice", "separate")
 _ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_reversed")
-_CACHE_LAYOUTS = ("slots_heads", "heads_slots")
+_CACHE_LAYOUTS = ("slots_heads", "heads_slots", "next_row")
 _FP8_SCALINGS = ("div", "mul_reciprocal")
 
 
@@ -75,7 +75,7 @@ class GqaSpelling:
     cache_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.bfloat16  # look-alike: float16
     k_eps: float | None = None  # look-alike: a k norm eps other than q's
-    cache_layout: str = "slots_heads"  # look-alike: [NB, Hkv, bs, D]
+    cache_layout: str = "slots_heads"  # look-alikes: [NB, Hkv, bs, D]; "next_row": (slot + 1) % bs
     fp8_scaling: str = "div"  # look-alike: x * (1 / kv_scale)
 
     def __post_init__(self) -> None:
@@ -117,6 +117,7 @@ GQA_LOOKALIKES: tuple[GqaSpelling, ...] = (
     GqaSpelling("rotate_half_reversed", rope="hf_reversed"),
     GqaSpelling("weight_in_fp32", norm="weight_in_fp32", rope="hf_fp32"),
     GqaSpelling("cache_heads_before_slots", cache_layout="heads_slots"),
+    GqaSpelling("cache_row_offset_by_one", cache_layout="next_row"),
     GqaSpelling("fp8_mul_reciprocal", rope="hf_fp32", cache_dtype=torch.float8_e4m3fn, fp8_scaling="mul_reciprocal"),
     GqaSpelling("float16", dtype=torch.float16, cache_dtype=torch.float16),
 )
@@ -216,6 +217,9 @@ def insert(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, 
     if spelling.cache_layout == "slots_heads":  # [NB, bs, Hkv, D]
         block_size = cache.shape[1]
         cache[slot_mapping // block_size, slot_mapping % block_size] = rows[:n]
+    elif spelling.cache_layout == "next_row":  # look-alike: each row one row further into its block
+        block_size = cache.shape[1]
+        cache[slot_mapping // block_size, (slot_mapping + 1) % block_size] = rows[:n]
     else:  # look-alike: [NB, Hkv, bs, D]
         block_size = cache.shape[2]
         cache[slot_mapping // block_size, :, slot_mapping % block_size] = rows[:n]
@@ -265,7 +269,7 @@ def make_norms(head_dim: int, eps: float, spelling: GqaSpelling, generator: torc
 def kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, spelling: GqaSpelling,
              device=None) -> torch.Tensor:
     """A zeroed paged cache in the spelling's layout and dtype."""
-    shape = ((num_blocks, block_size, num_kv_heads, head_dim) if spelling.cache_layout == "slots_heads"
+    shape = ((num_blocks, block_size, num_kv_heads, head_dim) if spelling.cache_layout != "heads_slots"
              else (num_blocks, num_kv_heads, block_size, head_dim))
     return torch.zeros(shape, device=device).to(spelling.cache_dtype)
 

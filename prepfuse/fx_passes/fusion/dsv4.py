@@ -57,6 +57,7 @@ from prepfuse.fx_passes.matching import MATCHING_MODULES
 from prepfuse.fx_passes.matching.cache_writes import byte_row_writes, first_rows_of
 from prepfuse.fx_passes.matching.emitter import Emitter
 from prepfuse.fx_passes.matching.recognizers import aten, is_op, same_size, shape, val
+from prepfuse.fx_passes.matching.validation import Checked
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SLOT_BYTES
 
@@ -89,9 +90,14 @@ class FuseDsv4PrepPass(PrepfusePass):
         self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         q_sides, kv_sides = self._find(graph)
         calls = self._pair(graph, q_sides, kv_sides)
+        matched = 0
         for q, kv, shared_kv in calls:
-            self._rewrite(graph, q, kv, shared_kv)
-        return len(calls)
+            try:
+                self._rewrite(graph, q, kv, shared_kv)
+                matched += 1
+            except NoMatch as err:  # the probes disagree: nothing was rewired
+                self.log.declined(self.name, _pattern(q, kv), q.prepared if q else kv.anchor, str(err))
+        return matched
 
     # ----------------------------------------------------------------------------------
     def _find(self, graph) -> tuple[list[QSide], list[KvSide]]:
@@ -167,27 +173,37 @@ class FuseDsv4PrepPass(PrepfusePass):
         # an input that an earlier rewrite replaced (a cache written twice) is read from its replacement
         args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
         outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
+        if q is not None:  # what readers of the unpadded q read: the first H heads of q_out
+            new_q = outs["q_out"]
+            q_view = new_q if padded_heads == num_heads else emit.node(aten.slice.Tensor, new_q, 1, 0, num_heads)
+        note = ""
+        if self.validate == "probe":
+            checked = [Checked("q_out", q.prepared, q_view)] if q is not None else []
+            checked += [Checked("q_out (padded)", pads[0].node, new_q)] if q is not None and pads else []
+            checked += [Checked("k_cache", kv.cache_out, outs["k_cache"])] if kv is not None else []
+            note = emit.validate(args, checked)
 
         if q is not None:
-            new_q, others = outs["q_out"], []
+            others = []
             for user in list(q.prepared.users):
                 padding = head_padding(user, q.prepared)
                 if padding is not None and padding.padded_heads == padded_heads:
                     self._replace(padding.node, new_q)
                 else:
                     others.append(user)
-            if others:  # readers of the unpadded q read the first H heads of q_out
-                view = new_q if padded_heads == num_heads else emit.node(aten.slice.Tensor, new_q, 1, 0, num_heads)
-                for user in others:
-                    user.replace_input_with(q.prepared, view)
+            for user in others:
+                user.replace_input_with(q.prepared, q_view)
         if kv is not None:
             self._replace(kv.cache_out, outs["k_cache"])
-        pattern = "dsv4_q+kv" if q and kv else ("dsv4_q" if q else "dsv4_kv")
-        self.log.matched(self.name, pattern, q.prepared if q else kv.anchor)
+        self.log.matched(self.name, _pattern(q, kv), q.prepared if q else kv.anchor, note)
 
     def _replace(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
         old.replace_all_uses_with(new)
         self._replaced[old] = new
+
+
+def _pattern(q: QSide | None, kv: KvSide | None) -> str:
+    return "dsv4_q+kv" if q and kv else ("dsv4_q" if q else "dsv4_kv")
 
 
 def _is_q_anchor(cat) -> bool:

@@ -58,6 +58,7 @@ from prepfuse.fx_passes.matching import MATCHING_MODULES
 from prepfuse.fx_passes.matching.cache_writes import byte_row_writes
 from prepfuse.fx_passes.matching.emitter import Emitter
 from prepfuse.fx_passes.matching.recognizers import put_rows, same_size, shape
+from prepfuse.fx_passes.matching.validation import Checked
 from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_INDEXER_ROPE_MXFP4_INSERT, SCRATCH
 from prepfuse.ops.dsv4_indexer_common import FP8_SLOT_BYTES, HEAD_DIM, MXFP4_BLOCKS, MXFP4_PACKED, MXFP4_SLOT_BYTES
 
@@ -135,9 +136,17 @@ class _FuseDsv4IndexerPass(PrepfusePass):
         q_sides, k_sides = self._find(graph)
         calls = _pair(graph, q_sides, k_sides)
         claimed, caches = set(), {}  # caches: a rewritten call's old cache value -> its new one
+        matched = 0
         for q, k in calls:
-            self._rewrite(graph, q, k, self._weights(graph, q, k, claimed), caches)
-        return len(calls)
+            try:
+                self._rewrite(graph, q, k, self._weights(graph, q, k, claimed), caches)
+                matched += 1
+            except NoMatch as err:  # the probes disagree: nothing was rewired
+                self.log.declined(self.name, self._pattern(q, k), q.anchor if q else k.anchor, str(err))
+        return matched
+
+    def _pattern(self, q, k: KSide | None) -> str:
+        return f"{self.fmt.pattern}_" + ("q+k" if q and k else ("q" if q else "k"))
 
     def _find(self, graph) -> tuple[list, list[KSide]]:
         fmt, q_sides, k_sides = self.fmt, [], []
@@ -218,6 +227,14 @@ class _FuseDsv4IndexerPass(PrepfusePass):
             block_size=block_size,
         )
         outs = emit.functional_call(fmt.op, args)
+        note = ""
+        if self.validate == "probe":
+            checked = [Checked(name, node, outs[name]) for name, node in q.outputs()] if q is not None else []
+            if weights is not None and weights.product is not None:
+                checked.append(Checked("weights_out", weights.product, outs["weights_out"]))
+            if k is not None:
+                checked.append(Checked("k_cache", k.cache_out, outs["k_cache"]))
+            note = emit.validate(args, checked)
         if q is not None:
             for name, node in q.outputs():
                 node.replace_all_uses_with(outs[name])
@@ -226,8 +243,7 @@ class _FuseDsv4IndexerPass(PrepfusePass):
         if k is not None:
             k.cache_out.replace_all_uses_with(outs["k_cache"])
             caches[k.cache_out] = outs["k_cache"]
-        pattern = f"{fmt.pattern}_" + ("q+k" if q and k else ("q" if q else "k"))
-        self.log.matched(self.name, pattern, q.anchor if q else k.anchor)
+        self.log.matched(self.name, self._pattern(q, k), q.anchor if q else k.anchor, note)
 
     def _scratch(self, emit: Emitter, output: str, sizes, dtype, like) -> torch.fx.Node:
         """An output buffer in scratch-arena memory (reserved before KV sizing), not

@@ -51,6 +51,7 @@ from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
 from prepfuse.fx_passes.matching.layouts import apply_views, strip_views, token_major_heads
 from prepfuse.fx_passes.matching.recognizers import aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
+from prepfuse.fx_passes.matching.validation import Checked
 from prepfuse.fx_passes.mutation_info import output_indices
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
 
@@ -91,11 +92,11 @@ class FuseGqaPrepPass(PrepfusePass):
                 v_write = _v_write_of(k, k_write, v_writes, used)
                 q = self._separate_q_of(k, v_write, heads, k_rows) if _is_separate(k) else self._q_of(k, v_write, heads)
                 shared = self._check_call(q, k, k_write, v_write)
+                self._rewrite(graph, q, k, k_write, v_write, shared)
             except NoMatch as err:
                 self.log.declined(self.name, PATTERN, k_write.put, str(err))
                 continue
             used.add(v_write.put)
-            self._rewrite(graph, q, k, k_write, v_write, shared)
             matched += 1
         for v_write in v_writes:  # v writes no k write declined with (that decline names the reason)
             if not any(k.slots is v_write.slots for k in k_writes):
@@ -212,19 +213,29 @@ class FuseGqaPrepPass(PrepfusePass):
             emit.node(aten._assert_scalar.default, same, "prepfuse: the cache write's rows and slots differ in number")
         # a cache an earlier rewrite wrote (two calls into one cache) is read from its replacement
         args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
+        extra_roles = dict.fromkeys((q.cos_sin.cos, q.cos_sin.sin), "duplicated_halves") \
+            if q.cos_sin.per_token and q.cos_sin.full else {}
         if shared is None:
             outs = emit.functional_call(op, args)
             written = ((k_write.put, outs["k_cache"]), (v_write.put, outs["v_cache"]))
+            names = ("k_cache", "v_cache")
         else:
-            outs = _shared_base_call(emit, op, args, self._replaced.get(shared.root, shared.root))
+            root = self._replaced.get(shared.root, shared.root)
+            outs = _shared_base_call(emit, op, args, root)
             written = ((shared.written, outs["buffer"]),)
-        q.prepared.replace_all_uses_with(as_layout(emit, outs["q_out"], q.layout, q.prepared))
+            names, extra_roles[root] = ("k_cache and v_cache's buffer",), "cache"
+        new_q = as_layout(emit, outs["q_out"], q.layout, q.prepared)
+        note = ""
+        if self.validate == "probe":
+            checked = [Checked("q_out", q.prepared, new_q)] + [Checked(n, old, new) for n, (old, new) in zip(names, written)]
+            note = emit.validate(args, checked, extra_roles)
+        q.prepared.replace_all_uses_with(new_q)
         for old, new in written:
             old.replace_all_uses_with(new)
             self._replaced[old] = new
         pattern = ("gqa_qknorm_rope_kv" if q.norm_weight is not None else "gqa_rope_kv") + (
             "+separate" if _is_separate(k) else "") + ("+bf16_rope" if q.bf16_rope else "")
-        self.log.matched(self.name, pattern, q.prepared)
+        self.log.matched(self.name, pattern, q.prepared, note)
 
 
 def _is_separate(h: Heads) -> bool:

@@ -16,8 +16,8 @@ A family (``fusion/<family>.py``) borrows from here, never from another family.
 Inductor's cache for every pass that uses it.
 """
 
-from prepfuse.fx_passes.matching import cache_writes, cos_sin, emitter, layouts, recognizers, scratch_buffers
+from prepfuse.fx_passes.matching import cache_writes, cos_sin, emitter, layouts, recognizers, scratch_buffers, validation
 
-MATCHING_MODULES = (recognizers, layouts, cos_sin, cache_writes, emitter, scratch_buffers)
+MATCHING_MODULES = (recognizers, layouts, cos_sin, cache_writes, emitter, scratch_buffers, validation)
 
-__all__ = ["MATCHING_MODULES", "cache_writes", "cos_sin", "emitter", "layouts", "recognizers", "scratch_buffers"]
+__all__ = ["MATCHING_MODULES", "cache_writes", "cos_sin", "emitter", "layouts", "recognizers", "scratch_buffers", "validation"]

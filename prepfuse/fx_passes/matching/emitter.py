@@ -19,8 +19,9 @@ from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
 from prepfuse.fx_passes.matching.cos_sin import CosSin
 from prepfuse.fx_passes.matching.layouts import Layout, canonical_order
-from prepfuse.fx_passes.matching.recognizers import aten, prims, same_size, shape, val
+from prepfuse.fx_passes.matching.recognizers import NoMatch, aten, prims, same_size, shape, val
 from prepfuse.fx_passes.matching.scratch_buffers import scratch_buffer
+from prepfuse.fx_passes.matching.validation import Checked, validate_rewrite
 from prepfuse.ops import SCRATCH
 
 __all__ = ["Emitter", "as_layout", "cos_sin_args"]
@@ -34,10 +35,13 @@ class Emitter:
         # the matched code's source line, for the report's rows about emitted nodes
         self.stack_trace = source.meta.get("stack_trace")
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+        self.emitted: list[torch.fx.Node] = []  # every node this emitter inserted, in order
+        self.rounded_inputs: set[torch.fx.Node] = set()  # fp32 inputs the call rounds to bf16 (``as_bf16``)
 
     def node(self, target, *args, name: str | None = None, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.point):
             node = self.graph.call_function(target, args, kwargs)
+        self.emitted.append(node)
         if name is not None:
             node._rename(name)
         if self.stack_trace:
@@ -58,6 +62,8 @@ class Emitter:
     def scratch(self, base: str, sizes, dtype, like: torch.fx.Node, name: str) -> torch.fx.Node:
         """An arena-backed output buffer (``scratch_buffer``): no allocation per call."""
         node = scratch_buffer(self.graph, self.point, base, sizes, dtype, val(like).device, node_name=name)
+        if node.target is SCRATCH and not node.users and node not in self.emitted:  # made now, not reused
+            self.emitted.append(node)
         if node.target is SCRATCH and self.stack_trace and "stack_trace" not in node.meta:
             node.meta["stack_trace"] = self.stack_trace
         return node
@@ -80,12 +86,36 @@ class Emitter:
         af = self.node(hop, op, **call)
         return {name: self.node(operator.getitem, af, index) for name, index in output_indices(af).items()}
 
+    def validate(self, args: dict, checked: list[Checked], extra_roles: dict | None = None) -> str:
+        """Prove the emitted call on probes against the region it replaces
+        (``validation.validate_rewrite``) before any reader moves to it: the report's note
+        on success; on a mismatch the emitted nodes are erased and ``NoMatch`` says why."""
+        roles = dict.fromkeys(self.rounded_inputs, "bf16_values")
+        roles.update(extra_roles or {})
+        try:
+            probes = validate_rewrite(self.emitted, args, checked, roles)
+        except NoMatch:
+            self.discard()
+            raise
+        return f"validated on {probes} probes"
+
+    def discard(self) -> None:
+        """Erase every node this emitter inserted (none may be read by then: nothing was rewired)."""
+        for node in reversed(self.emitted):
+            if not node.users:
+                self.graph.erase_node(node)
+        self.emitted = [n for n in self.emitted if n.users]
+
     def as_bf16(self, node: torch.fx.Node) -> torch.fx.Node:
         """``node`` as the ops read it, bf16. A pattern that found the fp32 value whose
         ``.to(bf16)`` torch 2.11's Inductor dropped (``_compat.inductor_drops_narrowing_round_trips``)
         hands it over as fp32: the cast goes back in front of the call, so the call
         rounds as the code does."""
         if val(node).dtype == torch.float32:
+            # the region as it stands reads these fp32 values unrounded: its probes hold
+            # bf16 values, so validation checks the rest of the math, not the rounding the
+            # code had and the graph lost
+            self.rounded_inputs.add(node)
             return self.node(prims.convert_element_type.default, node, torch.bfloat16)
         return node
 

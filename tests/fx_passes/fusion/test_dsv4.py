@@ -268,6 +268,7 @@ LOOKALIKE_CASES = [
     ("quant_block_128", kv_only, ["dsv4_kv"], "blocks of 128"),
     ("cache_row_640", kv_only, ["dsv4_kv"], "640 apart"),
     ("cache_row_640_columns", kv_only, ["dsv4_kv"], "640 apart"),
+    ("cache_row_offset_by_one", kv_only, ["dsv4_kv"], "is not slot % 16 of the same slots"),
     ("float16", prep, ["dsv4_q", "dsv4_kv"], "float16"),
 ]
 

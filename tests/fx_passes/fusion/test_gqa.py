@@ -438,6 +438,7 @@ LOOKALIKE_CASES = [
     ("weight_in_fp32", 1, "not of the bf16 heads cast to fp32" if inductor_drops_narrowing_round_trips()
      else "the weight multiplies in fp32 before the rounding"),
     ("cache_heads_before_slots", 2, "heads before slots"),
+    ("cache_row_offset_by_one", 2, "is not slot % 16 of the same slots"),
     ("fp8_mul_reciprocal", 2, "the op divides by kv_scale"),
     ("float16", 2, "the cache is torch.float16"),
 ]
@@ -567,7 +568,9 @@ def test_spelling_fuses_on_cuda(name, v2, device, num_tokens):
     and k are held to twice the pair bound plus one bf16 ULP of the value (every spelling),
     fp8 cache codes to one e4m3 code, v exactly."""
     spelling = SPELLINGS[name]
-    r = run(prep, make_case(spelling, num_tokens=num_tokens, device=device), v2=v2)
+    seed = int(torch.randint(0, 2**31, ()))
+    r = run(prep, make_case(spelling, num_tokens=num_tokens, device=device,
+                            generator=torch.Generator().manual_seed(seed)), v2=v2)
     assert r.matched == 1
     q_in, k_in = rope_inputs(r.case)
     slots = r.case.slot_mapping
@@ -577,13 +580,22 @@ def test_spelling_fuses_on_cuda(name, v2, device, num_tokens):
         # normed value becomes w * (n + ulp), rounded again: up to two ULPs of the result
         # (seen on an H200 in a pass-through dim of the partial-rotary spelling)
         bound = 2 * pair_bound(rope_input, spelling) + want.float().abs() * 2**-6
-        assert ((got.float() - want.float()).abs() <= bound).all()
+        assert ((got.float() - want.float()).abs() <= bound).all(), f"seed={seed}"
 
     assert_within(first(r.out), first(r.ref_out), q_in)
     (k, v), (ref_k, ref_v) = r.caches, r.ref_caches
-    assert torch.equal(v.view(torch.uint8), ref_v.view(torch.uint8))
+    assert torch.equal(v.view(torch.uint8), ref_v.view(torch.uint8)), f"seed={seed}"
     k_rows, ref_rows = written_rows(k, slots), written_rows(ref_k, slots)
     if k.dtype == torch.float8_e4m3fn:
-        assert int(e4m3_code_diff(k_rows.view(torch.uint8), ref_rows.view(torch.uint8)).max()) <= 1
+        # fp8 codes: one e4m3 step, plus what the rotation carries of eager's approximate
+        # rsqrt. A one-ULP move of a normed pair (a, b) moves a*cos - b*sin by up to
+        # ~2^-8 (|a| + |b|): where the rotation cancels, the result is small and that is
+        # several e4m3 steps of it (an H200 once saw codes 2 apart at T=1000). So the bound
+        # is in values: twice the pair bound over kv_scale, plus one step of the value.
+        got, want = k_rows.float(), ref_rows.float()
+        step = torch.maximum(want.abs() * 2**-3, torch.full_like(want, 2**-9))
+        bound = 2 * pair_bound(k_in[: slots.shape[0]], spelling) / r.case.kv_scale.float() + step
+        assert ((got - want).abs() <= bound).all(), (
+            f"seed={seed}: codes {int(e4m3_code_diff(k_rows.view(torch.uint8), ref_rows.view(torch.uint8)).max())} apart")
     else:
         assert_within(k_rows, ref_rows, k_in[: slots.shape[0]])
