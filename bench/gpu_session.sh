@@ -11,6 +11,8 @@
 #   indexer - the DeepSeek-V4 indexer ops' benchmark (JSON, PNG, benchmarks_indexer.md into $OUT)
 #   indexer-sweep - the indexer kernel's launch-configuration sweep
 #   clients - transformers' attention modules, backend=prepfuse vs inductor (benchmarks_clients.md into $OUT)
+#   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
+#   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
 #   demo  - the README's main command's python part
 # Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
 # No pip there: pure-python wheels carried in .whl/ are unpacked to /tmp/site.
@@ -85,6 +87,14 @@ for what in "${steps[@]}"; do
     clients)
         step clients
         python3 bench/bench_clients.py --out-dir "$OUT" --docs "$OUT/benchmarks_clients.md" 2>&1 | tail -n 20 | tee -a "$log" || status=1
+        ;;
+    micro)
+        step micro
+        python3 bench/bench_micro_batches.py --out-dir "$OUT" 2>&1 | tail -n 12 | tee -a "$log" || status=1
+        ;;
+    compile)
+        step compile
+        python3 bench/compile_overhead.py --repeats 2 2>&1 | tail -n 12 | tee -a "$log" || status=1
         ;;
     demo)
         step demo

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
@@ -71,10 +72,12 @@ def can_read_index_values(t: torch.Tensor) -> bool:
 def check_slot_and_position_values(
     slot_mapping: torch.Tensor, num_blocks: int, block_size: int, positions: torch.Tensor, max_pos: int
 ) -> None:
-    """Slots below ``num_blocks * block_size`` and positions in ``[0, max_pos)``.
+    """Slots below ``num_blocks * block_size`` and each given to one token, positions in
+    ``[0, max_pos)``.
 
     Reads the values, so does nothing when they cannot be read now
-    (``can_read_index_values``). Negative slots are valid: they mean "skip this row".
+    (``can_read_index_values``; what the ops do then: ``_indices``). Negative slots are
+    valid, and may repeat: they mean "skip this row".
     """
     if not can_read_index_values(slot_mapping):
         return
@@ -84,7 +87,99 @@ def check_slot_and_position_values(
             f"slot_mapping: slot {int(slot_mapping.max())} is beyond the cache's {n_slots} slots "
             f"({num_blocks} blocks of {block_size})"
         )
+    check_distinct_slots(slot_mapping)
     if positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= max_pos:
             raise ValueError(f"positions: values must lie in [0, {max_pos}) (rows of cos_sin_cache), got [{lo}, {hi}]")
+
+
+def check_distinct_slots(slot_mapping: torch.Tensor) -> None:
+    """No slot (>= 0) given to two tokens: two writers of one slot would leave a row mixed
+    from both (data bytes of one, scale bytes or v of the other)."""
+    valid = slot_mapping[slot_mapping >= 0]
+    if valid.numel() < 2:
+        return
+    ordered = torch.sort(valid).values
+    repeated = ordered[1:] == ordered[:-1]
+    if bool(repeated.any()):
+        slot = int(ordered[1:][repeated][0])
+        tokens = (slot_mapping == slot).nonzero().flatten()[:2].tolist()
+        raise ValueError(
+            f"slot_mapping: slot {slot} is given to tokens {tokens[0]} and {tokens[1]}; each token "
+            f"written needs a slot of its own (a skipped token's slot is -1)"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Aliasing: a written argument overlaps no other argument
+# --------------------------------------------------------------------------------------
+def check_written_apart(named: dict, written: list[str]) -> None:
+    """Each written argument (``Tensor(a!)``) shares no byte with another argument and none
+    of its own elements with each other (an expanded view); ValueError naming both.
+
+    Precise for views of one buffer (``kv[:, 0]`` and ``kv[:, 1]`` of a FlashInfer cache
+    interleave without overlapping and pass); runs in the eager paths and in the fake impl
+    (fake tensors share a storage as real ones do), where sizes are concrete."""
+    tensors = [(n, t) for n, t in named.items() if isinstance(t, torch.Tensor)]
+    for name in written:
+        a = named.get(name)
+        if not isinstance(a, torch.Tensor) or a.numel() == 0 or _layout(a) is None:
+            continue
+        if _self_overlapping(a):
+            raise ValueError(f"{name}: its elements overlap each other (an expanded or self-overlapping view, "
+                             f"strides {tuple(a.stride())}), so two writes would land on one element")
+        for other, b in tensors:
+            if other == name or (other in written and written.index(other) < written.index(name)):
+                continue
+            if b.numel() and _layout(b) is not None and _overlap(a, b):
+                raise ValueError(f"{name}: shares memory with {other}; an argument the op writes must not "
+                                 f"overlap another argument (it would read what it wrote, or two writes collide)")
+
+
+def _layout(t: torch.Tensor):
+    """(byte offset, [(byte stride, size)] largest stride first, the element's bytes as the
+    last dim) when every size and stride is a concrete int, else None (symbolic)."""
+    sizes, strides, offset = t.shape, t.stride(), t.storage_offset()
+    if not all(isinstance(v, int) for v in (*sizes, *strides, offset)):
+        return None
+    size = t.element_size()
+    dims = sorted(((st * size, sz) for st, sz in zip(strides, sizes) if sz > 1), reverse=True)
+    return offset * size, dims + [(1, size)]
+
+
+def _span(dims) -> int:
+    return sum(st * (sz - 1) for st, sz in dims)
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Two indices of ``t`` reach one byte: a zero stride, or a stride within the span of
+    the smaller dims (blocks laid over each other)."""
+    _, dims = _layout(t)
+    return any(st == 0 or st <= _span(dims[i + 1:]) for i, (st, _) in enumerate(dims[:-1]))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a byte. Different storages or disjoint byte ranges do
+    not; views with the same byte layout at different offsets (k and v halves of one
+    buffer) overlap iff the offset difference is a reachable index difference; anything
+    else whose ranges intersect is taken as overlapping."""
+    if a.device != b.device or StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+        return False
+    (off_a, dims_a), (off_b, dims_b) = _layout(a), _layout(b)
+    if off_a + _span(dims_a) < off_b or off_b + _span(dims_b) < off_a:
+        return False
+    if dims_a != dims_b or _self_overlapping(a):
+        return True
+    return _reachable(off_b - off_a, dims_a)
+
+
+def _reachable(delta: int, dims) -> bool:
+    """Whether ``delta = sum(i_k * stride_k)`` with ``|i_k| < size_k`` (nested dims, largest first)."""
+    if not dims:
+        return delta == 0
+    (stride, size), rest = dims[0], dims[1:]
+    span = _span(rest)
+    low, high = -(-(delta - span) // stride), (delta + span) // stride
+    return any(_reachable(delta - i * stride, rest)
+               for i in range(max(low, -(size - 1)), min(high, size - 1) + 1))

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from prepfuse._compat import has_triton
+from prepfuse.ops._checks import check_written_apart
 
 NAMESPACE = "prepfuse"
 log = logging.getLogger("prepfuse.ops")
@@ -64,9 +65,11 @@ def define_op(
     must make one: ``prepfuse::scratch``).
     """
     name = schema.split("(", 1)[0]
-    arg_names = [a.name for a in torch._C.parse_schema(f"{NAMESPACE}::{schema}").arguments]
-    checked_reference = _checked(name, arg_names, check, index_check, reference)
-    fake = fake or _checked(name, arg_names, check, None, None)
+    parsed = torch._C.parse_schema(f"{NAMESPACE}::{schema}").arguments
+    arg_names = [a.name for a in parsed]
+    written = [a.name for a in parsed if a.alias_info is not None and a.alias_info.is_write]
+    checked_reference = _checked(name, arg_names, check, index_check, reference, written)
+    fake = fake or _checked(name, arg_names, check, None, None, written)
     if _is_defined(name):
         existing = str(getattr(torch.ops, NAMESPACE).__getattr__(name).default._schema)
         expected = f"{NAMESPACE}::{schema}"
@@ -79,7 +82,7 @@ def define_op(
     _LIB.define(schema)
     _LIB.impl(name, checked_reference, "CompositeExplicitAutograd")
     if triton is not None:
-        cuda = _checked(name, arg_names, check, index_check, triton) if has_triton() else \
+        cuda = _checked(name, arg_names, check, index_check, triton, written) if has_triton() else \
             _reference_with_warning(name, checked_reference)
         _LIB.impl(name, cuda, "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
@@ -87,8 +90,9 @@ def define_op(
 
 
 def _checked(name: str, arg_names: list[str], check: Callable | None, index_check: Callable | None,
-             impl: Callable | None) -> Callable:
-    """``impl(*args)`` after ``check`` and ``index_check``, each given the arguments it names."""
+             impl: Callable | None, written: list[str] = ()) -> Callable:
+    """``impl(*args)`` after ``check``, the aliasing check of the ``written`` arguments
+    (``_checks.check_written_apart``) and ``index_check``, each given the arguments it names."""
     steps = [(fn, list(inspect.signature(fn).parameters)) for fn in (check, index_check) if fn is not None]
     for fn, wanted in steps:
         unknown = set(inspect.signature(fn).parameters) - set(arg_names)
@@ -101,7 +105,11 @@ def _checked(name: str, arg_names: list[str], check: Callable | None, index_chec
             raise TypeError(f"{NAMESPACE}::{name}: expected the arguments ({', '.join(arg_names)}), "
                             f"got {len(args)} positional and {sorted(kwargs)}")
         for fn, wanted in steps:
+            if fn is index_check and written:  # after the shape checks, before any value is read
+                check_written_apart(named, list(written))
             fn(**{p: named[p] for p in wanted})
+        if index_check is None and written:
+            check_written_apart(named, list(written))
         return impl(*(named[n] for n in arg_names)) if impl is not None else None
 
     run.__name__ = f"{name}_{getattr(impl, '__name__', 'fake')}"

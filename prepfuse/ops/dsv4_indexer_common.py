@@ -72,6 +72,7 @@ from prepfuse.ops._checks import (
     check_unit_last_stride,
     require,
 )
+from prepfuse.ops._indices import clamped_positions, written_rows
 
 HEAD_DIM = 128
 ROPE_DIM = 64
@@ -277,7 +278,9 @@ def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
         block_h = 8
     else:
         block_h = 16
-    return min(block_h, triton.next_power_of_2(num_heads)), 1
+    # no q heads (H = 0, a k-only call): one head a program keeps the grid's arithmetic
+    # defined (next_power_of_2(0) is 0)
+    return min(block_h, max(1, triton.next_power_of_2(num_heads))), 1
 
 
 def launch_indexer_kernel(
@@ -324,7 +327,7 @@ def rope_tail_reference(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
     ``x`` is [T, H, 128] or [T, 128]; ``positions`` [T] picks the cos/sin rows.
     """
     x = x.float()
-    cs = cos_sin_cache[positions]
+    cs = cos_sin_cache[clamped_positions(positions, cos_sin_cache.shape[0])]
     if x.dim() == 3:
         cs = cs.unsqueeze(1)
     cos, sin = cs[..., : ROPE_DIM // 2], cs[..., ROPE_DIM // 2 :]
@@ -363,9 +366,10 @@ def write_cache_rows(
 ) -> None:
     """Write rows (data [Tk', D] and scale bytes [Tk', 4], uint8) into their slots of the
     indexer cache (each block: ``block_size * D`` data bytes, then ``block_size * 4`` scale
-    bytes); negative slots are skipped (a boolean mask: a host sync on CUDA, the oracle's
-    way, not a capturable path)."""
-    keep = slots >= 0
+    bytes) as the kernel does (``_indices.written_rows``: negative and out-of-cache slots
+    skipped, a duplicated slot written whole by its last token; a boolean mask: a host sync
+    on CUDA, the oracle's way, not a capturable path)."""
+    keep = written_rows(slots, k_cache.shape[0] * block_size)
     data, scales, slots = data[keep], scales[keep], slots[keep]
     width = data.shape[1]
     blk, row = (slots // block_size).unsqueeze(1), (slots % block_size).unsqueeze(1)

@@ -48,6 +48,7 @@ import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._indices import clamped_positions, written_rows
 from prepfuse.ops._library import define_op
 from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj
 
@@ -274,12 +275,14 @@ def kv_cache_rows_reference(
 def insert_rows_reference(
     k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int
 ) -> None:
-    """Write rows into their slots of the fp8_ds_mla cache; negative slots are skipped.
+    """Write rows into their slots of the fp8_ds_mla cache as the kernel does
+    (``_indices.written_rows``: negative and out-of-cache slots skipped, a duplicated slot
+    written whole by its last token).
 
     The skip is a boolean mask, i.e. a host sync on CUDA: this is the oracle, not a
-    capturable path (``write_rows`` is the write alone, for all-valid slots).
+    capturable path (``write_rows`` is the write alone, for valid, distinct slots).
     """
-    keep = slots >= 0
+    keep = written_rows(slots, k_cache.shape[0] * block_size)
     write_rows(k_cache, data[keep], scales[keep], slots[keep], block_size)
 
 
@@ -297,9 +300,12 @@ def unchecked_reference(
 ) -> None:
     """The op in plain PyTorch, unchecked (``define_op`` runs the checks first).
 
-    ``all_slots_valid``: write every row without filtering skipped (negative) slots, which
-    needs a boolean mask, i.e. a host sync: capturable, for the benchmarks' unfused baseline
-    (``prepfuse.models.dsv4_prep_unfused``)."""
+    ``all_slots_valid``: every index value is valid (slots distinct and in the cache,
+    positions in the table): write every row without filtering skipped (negative) slots,
+    which needs a boolean mask, i.e. a host sync, and read positions as they are:
+    capturable, for the benchmarks' unfused baseline (``prepfuse.models.dsv4_prep_unfused``)."""
+    if not all_slots_valid:  # the kernel's reading of positions outside the table (``_indices``)
+        positions = clamped_positions(positions, cos_sin_cache.shape[0])
     num_heads = q.shape[1]
     q_out[:, :num_heads] = q_prep_reference(q, positions, cos_sin_cache, eps).to(torch.bfloat16)
     q_out[:, num_heads:] = 0

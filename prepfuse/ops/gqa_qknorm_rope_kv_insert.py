@@ -73,6 +73,7 @@ import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._indices import clamped_positions, written_rows
 from prepfuse.ops._library import define_op
 from prepfuse.ops._math import rope_gptj, rope_neox
 
@@ -115,13 +116,15 @@ if has_triton():
         eps,  # RMSNorm epsilon
         HEAD_DIM: tl.constexpr,  # D
         ROT_DIM: tl.constexpr,  # R: dims [0, R) are rotated
+        ROT_PAD: tl.constexpr,  # R rounded up to a power of two (register tiles need one)
         IS_NEOX: tl.constexpr,  # pairs (i, i + R/2) if true, else (2i, 2i + 1)
         HAS_NORM: tl.constexpr,  # apply the weighted RMSNorm first
         BLOCK_H: tl.constexpr,  # heads (rows of head_ptr)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
         """(normed heads [BLOCK_H, D] bf16, of which dims [R, D) are final; rotated dims
-        [0, R) [BLOCK_H, R] bf16). The caller stores both: two contiguous stores."""
+        [0, R) [BLOCK_H, ROT_PAD] bf16, lanes from R on unused). The caller stores both: two
+        contiguous stores, the second masked to R."""
         HALF: tl.constexpr = ROT_DIM // 2
         d = tl.arange(0, HEAD_DIM)
         x = tl.load(head_ptr[:, None] + d[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
@@ -130,31 +133,58 @@ if has_triton():
             mean_sq = tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM)  # D is a power of 2: exact scaling
             # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
             rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
-        if ROT_DIM == HEAD_DIM:
+        if ROT_PAD != ROT_DIM:
+            # a rotary dim that is no power of two (R = 44, 96 of D = 128): each lane j < R
+            # reads its pair partner and its cos/sin column itself, since pairs cannot be
+            # split off a padded tile in registers. Lane j of NeoX pairs with j +- R/2, of
+            # GPT-J with j ^ 1; both use column j % (R/2) resp. j // 2. Same products, same
+            # roundings as the split below.
+            j = tl.arange(0, ROT_PAD)
+            if IS_NEOX:
+                first = j < HALF
+                partner = tl.where(first, j + HALF, j - HALF)
+                column = tl.where(first, j, j - HALF)
+            else:
+                first = (j % 2) == 0
+                partner = j ^ 1
+                column = j // 2
+            in_rot = j < ROT_DIM
+            xj = tl.load(head_ptr[:, None] + j[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
+            xp = tl.load(head_ptr[:, None] + partner[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
+            xj = _weighted(xj, rstd, w_ptr, j, HAS_NORM, SOFT_ROUNDING)
+            xp = _weighted(xp, rstd, w_ptr, partner, HAS_NORM, SOFT_ROUNDING)
             x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
-            xr = x
+            cos = tl.load(cs_row + column, mask=in_rot, other=0.0)[None, :]
+            sin = tl.load(cs_row + HALF + column, mask=in_rot, other=0.0)[None, :]
+            # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
+            rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
+                           _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
         else:
-            # partial rotary: the R rotated dims read again on their own (an L1 hit), so
-            # that the rotation is R dims of register work, not masked work on D
-            r = tl.arange(0, ROT_DIM)
-            xr = tl.load(head_ptr[:, None] + r[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
-            x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
-            xr = _weighted(xr, rstd, w_ptr, r, HAS_NORM, SOFT_ROUNDING)
-        # split the pairs off in registers: (i, i + R/2) for NeoX, (2i, 2i + 1) for GPT-J
-        if IS_NEOX:
-            pairs = tl.permute(tl.reshape(xr, [BLOCK_H, 2, HALF]), (0, 2, 1))
-        else:
-            pairs = tl.reshape(xr, [BLOCK_H, HALF, 2])
-        a, b = tl.split(pairs)
-        cos = tl.load(cs_row + tl.arange(0, HALF))[None, :]
-        sin = tl.load(cs_row + HALF + tl.arange(0, HALF))[None, :]
-        # a' = a*cos - b*sin, b' = b*cos + a*sin, each product rounded (never an FMA)
-        a_rot = _mul_rn(a, cos, SOFT_ROUNDING) - _mul_rn(b, sin, SOFT_ROUNDING)
-        b_rot = _mul_rn(b, cos, SOFT_ROUNDING) + _mul_rn(a, sin, SOFT_ROUNDING)
-        rot = tl.join(a_rot, b_rot)  # [BLOCK_H, HALF, 2]
-        if IS_NEOX:
-            rot = tl.permute(rot, (0, 2, 1))
-        rot = tl.reshape(rot, [BLOCK_H, ROT_DIM])
+            if ROT_DIM == HEAD_DIM:
+                x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
+                xr = x
+            else:
+                # partial rotary: the R rotated dims read again on their own (an L1 hit), so
+                # that the rotation is R dims of register work, not masked work on D
+                r = tl.arange(0, ROT_DIM)
+                xr = tl.load(head_ptr[:, None] + r[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
+                x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
+                xr = _weighted(xr, rstd, w_ptr, r, HAS_NORM, SOFT_ROUNDING)
+            # split the pairs off in registers: (i, i + R/2) for NeoX, (2i, 2i + 1) for GPT-J
+            if IS_NEOX:
+                pairs = tl.permute(tl.reshape(xr, [BLOCK_H, 2, HALF]), (0, 2, 1))
+            else:
+                pairs = tl.reshape(xr, [BLOCK_H, HALF, 2])
+            a, b = tl.split(pairs)
+            cos = tl.load(cs_row + tl.arange(0, HALF))[None, :]
+            sin = tl.load(cs_row + HALF + tl.arange(0, HALF))[None, :]
+            # a' = a*cos - b*sin, b' = b*cos + a*sin, each product rounded (never an FMA)
+            a_rot = _mul_rn(a, cos, SOFT_ROUNDING) - _mul_rn(b, sin, SOFT_ROUNDING)
+            b_rot = _mul_rn(b, cos, SOFT_ROUNDING) + _mul_rn(a, sin, SOFT_ROUNDING)
+            rot = tl.join(a_rot, b_rot)  # [BLOCK_H, HALF, 2]
+            if IS_NEOX:
+                rot = tl.permute(rot, (0, 2, 1))
+            rot = tl.reshape(rot, [BLOCK_H, ROT_DIM])
         return _to_bf16(x, SOFT_ROUNDING), _to_bf16(rot, SOFT_ROUNDING)
 
     @triton.jit
@@ -210,6 +240,7 @@ if has_triton():
         block_size,  # BS: slots per cache block
         HEAD_DIM: tl.constexpr,  # D
         ROT_DIM: tl.constexpr,  # R
+        ROT_PAD: tl.constexpr,  # R rounded up to a power of two
         IS_NEOX: tl.constexpr,  # rotate-half pairs, else GPT-J interleaved pairs
         HAS_NORM: tl.constexpr,  # weighted RMSNorm on q and k
         CACHE_FP8: tl.constexpr,  # caches hold e4m3fn codes scaled by kv_scale
@@ -241,10 +272,11 @@ if has_triton():
             real = heads < Hq
             normed, rot = _norm_rope_heads(
                 q_ptr + t * stride_qt + heads * HEAD_DIM, real, q_w_ptr, cs_row, eps,
-                HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
+                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
             )
             dst = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
-            tl.store(dst + tl.arange(0, ROT_DIM)[None, :], rot, mask=real[:, None])
+            r = tl.arange(0, ROT_PAD)
+            tl.store(dst + r[None, :], rot, mask=real[:, None] & (r < ROT_DIM)[None, :])
             if ROT_DIM < HEAD_DIM:
                 tl.store(dst + d[None, :], normed, mask=real[:, None] & (d >= ROT_DIM)[None, :])
         else:
@@ -257,12 +289,13 @@ if has_triton():
                     real = heads < Hkv
                     normed, rot = _norm_rope_heads(
                         k_ptr + t * stride_kt + heads * HEAD_DIM, real, k_w_ptr, cs_row, eps,
-                        HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
+                        HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
                     )
                     # (k_rows, v_dst: one name per branch; triton wants a name's type equal in both)
                     k_rows = k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads[:, None] * stride_kh
-                    r = tl.arange(0, ROT_DIM)
-                    _store_cache_rows(k_rows + r[None, :], rot, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+                    r = tl.arange(0, ROT_PAD)
+                    _store_cache_rows(k_rows + r[None, :], rot, real[:, None] & (r < ROT_DIM)[None, :], scale_ptr,
+                                      CACHE_FP8, SOFT_ROUNDING)
                     if ROT_DIM < HEAD_DIM:
                         _store_cache_rows(k_rows + d[None, :], normed, real[:, None] & (d >= ROT_DIM)[None, :],
                                           scale_ptr, CACHE_FP8, SOFT_ROUNDING)
@@ -292,7 +325,7 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int,
         block_h, num_warps = max(1, 256 // head_dim), 2
     else:
         block_h, num_warps = max(1, 1024 // head_dim), 1
-    return min(block_h, triton.next_power_of_2(max_heads)), num_warps
+    return min(block_h, max(1, triton.next_power_of_2(max_heads))), num_warps
 
 
 def split_qkv_columns(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
@@ -334,6 +367,7 @@ def launch_gqa_kernel(
         cos_sin_cache.stride(0), eps, block_size,
         HEAD_DIM=head_dim,
         ROT_DIM=cos_sin_cache.shape[1],
+        ROT_PAD=triton.next_power_of_2(cos_sin_cache.shape[1]),
         IS_NEOX=bool(is_neox),
         HAS_NORM=has_norm,
         CACHE_FP8=fp8,
@@ -378,13 +412,14 @@ def quantize_cache_reference(x: torch.Tensor, kv_scale: torch.Tensor | None) -> 
 
 def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, *,
                            all_slots_valid: bool = False) -> None:
-    """Write ``rows [T', Hkv, D]`` at ``slots`` of ``cache [NB, BS, Hkv, D]``; negative
-    slots are skipped (a boolean mask: a host sync on CUDA, as befits the oracle), unless
-    the caller says every slot is valid (the capturable baseline)."""
-    if not all_slots_valid:
-        keep = slots >= 0
-        slots, rows = slots[keep], rows[keep]
+    """Write ``rows [T', Hkv, D]`` at ``slots`` of ``cache [NB, BS, Hkv, D]`` as the kernel
+    does (``_indices.written_rows``: negative and out-of-cache slots skipped, a duplicated
+    slot written by its last token; a host sync on CUDA, as befits the oracle), unless the
+    caller says every slot is valid and distinct (the capturable baseline)."""
     block_size = cache.shape[1]
+    if not all_slots_valid:
+        keep = written_rows(slots, cache.shape[0] * block_size)
+        slots, rows = slots[keep], rows[keep]
     # through uint8 views: index_put has no float8 kernel on every device
     cache.view(torch.uint8)[slots // block_size, slots % block_size] = rows.view(torch.uint8)
 
@@ -397,9 +432,12 @@ def sources_reference(
     q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``: the separate op's reference as it stands, the
     fused op's on qkv's column ranges (``on_qkv_columns``).
 
-    ``all_slots_valid``: write every row without filtering skipped (negative) slots, which
-    needs a boolean mask, i.e. a host sync: capturable, for the benchmarks' unfused baseline
+    ``all_slots_valid`` promises distinct slots inside the caches and positions inside the
+    table, so no row is filtered (a boolean mask would sync the host) and no position
+    clamped: the capturable form the benchmarks' unfused baseline runs
     (``prepfuse.models.gqa_prep_unfused``)."""
+    if not all_slots_valid:  # the kernel's reading of positions outside the table (``_indices``)
+        positions = clamped_positions(positions, cos_sin_cache.shape[0])
     head_dim = q_out.shape[2]
     q_vals, k_rows, v_rows = prepared_heads_reference(
         q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),

@@ -36,10 +36,20 @@ before the capture began is finished by then (``torch.cuda.graph`` synchronizes 
 device when it starts), and a capture cannot wait for work outside it.
 Replays are invisible to the arena: eager work on another stream that takes a name a
 graph replays on must be ordered by the engine, or ``record_stream`` the replay stream.
+
+Lanes. A name's storage is per *lane* too: every thread has its own (two threads calling
+one compiled model never write one reservation; the main thread's lane is the plain
+name, another thread's ``<name>@thread-<id>``), and ``micro_batch(i)`` gives micro-batch
+``i >= 1`` its own (``<name>@mb<i>``), so two micro-batches of a dual-batch-overlap
+forward run on two streams at once instead of being ordered one after the other by the
+rule above. The profiling run reserves every lane it will use (run each micro-batch once,
+or ``reserve`` under ``micro_batch(i)``); after ``freeze()`` a lane nobody reserved is the
+usual ``RuntimeError`` naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
@@ -47,6 +57,41 @@ from dataclasses import dataclass, field
 import torch
 
 _ALIGN = 512  # bytes; the caching allocator's own granularity, so growth never wastes a block
+_LANE = threading.local()  # .micro_batch: the index ``micro_batch`` set on this thread
+
+
+def current_lane() -> str:
+    """The calling thread's lane: "" on the main thread outside any micro-batch; else
+    ``thread-<id>`` and/or ``mb<i>`` joined by "." (see the module docstring)."""
+    parts = []
+    if threading.current_thread() is not threading.main_thread():
+        parts.append(f"thread-{threading.get_ident()}")
+    index = getattr(_LANE, "micro_batch", 0)
+    if index:
+        parts.append(f"mb{index}")
+    return ".".join(parts)
+
+
+@contextlib.contextmanager
+def micro_batch(index: int):
+    """Scratch of its own for micro-batch ``index`` (0: the thread's own lane, as outside):
+    wrap each micro-batch's forward, in the profiling run too, so KV sizing counts both.
+
+    ``with prepfuse.scratch.micro_batch(1), torch.cuda.stream(side): model(batch_1)``
+    """
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"index: expected a micro-batch index, an int >= 0, got {index!r}")
+    previous = getattr(_LANE, "micro_batch", 0)
+    _LANE.micro_batch = index
+    try:
+        yield
+    finally:
+        _LANE.micro_batch = previous
+
+
+def _laned(name: str) -> str:
+    lane = current_lane()
+    return f"{name}@{lane}" if lane else name
 
 
 @dataclass
@@ -136,8 +181,9 @@ class ScratchArena:
         """A contiguous ``shape`` ``dtype`` view of ``name``'s storage on ``device``.
 
         Its bytes are whatever the previous handout left (zeros when just reserved).
-        The view stays valid until the next ``take`` of the same name; on CUDA the
-        current stream first waits for the streams that used the previous handout."""
+        The view stays valid until the next ``take`` of the same name in the same lane
+        (thread, micro-batch); on CUDA the current stream first waits for the streams that
+        used the previous handout."""
         name, nbytes, device = _checked(name, shape, dtype, device)
         with self._lock:
             capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -151,7 +197,7 @@ class ScratchArena:
     def record_stream(self, name: str, device, stream: torch.cuda.Stream) -> None:
         """Mark ``stream`` as reading ``name``'s current handout, so that the next ``take``
         from any other stream waits for what ``stream`` has queued by then."""
-        key = (name, _device(device))
+        key = (_laned(name), _device(device))
         if key not in self._reservations:
             raise ValueError(f"name: no reservation {name!r} on {key[1]}")
         with self._lock:
@@ -232,7 +278,7 @@ def _checked(name, shape, dtype, device) -> tuple[str, int, torch.device]:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
     check_shape(shape)
-    return name, math.prod(shape) * dtype.itemsize, _device(device)
+    return _laned(name), math.prod(shape) * dtype.itemsize, _device(device)
 
 
 def check_shape(shape) -> None:

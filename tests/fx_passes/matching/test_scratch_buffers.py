@@ -113,6 +113,31 @@ def test_q_out_is_the_arena_reservation(arena):
     assert again.data_ptr() == out.data_ptr()
 
 
+def prep_other_model(q, kv, k_cache, slot_mapping, positions, cos_sin_cache):
+    """Another model's code (its own compiled graph) fusing the same op: q scaled first."""
+    return prep(q * 2, kv, k_cache, slot_mapping, positions, cos_sin_cache)
+
+
+@pytest.mark.parametrize("output_buffers", ["arena", "graph"])
+def test_a_returned_q_out_lives_until_any_graph_fusing_the_op_runs(arena, output_buffers):
+    """The documented rule (README, docs/passes.md, the backend docstring): with the arena,
+    a returned q_out is valid until the next run of *any* compiled graph taking the same
+    reservation (graphs share ``<op>.q_out.0`` by name), another compiled model's included;
+    with ``output_buffers="graph"`` it is the caller's to keep."""
+    backend = PrepfuseBackend({"strict": True, "output_buffers": output_buffers})
+    first = torch.compile(prep, backend=backend, fullgraph=True)
+    other = torch.compile(prep_other_model, backend=backend, fullgraph=True)
+    out, *_ = _call(first, 7)
+    kept = out.clone()
+    others, *_ = _call(other, 7)
+    if output_buffers == "arena":
+        assert others.data_ptr() == out.data_ptr()  # one reservation: the other model wrote these bytes
+        assert torch.equal(out.view(torch.int16), others.view(torch.int16))
+        assert not torch.equal(out.view(torch.int16), kept.view(torch.int16))
+    else:
+        assert torch.equal(out.view(torch.int16), kept.view(torch.int16))
+
+
 def test_output_buffers_graph_returns_fresh_tensors(arena):
     """output_buffers='graph': the fused op writes a graph buffer (no arena reservation),
     so a returned q survives the next call, as torch.compile's outputs usually do."""

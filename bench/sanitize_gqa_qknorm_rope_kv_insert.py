@@ -1,0 +1,44 @@
+"""Run the GQA op on a few small CUDA shapes, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  python3 bench/sanitize_gqa_qknorm_rope_kv_insert.py
+    compute-sanitizer --tool racecheck python3 bench/sanitize_gqa_qknorm_rope_kv_insert.py
+
+Shapes cover every head size, bf16 and fp8 caches, NeoX and GPT-J pairs, partial rotary
+dims that are (32) and are not (44, 96) powers of two, one kv head, and a slot mapping
+shorter than T with skipped rows; a wrong result fails the run too.
+"""
+
+import torch
+
+import prepfuse  # noqa: F401
+from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, gqa_qknorm_rope_kv_insert_reference
+from prepfuse.testing import compare_gqa, make_gqa_inputs
+
+FP8 = torch.float8_e4m3fn
+SHAPES = [  # (T, Hq, Hkv, D, rotary dim, NeoX, cache dtype, T')
+    (1, 4, 1, 64, None, True, torch.bfloat16, 1),
+    (7, 8, 2, 128, 44, True, FP8, 5),
+    (33, 32, 8, 128, 96, False, torch.bfloat16, 30),
+    (64, 16, 4, 256, 32, True, FP8, 64),
+    (9, 40, 8, 128, None, False, FP8, 9),
+]
+
+
+def main() -> int:
+    failures = 0
+    for tokens, hq, hkv, head_dim, rotary, neox, cache_dtype, inserted in SHAPES:
+        base = make_gqa_inputs(tokens, hq, hkv, head_dim, 16, "cuda", rotary_dim=rotary, is_neox=neox,
+                               cache_dtype=cache_dtype, num_inserted=inserted)
+        fused, ref = base.fresh_outputs(), base.fresh_outputs()
+        GQA_QKNORM_ROPE_KV_INSERT(*fused.args())
+        gqa_qknorm_rope_kv_insert_reference(*ref.args())
+        torch.cuda.synchronize()
+        comparison = compare_gqa(ref, fused)
+        failures += not comparison.exact()
+        print(f"T={tokens} Hq={hq} Hkv={hkv} D={head_dim} R={rotary} neox={neox} {cache_dtype} T'={inserted}: "
+              f"{'ok' if comparison.exact() else comparison}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
