@@ -27,6 +27,7 @@ from prepfuse.fx_passes.matching.recognizers import (
     RESHAPES, aten, clamp_bounds, columns, convert_source, cos_sin_rows, describe, expect, is_op, NoMatch,
     pow2_scaled, put_rows, rope_gptj, same_shape, same_size, scalar, shape, strip, val,
 )
+from prepfuse.fx_passes.matching.validation import read_as_rounded
 from prepfuse.ops.dsv4_indexer_common import FP8_AMAX_FLOOR, FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM
 
 __all__ = ["NoMatch", "Fp8QSide", "KSide", "rope_tail", "is_fp8_q_anchor", "match_fp8_q_side", "match_fp8_k_rows",
@@ -97,6 +98,7 @@ def rope_tail(y: torch.fx.Node, rank: int) -> tuple[torch.fx.Node, torch.fx.Node
     rounded = convert_source(y, torch.float32)
     if rounded is None and inductor_drops_narrowing_round_trips() and is_op(y, aten.cat.default):
         cat = y  # Inductor removed the round trip (``.to(bf16)`` had no other reader)
+        read_as_rounded(cat)
     else:
         expect(rounded is not None and val(rounded).dtype == torch.bfloat16,
                f"rope: {describe(y)} is not a bf16 round trip of the rotated rows")

@@ -33,6 +33,7 @@ from prepfuse.fx_passes.matching.recognizers import (
     expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, shape, val,
     weighted_rms_norm,
 )
+from prepfuse.fx_passes.matching.validation import read_as_rounded
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
 
 __all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "is_cache_write", "rounding_dropped"]
@@ -209,7 +210,10 @@ def rounding_dropped(node) -> bool:
     """
     if val(node).dtype != torch.float32 or not node.users or not inductor_drops_narrowing_round_trips():
         return False
-    return all(_quantised_to_e4m3(user, node) for user in node.users)
+    if not all(_quantised_to_e4m3(user, node) for user in node.users):
+        return False
+    read_as_rounded(node)  # validation rounds the region here too
+    return True
 
 
 def _quantised_to_e4m3(div: torch.fx.Node, rows: torch.fx.Node) -> bool:

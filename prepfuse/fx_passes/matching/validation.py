@@ -47,7 +47,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from prepfuse.fx_passes.matching.recognizers import NoMatch
 from prepfuse.ops import SCRATCH
 
-__all__ = ["VALIDATE_MODES", "ROLES", "Checked", "validate_rewrite", "NUM_PROBES"]
+__all__ = ["VALIDATE_MODES", "ROLES", "Checked", "validate_rewrite", "read_as_rounded", "NUM_PROBES"]
 
 VALIDATE_MODES = ("probe", "off")
 NUM_PROBES = 2
@@ -56,6 +56,7 @@ FLOAT_BOUND = 2.0**-6
 # inputs is not what the recogniser matched
 MAX_REGION_NODES = 4000
 _SEED = 20261201
+READ_AS_ROUNDED = "prepfuse_read_as_rounded"  # node.meta key: see ``read_as_rounded``
 _POISON = -123.0
 
 # the fused ops' argument names, by what a probe of each must hold
@@ -70,6 +71,14 @@ ROLES = {
     "q_norm_weight": "weight",
     "k_norm_weight": "weight",
 }
+
+
+def read_as_rounded(node: torch.fx.Node) -> None:
+    """Mark fp32 ``node`` as read by a pattern as the bf16 values the code rounded it to,
+    where Inductor dropped that round trip (torch 2.11, ``_compat.inductor_drops_narrowing_round_trips``):
+    the fused op rounds as the code says, so the region is run with the rounding put back
+    at this node, and validation checks the rest of the math against the model's meaning."""
+    node.meta[READ_AS_ROUNDED] = True
 
 
 @dataclass(frozen=True)
@@ -273,6 +282,8 @@ def _run(nodes: list[torch.fx.Node], leaves: dict, what: str) -> dict:
                 env[node] = _poisoned(sizes, dtype, device)
             else:
                 env[node] = node.target(*args, **kwargs)
+            if node.meta.get(READ_AS_ROUNDED) and isinstance(env[node], torch.Tensor):
+                env[node] = env[node].to(torch.bfloat16).to(env[node].dtype)
         except NoMatch:
             raise
         except Exception as err:  # the probes are outside what this node accepts
