@@ -269,3 +269,11 @@ def golden_rotary_graph_stable() -> bool:
     ``bmm`` there, which renumbers the graph's nodes. Only the golden print depends on it:
     the fused part is the same on every version."""
     return TORCH_VERSION >= (2, 13)
+
+
+def post_grad_hook_takes_list() -> bool:
+    """Whether Inductor's ``post_grad_custom_post_pass`` takes a list of passes (it reads it
+    through ``custom_graph_pass.get_custom_graph_passes``, torch 2.13 on) or one pass only."""
+    from torch._inductor import custom_graph_pass
+
+    return hasattr(custom_graph_pass, "get_custom_graph_passes")

@@ -38,6 +38,10 @@ Options (``PrepfuseOptions``; unknown keys are an error)::
                             not allowed). "piecewise" and "full" fail the compile when a
                             prepfuse op would run eagerly or a node a CUDA graph cannot
                             hold (.item(), a CPU scalar ...) sits in a captured region
+    namespaces              op namespaces whose auto_functionalized calls the
+                            "defunctionalize" pass turns back into in-place calls
+                            (default ("prepfuse",)): add an engine's own, e.g.
+                            ("prepfuse", "vllm"), for the same zero-copy treatment
     validate                "probe" (default): each rewrite runs on probe inputs beside
                             the code it replaces before it is made, and is declined with
                             the first differing value if they disagree (docs/passes.md,
@@ -63,15 +67,18 @@ from typing import Any, Mapping
 import torch
 
 from prepfuse._compat import inductor_config_keys, inductor_mode_options, register_dynamo_backend
+from prepfuse.fx_passes.defunctionalize import DefunctionalizePass
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
 from prepfuse.fx_passes.placement import PlacementPass, PlacementPolicy
 from prepfuse.fx_passes.matching.validation import VALIDATE_MODES
 from prepfuse.fx_passes.registry import LAST_PASS, get_pass, placement_position, registered_passes
 from prepfuse.fx_passes.report import GraphReport, Reports
+from prepfuse.ops import NAMESPACE
 
 __all__ = [
     "PrepfuseOptions",
     "PrepfuseBackend",
+    "post_grad_pass",
     "prepfuse_backend",
     "reports",
     "last_reports",
@@ -101,6 +108,7 @@ class PrepfuseOptions:
     cudagraphs: str = "none"
     output_buffers: str = "arena"
     validate: str = "probe"
+    namespaces: tuple[str, ...] = (NAMESPACE,)
 
     def __post_init__(self) -> None:
         available = registered_passes()
@@ -123,6 +131,11 @@ class PrepfuseOptions:
                 raise ValueError(f"debug_dir: expected a path, got {self.debug_dir!r}")
             object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
             _check_writable(self.debug_dir)
+        if isinstance(self.namespaces, str) or not isinstance(self.namespaces, (list, tuple)) or not all(
+                isinstance(n, str) and n and "::" not in n for n in self.namespaces) or not self.namespaces:
+            raise ValueError(f"namespaces: expected a list or tuple of op namespaces such as 'prepfuse', "
+                             f"got {self.namespaces!r}")
+        object.__setattr__(self, "namespaces", tuple(self.namespaces))
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"validate: expected one of {', '.join(map(repr, VALIDATE_MODES))}, got {self.validate!r}")
         for name in ("strict", "record_graphs"):
@@ -199,7 +212,7 @@ class PrepfuseOptions:
         """What, besides the passes, makes compiled code differ (enters the uuid)."""
         return (
             self.passes, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict,
-            self.splitting_ops, self.cudagraphs, self.output_buffers, self.validate,
+            self.splitting_ops, self.cudagraphs, self.output_buffers, self.validate, self.namespaces,
         )
 
 
@@ -267,7 +280,8 @@ class PrepfuseBackend:
     def pass_manager(self, on_report=None) -> PrepfusePassManager:
         """A fresh manager with fresh pass instances, as one compile uses."""
         opts = self.options
-        passes = [get_pass(name)() for name in opts.passes]
+        passes = [DefunctionalizePass(opts.namespaces) if name == LAST_PASS else get_pass(name)()
+                  for name in opts.passes]
         for p in passes:
             p.validate = opts.validate
         if opts.placement.moves_prep:
@@ -303,6 +317,16 @@ class PrepfuseBackend:
         if not manager.reports:  # served from the FX graph / AOTAutograd cache: no pass ran
             on_report(GraphReport(graph_id="cached", passes=manager.pass_names, cached=True))
         return compiled
+
+
+def post_grad_pass(options: Mapping[str, Any] | PrepfuseOptions | None = None, on_report=None) -> PrepfusePassManager:
+    """prepfuse's passes for someone else's compile pipeline: one ``CustomGraphPass`` (with
+    ``uuid()``) to put on Inductor's ``post_grad_custom_post_pass`` hook, alone or beside the
+    engine's own passes (``prepfuse.fx_passes.pipeline.post_grad_hook``). ``options`` as the
+    backend takes them; what the backend would patch into Inductor's config besides (the
+    auto_functionalized version, the placement settings) is ``PrepfuseOptions.config_patches()``,
+    the engine's to apply. Its reports: the returned manager's ``reports`` (and ``on_report``)."""
+    return PrepfuseBackend(options).pass_manager(on_report)
 
 
 def prepfuse_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode: str | None = None):

@@ -49,6 +49,7 @@ from prepfuse.fx_passes.graph_print import normalized_graph
 from prepfuse.fx_passes.placement import PlacementPolicy, placement_uuid, plan_and_check, raise_on_problems
 from prepfuse.fx_passes.matching.scratch_buffers import scratch_to_pool_buffers
 from prepfuse.fx_passes.report import GraphReport
+from prepfuse.ops import NAMESPACE
 
 log = logging.getLogger("prepfuse.passes")
 _dump_seq = itertools.count()  # keeps dump folders of one process apart
@@ -110,7 +111,8 @@ class PrepfusePassManager(CustomGraphPass):
             moved = scratch_to_pool_buffers(graph)
             if moved:
                 log.debug("%d scratch views -> graph buffers", moved)
-        report.finish(graph)
+        namespaces = {NAMESPACE, *(n for p in self.passes for n in getattr(p, "namespaces", ()))}
+        report.finish(graph, tuple(sorted(namespaces)))
         problems: list[str] = []
         if self.placement is not None:
             report.placement, problems = plan_and_check(graph, self.placement)

@@ -59,7 +59,7 @@ class GraphReport:
     matched_counts: dict[str, int] = field(default_factory=dict)  # pass name -> rewrites
     rewrites: list[Rewrite] = field(default_factory=list)
     ops_after: dict[str, int] = field(default_factory=dict)  # prepfuse op -> calls left in the graph
-    functionalized_left: list[str] = field(default_factory=list)  # auto_functionalized prepfuse nodes left
+    functionalized_left: list[str] = field(default_factory=list)  # auto_functionalized calls left (defunctionalize's namespaces)
     cached: bool = False  # served from Inductor's cache: no pass ran, nothing below is known
     graph: str | None = None  # normalized post-pass graph, when the backend records graphs
     placement: PartitionPlan | None = None  # partitions, when splitting_ops or cudagraphs are set
@@ -70,11 +70,13 @@ class GraphReport:
         for event in p.log.events:
             self.rewrites.append(_rewrite_from_event(event, stack_traces))
 
-    def finish(self, graph: torch.fx.Graph) -> None:
+    def finish(self, graph: torch.fx.Graph, namespaces: tuple[str, ...] = (NAMESPACE,)) -> None:
+        """Count what is left: the prepfuse ops called, and the ``auto_functionalized`` calls of
+        ops in ``namespaces`` (prepfuse's, and those defunctionalize was given) still functional."""
         ops: Counter[str] = Counter()
         for node in graph.nodes:
             op = functionalized_op(node)
-            if op is not None and op.namespace == NAMESPACE:
+            if op is not None and op.namespace in namespaces:
                 self.functionalized_left.append(f"{node.name} ({op})")
             elif isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == NAMESPACE:
                 ops[target_name(node.target)] += 1

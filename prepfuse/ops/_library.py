@@ -136,11 +136,17 @@ def _is_defined(name: str) -> bool:
     )
 
 
-def registered_ops() -> list[torch._ops.OpOverload]:
-    """Every overload in the prepfuse namespace, sorted by name (for the drift test)."""
+def ops_in(namespace: str) -> list[torch._ops.OpOverload]:
+    """Every overload registered in ``namespace``, sorted by schema (any namespace: the
+    schema drift kit, ``prepfuse.testing.drift``, reads an engine's own)."""
     ops = []
     for schema in torch._C._jit_get_all_schemas():
-        if schema.name.startswith(f"{NAMESPACE}::"):
-            packet = getattr(getattr(torch.ops, NAMESPACE), schema.name.split("::", 1)[1])
+        if schema.name.startswith(f"{namespace}::"):
+            packet = getattr(getattr(torch.ops, namespace), schema.name.split("::", 1)[1])
             ops.append(getattr(packet, schema.overload_name or "default"))
     return sorted(ops, key=lambda op: str(op._schema))
+
+
+def registered_ops() -> list[torch._ops.OpOverload]:
+    """Every overload in the prepfuse namespace, sorted by schema (for the drift test)."""
+    return ops_in(NAMESPACE)

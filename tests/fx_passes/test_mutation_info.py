@@ -14,22 +14,18 @@ one base, and an optional mutable arg passed ``None``.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
 import torch.fx
-from functorch.compile import aot_function, make_boxed_func
 
-from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.mutation_info import (
     MutatedArg,
     functionalized_op,
     mutated_args,
     mutated_inputs,
-    num_leading_outputs,
     output_indices,
     v1_output_indices,
     v2_output_indices,
@@ -44,133 +40,9 @@ from prepfuse.ops import (
     registered_ops,
 )
 from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
+from prepfuse.testing.functionalization import check_functionalization
 
-AF_V1, AF_V2 = auto_functionalized_ops()
 VERSIONS = ["v1", "v2"]
-
-
-# --------------------------------------------------------------------------------------
-# Tracing and checking
-# --------------------------------------------------------------------------------------
-def clone_inputs(inputs: tuple) -> tuple:
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-
-
-def trace(fn: Callable, inputs: tuple, version: str) -> torch.fx.GraphModule:
-    """aot_autograd's forward graph of ``fn`` with auto_functionalized ``version``."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm)
-
-    with torch._inductor.config.patch(enable_auto_functionalized_v2=version == "v2"):
-        aot_function(fn, fw_compiler=capture)(*clone_inputs(inputs))
-    (gm,) = graphs
-    return gm
-
-
-class Recorder(torch.fx.Interpreter):
-    """Runs a graph and keeps every node's value."""
-
-    def __init__(self, gm: torch.fx.GraphModule):
-        super().__init__(gm)
-        self.values: dict[torch.fx.Node, Any] = {}
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        self.values[n] = super().run_node(n)
-        return self.values[n]
-
-
-def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen, todo = set(), [node]
-    while todo:
-        for inp in todo.pop().all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                todo.append(inp)
-    return seen
-
-
-def root_placeholder(node: torch.fx.Node) -> torch.fx.Node:
-    """The graph input a (chain of) view node(s) is taken from."""
-    while node.op != "placeholder":
-        node = node.args[0]
-    return node
-
-
-def getitem_of(node: torch.fx.Node, index: int) -> torch.fx.Node:
-    found = [u for u in node.users if u.target is operator.getitem and u.args[1] == index]
-    assert len(found) == 1, f"expected one getitem [{index}] of {node.format_node()}, found {found}"
-    return found[0]
-
-
-
-def check_metadata_against_graph(fn: Callable, inputs: tuple, version: str) -> torch.fx.Node:
-    """Trace ``fn`` and check the metadata of its one auto_functionalized node; returns it."""
-    eager = clone_inputs(inputs)
-    fn(*eager)
-    mutated_positions = [
-        i for i, (before, after) in enumerate(zip(inputs, eager))
-        if isinstance(before, torch.Tensor) and not torch.equal(before, after)
-    ]
-    assert mutated_positions, "the sample inputs must make the op write something"
-
-    gm = trace(fn, inputs, version)
-    graph_inputs = clone_inputs(inputs)
-    recorder = Recorder(gm)
-    outputs = recorder.run(*graph_inputs)
-    values = recorder.values
-    for before, after in zip(inputs, graph_inputs):
-        if isinstance(before, torch.Tensor):
-            assert torch.equal(before, after), "the functional graph wrote into its inputs"
-
-    # aot_autograd returns the new values of the mutated inputs first, in input order:
-    # checked here, not assumed, since the structural checks below rely on it.
-    for j, p in enumerate(mutated_positions):
-        assert torch.equal(outputs[j], eager[p]), f"graph output {j} is not the new value of input {p}"
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    output_nodes = list(gm.graph.output_node().args[0])
-    af_nodes = [n for n in gm.graph.nodes if functionalized_op(n) is not None]
-    assert len(af_nodes) == 1, gm.code
-    (node,) = af_nodes
-    assert node.target is (AF_V1 if version == "v1" else AF_V2), gm.code
-    op = functionalized_op(node)
-    indices, targets = output_indices(node), mutated_inputs(node)
-    assert list(indices) == list(targets) == [a.name for a in mutated_args(op)]
-    result = values[node]
-    assert len(result) == num_leading_outputs(op) + (
-        len(mutated_args(op)) if version == "v1" else len(node.kwargs["_all_bases"])
-    )
-
-    written = set()
-    for arg in mutated_args(op):
-        index, target = indices[arg.name], targets[arg.name]
-        if target is None:  # an optional mutable argument passed None
-            if version == "v1":
-                assert node.kwargs[arg.name] is None and result[index] is None
-            else:
-                assert index is None and node.kwargs[f"_{arg.name}_base_index"] is None
-            continue
-        base = root_placeholder(target)
-        if version == "v2":
-            assert target.op == "placeholder", f"{arg.name}: v2 bases are graph values, not views"
-        p = placeholders.index(base)
-        assert p in mutated_positions, f"{arg.name}: names input {p}, which the op does not write"
-        written.add(p)
-        out_node = output_nodes[mutated_positions.index(p)]
-        item = getitem_of(node, index)
-        if target is base:
-            assert item is out_node, f"{arg.name}: output [{index}] is not what input {p} becomes\n{gm.code}"
-        else:  # v1, a view: its new value is scattered back into the base
-            assert item in ancestors(out_node), f"{arg.name}: output [{index}] never reaches input {p}\n{gm.code}"
-        # by value: the named output is the argument's (v1) or its base's (v2) new value
-        before = values[target]
-        expected = eager[p].as_strided(before.size(), before.stride(), before.storage_offset())
-        assert torch.equal(result[index], expected), f"{arg.name}: output [{index}] holds another value"
-    assert written == set(mutated_positions), "some written input is named by no argument"
-    return node
 
 
 # --------------------------------------------------------------------------------------
@@ -208,7 +80,7 @@ def test_registered_op_metadata_matches_functionalization(op, version):
         return
     if op not in REGISTERED_OP_INPUTS:
         pytest.fail(f"add sample inputs for {op} to REGISTERED_OP_INPUTS in {__file__}")
-    node = check_metadata_against_graph(lambda *args: op(*args), REGISTERED_OP_INPUTS[op](), version)
+    node = check_functionalization(lambda *args: op(*args), REGISTERED_OP_INPUTS[op](), version)
     if version == "v1":
         assert output_indices(node) == v1_output_indices(op)
 
@@ -218,7 +90,7 @@ def test_dsv4_mutated_args_are_q_out_then_k_cache():
     assert mutated_args(op) == (MutatedArg(2, "q_out", "a"), MutatedArg(3, "k_cache", "b"))
     # the production mapping of v1 outputs: {1: q_out, 2: k_cache}
     assert {i: name for name, i in v1_output_indices(op).items()} == {1: "q_out", 2: "k_cache"}
-    node = check_metadata_against_graph(lambda *a: op(*a), make_dsv4_inputs(7, 3, 8, 16, "cpu").args(), "v1")
+    node = check_functionalization(lambda *a: op(*a), make_dsv4_inputs(7, 3, 8, 16, "cpu").args(), "v1")
     assert output_indices(node) == {"q_out": 1, "k_cache": 2}
 
 
@@ -336,7 +208,7 @@ def synthetic_ops():
 @pytest.mark.parametrize("name", sorted(SYNTHETIC))
 def test_synthetic_op_metadata_matches_functionalization(synthetic_ops, name, version):
     case, op = SYNTHETIC[name], synthetic_ops[name]
-    node = check_metadata_against_graph(lambda *inputs: case.call(op, *inputs), case.make_inputs(), version)
+    node = check_functionalization(lambda *inputs: case.call(op, *inputs), case.make_inputs(), version)
     assert output_indices(node) == (case.expected_v1 if version == "v1" else case.expected_v2)
 
 
@@ -347,7 +219,7 @@ def test_unordered_alias_sets_follow_schema_order(synthetic_ops):
 
 def test_shared_base_views_share_one_v2_output(synthetic_ops):
     case, op = SYNTHETIC["shared_base"], synthetic_ops["shared_base"]
-    node = check_metadata_against_graph(lambda *inputs: case.call(op, *inputs), case.make_inputs(), "v2")
+    node = check_functionalization(lambda *inputs: case.call(op, *inputs), case.make_inputs(), "v2")
     targets = mutated_inputs(node)
     assert targets["x"] is targets["y"] is not targets["w"]
     assert [n.op for n in (targets["x"], targets["w"])] == ["placeholder", "placeholder"]
@@ -358,7 +230,7 @@ def test_shared_base_views_share_one_v2_output(synthetic_ops):
 
 def test_optional_none_has_no_v2_base(synthetic_ops):
     case, op = SYNTHETIC["optional"], synthetic_ops["optional"]
-    node = check_metadata_against_graph(lambda *inputs: case.call(op, *inputs), case.make_inputs(), "v2")
+    node = check_functionalization(lambda *inputs: case.call(op, *inputs), case.make_inputs(), "v2")
     assert mutated_inputs(node)["y"] is None
     assert node.kwargs["_y_base_index"] is None
 

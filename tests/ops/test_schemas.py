@@ -11,13 +11,11 @@
 
 Regenerate the snapshot after an intended schema change with::
 
-    EXPECTTEST_ACCEPT=1 python -m pytest tests/ops/test_schemas.py
+    PREPFUSE_ACCEPT=1 python -m pytest tests/ops/test_schemas.py
 """
 
 from __future__ import annotations
 
-import difflib
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -38,67 +36,32 @@ from prepfuse.ops import (
 )
 from prepfuse.scratch import ScratchArena, use_arena
 from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
+from prepfuse.testing.drift import check_schemas, ops_of, read_snapshot, schema_drift, schemas_of
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "schemas.txt"
 GOLDEN_HEADER = (
     "# str(op._schema) of every prepfuse op, sorted; "
-    "regenerate: EXPECTTEST_ACCEPT=1 python -m pytest tests/ops/test_schemas.py\n"
+    "regenerate: PREPFUSE_ACCEPT=1 python -m pytest tests/ops/test_schemas.py\n"
 )
 
 
-def accept_mode() -> bool:
-    """Whether to rewrite the snapshot instead of failing (expecttest's convention)."""
-    return os.environ.get("EXPECTTEST_ACCEPT", "0") not in ("", "0")
-
-
 def registered_schemas() -> list[str]:
-    return sorted(str(op._schema) for op in registered_ops())
-
-
-def read_golden(path: Path = GOLDEN) -> list[str]:
-    """The snapshot's schema lines (comments and blank lines dropped)."""
-    lines = path.read_text().splitlines()
-    return [line for line in lines if line.strip() and not line.startswith("#")]
-
-
-def write_golden(schemas: list[str], path: Path = GOLDEN) -> None:
-    path.write_text(GOLDEN_HEADER + "".join(f"{s}\n" for s in sorted(schemas)))
-
-
-def schema_drift(registered: list[str], golden: list[str]) -> str:
-    """A unified diff from the snapshot to the registered schemas; empty when they agree."""
-    diff = difflib.unified_diff(
-        sorted(golden),
-        sorted(registered),
-        fromfile="tests/golden/schemas.txt",
-        tofile=f"registered {NAMESPACE} ops",
-        lineterm="",
-    )
-    return "\n".join(diff)
+    return schemas_of(NAMESPACE)
 
 
 # --------------------------------------------------------------------------------------
 # Drift against the snapshot
 # --------------------------------------------------------------------------------------
 def test_registered_schemas_match_golden():
-    registered = registered_schemas()
-    drift = schema_drift(registered, read_golden())
-    if drift and accept_mode():
-        write_golden(registered)
-        return
-    if drift:
-        pytest.fail(
-            f"the {NAMESPACE} op schemas differ from the committed snapshot. If the change is "
-            "intended, update every caller and pattern that reads the schema, then run\n"
-            "    EXPECTTEST_ACCEPT=1 python -m pytest tests/ops/test_schemas.py\n\n" + drift,
-            pytrace=False,
-        )
+    """The public drift kit on prepfuse's own namespace (``prepfuse.testing.drift``)."""
+    check_schemas(GOLDEN, namespace=NAMESPACE, header=GOLDEN_HEADER)
+    assert [op._schema for op in registered_ops()] == [op._schema for op in ops_of(NAMESPACE)]
 
 
 def test_golden_is_sorted_and_has_its_header():
     text = GOLDEN.read_text()
     assert text.startswith(GOLDEN_HEADER)
-    golden = read_golden()
+    golden = read_snapshot(GOLDEN)
     assert golden == sorted(golden)
     assert len(golden) == len(set(golden))
 
@@ -152,7 +115,7 @@ def test_stale_schema_fails_the_drift_check(stale_dsv4_op):
     # the process as it would look had the stale form been registered instead
     registered = [stale if s == current else s for s in registered_schemas()]
 
-    drift = schema_drift(registered, read_golden())
+    drift = schema_drift(registered, read_snapshot(GOLDEN))
 
     assert drift
     assert f"\n-{current}" in drift
@@ -160,7 +123,8 @@ def test_stale_schema_fails_the_drift_check(stale_dsv4_op):
     assert f"{NAMESPACE}::dsv4_qnorm_rope_kv_insert(" in drift
     # the throwaway namespace never leaks into the real check
     assert all(str(op._schema).startswith(f"{NAMESPACE}::") for op in registered_ops())
-    assert schema_drift(registered_schemas(), read_golden()) == ""
+    assert schema_drift(registered_schemas(), read_snapshot(GOLDEN)) == ""
+    assert "changed: prepfuse::dsv4_qnorm_rope_kv_insert" in drift
 
 
 # --------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from tests.fx_passes.pass_harness import PassReportQueries, compile_beside_eager
+from prepfuse.testing.passes import PassReportQueries, compile_beside_eager
 
 T, H, TK, BLOCK, SCALE = 7, 3, 5, 16, 0.01
 

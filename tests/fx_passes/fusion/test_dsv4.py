@@ -37,7 +37,7 @@ from prepfuse.models.dsv4 import DSV4_LOOKALIKES, DSV4_SPELLINGS, Dsv4AttentionB
 from prepfuse.testing import compare_dsv4, compare_dsv4_q, make_dsv4_inputs
 from prepfuse.models import dsv4_prep_unfused
 from prepfuse.testing.golden import GoldenFiles
-from tests.fx_passes.pass_harness import PassReportQueries, compile_beside_eager
+from prepfuse.testing.passes import PassReportQueries, compile_beside_eager
 
 GOLDEN = GoldenFiles.beside(__file__)
 

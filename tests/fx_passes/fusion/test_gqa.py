@@ -39,7 +39,7 @@ from prepfuse.models import gqa as model
 from prepfuse.models.gqa import GQA_LOOKALIKES, GQA_SPELLINGS, GqaAttentionBlock, GqaSpelling
 from prepfuse.testing import CACHE_POISON, bf16_rope_pair_bound, e4m3_code_diff, make_gqa_inputs
 from prepfuse.testing.golden import GoldenFiles
-from tests.fx_passes.pass_harness import PassReportQueries, compile_beside_eager
+from prepfuse.testing.passes import PassReportQueries, compile_beside_eager
 
 GOLDEN = GoldenFiles.beside(__file__)
 

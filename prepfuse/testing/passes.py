@@ -1,9 +1,18 @@
-"""What the pattern-pass test modules share: one compile beside its eager run, and the
-questions they ask of the compiled graph's report.
+"""Pass tests in a few lines: one compile beside its eager run, and the questions a test
+asks of the compiled graph's report (matched count, patterns, declines).
 
-Each pass test module keeps its own ``Run`` record (its inputs and outputs differ by op)
-and mixes in :class:`PassReportQueries`; ``compile_beside_eager`` is the one place a test
-compiles with the prepfuse backend and records the graph.
+prepfuse's own pass tests use these, and so can an engine team's: compile the model code
+with the passes (theirs registered with ``prepfuse.fx_passes.registry.register_pass``, or
+prepfuse's), then assert numerics against eager, the exact matched count, and the
+normalized post-pass graph against a golden file (``prepfuse.testing.golden``)::
+
+    out, ref, report = compile_beside_eager(fn, args, clone(args), passes=("my_pass",), v2=True)
+    torch.testing.assert_close(out, ref)
+    assert report.matched_counts["my_pass"] == 1
+    GoldenFiles.beside(__file__).check(report.graph, "my_pattern")
+
+Each of prepfuse's pass test modules keeps its own run record (inputs and outputs differ
+by op) and mixes in :class:`PassReportQueries`.
 """
 
 from __future__ import annotations
@@ -11,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from prepfuse.backend import PrepfuseBackend
+
+__all__ = ["PassReportQueries", "compile_beside_eager"]
 
 
 class PassReportQueries:
