@@ -36,8 +36,8 @@ much (the op is the more accurate). fp8: identical to the op's quantisation of t
 
 :data:`GQA_LOOKALIKES` look the same and compute something else (eps differing between q
 and k norm, a rotation by minus the angle, the weight multiplied before the bf16 rounding,
-a cache with heads before slots, a multiply by ``1/kv_scale``, fp16); the pass must leave
-them alone.
+each row written one row further into its block, a multiply by ``1/kv_scale``, fp16); the
+pass must leave them alone.
 
 Negative slots. The op skips a row whose slot is negative. Eager index assignment cannot
 skip it without a host sync, so these spellings assume every slot is valid: a negative
@@ -75,7 +75,7 @@ class GqaSpelling:
     cache_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.bfloat16  # look-alike: float16
     k_eps: float | None = None  # look-alike: a k norm eps other than q's
-    cache_layout: str = "slots_heads"  # look-alikes: [NB, Hkv, bs, D]; "next_row": (slot + 1) % bs
+    cache_layout: str = "slots_heads"  # "heads_slots": [NB, Hkv, bs, D]; look-alike "next_row": (slot + 1) % bs
     fp8_scaling: str = "div"  # look-alike: x * (1 / kv_scale)
 
     def __post_init__(self) -> None:
@@ -109,6 +109,10 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
     GqaSpelling("qwen3-hf-partial", rotary_dim=32),
     GqaSpelling("qwen3-hf-separate", split="separate"),  # HF's q_proj, k_proj, v_proj
     GqaSpelling("llama-gptj-separate-fp8", norm="none", rope="gptj", split="separate", cache_dtype=torch.float8_e4m3fn),
+    # a paged cache with heads before slots, [NB, Hkv, bs, D], written cache[s // bs, :, s % bs]
+    GqaSpelling("qwen3-hf-heads-first", cache_layout="heads_slots"),
+    GqaSpelling("llama-hf_fp32-heads-first-fp8", norm="none", rope="hf_fp32", cache_layout="heads_slots",
+                cache_dtype=torch.float8_e4m3fn),
 )
 
 # Code that looks like the above and computes something else: never fused.
@@ -116,7 +120,6 @@ GQA_LOOKALIKES: tuple[GqaSpelling, ...] = (
     GqaSpelling("k_norm_eps_differs", rope="hf_fp32", k_eps=1e-5),
     GqaSpelling("rotate_half_reversed", rope="hf_reversed"),
     GqaSpelling("weight_in_fp32", norm="weight_in_fp32", rope="hf_fp32"),
-    GqaSpelling("cache_heads_before_slots", cache_layout="heads_slots"),
     GqaSpelling("cache_row_offset_by_one", cache_layout="next_row"),
     GqaSpelling("fp8_mul_reciprocal", rope="hf_fp32", cache_dtype=torch.float8_e4m3fn, fp8_scaling="mul_reciprocal"),
     GqaSpelling("float16", dtype=torch.float16, cache_dtype=torch.float16),

@@ -9,6 +9,8 @@ rotary dims that are no power of two (44, 96 of 128) and the smallest one (2).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,3 +93,19 @@ def test_indexer(edge, fmt):
     expected, actual = both(*IMPLS[f"indexer-{fmt}"], inputs)
     diffs = compare_dsv4_indexer(expected, actual)
     assert not any(diffs.values()), diffs
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_gqa_heads_first_caches(cache_dtype):
+    """Caches laid out heads first, ``[NB, Hkv, bs, D]``, passed as their ``[NB, bs, Hkv, D]``
+    permutation (what the pass emits for ``cache[s // bs, :, s % bs] = rows``): the kernel
+    follows the strides, as the reference does."""
+    inputs = make_gqa_inputs(5, 4, 2, 64, 16, DEVICE, cache_dtype=cache_dtype, rotary_dim=44)
+    num_blocks = inputs.k_cache.shape[0]
+    heads_first = [torch.zeros(num_blocks, 2, 16, 64, device=DEVICE).to(cache_dtype).permute(0, 2, 1, 3)
+                   for _ in range(2)]
+    inputs = dataclasses.replace(inputs, k_cache=heads_first[0], v_cache=heads_first[1])
+    expected, actual = both(*IMPLS["gqa"], inputs)
+    assert actual.k_cache.stride() == heads_first[0].stride()
+    comparison = compare_gqa(expected, actual)
+    assert comparison.exact(), comparison

@@ -88,23 +88,22 @@ def test_negative_slots_may_repeat(op):
     run(reference, inputs, slot_mapping=slots)
 
 
-@pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("impl_name", ["reference", pytest.param("triton", marks=needs_triton)])
-def test_unchecked_slot_beyond_the_cache_is_skipped(op, impl_name, unchecked):
-    make, reference, kernel = OPS[op]
-    impl = reference if impl_name == "reference" else kernel
-    inputs = make()
+# every op, by both implementations
+EVERY_IMPL = [pytest.param(op, i, id=f"{op}-{name}", marks=() if i == 1 else needs_triton)
+              for op in OPS for i, name in ((1, "reference"), (2, "triton"))]
+
+
+@pytest.mark.parametrize("op, impl", EVERY_IMPL)
+def test_unchecked_slot_beyond_the_cache_is_skipped(op, impl, unchecked):
+    inputs, impl = OPS[op][0](), OPS[op][impl]
     beyond = run(impl, inputs, slot_mapping=with_value(inputs.slot_mapping, 2, capacity(inputs) + 5))
     skipped = run(impl, inputs, slot_mapping=with_value(inputs.slot_mapping, 2, -1))
     assert same(beyond, skipped)
 
 
-@pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("impl_name", ["reference", pytest.param("triton", marks=needs_triton)])
-def test_unchecked_positions_are_clamped_into_the_table(op, impl_name, unchecked):
-    make, reference, kernel = OPS[op]
-    impl = reference if impl_name == "reference" else kernel
-    inputs = make()
+@pytest.mark.parametrize("op, impl", EVERY_IMPL)
+def test_unchecked_positions_are_clamped_into_the_table(op, impl, unchecked):
+    inputs, impl = OPS[op][0](), OPS[op][impl]
     rows = inputs.cos_sin_cache.shape[0]
     for bad, clamped in ((-1, 0), (rows + 3, rows - 1)):
         changes = {"positions": with_value(inputs.positions, 1, bad)}

@@ -180,6 +180,7 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(val(k_write.cache).dtype == val(v_write.cache).dtype and k_write.kv_scale is v_write.kv_scale,
                "write: k and v caches differ in dtype or kv_scale")
         expect(tuple(shape(k_write.cache)) == tuple(shape(v_write.cache)), "write: k and v caches differ in shape")
+        expect(k_write.heads_first == v_write.heads_first, "write: one cache is written heads first, the other not")
         shared = _shared_base(k_write, v_write) or _shared_base(v_write, k_write)
         caches = [shared.root] if shared else [k_write.cache, v_write.cache]
         inputs = [q.source, k.source, _plain_heads(v_write.rows)[0], *caches, k_write.slots, *q.cos_sin.key()]
@@ -215,20 +216,30 @@ class FuseGqaPrepPass(PrepfusePass):
         args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
         extra_roles = dict.fromkeys((q.cos_sin.cos, q.cos_sin.sin), "duplicated_halves") \
             if q.cos_sin.per_token and q.cos_sin.full else {}
-        if shared is None:
-            outs = emit.functional_call(op, args)
-            written = ((k_write.put, outs["k_cache"]), (v_write.put, outs["v_cache"]))
+        def op_view(name):  # the [NB, bs, Hkv, D] tensor the op writes for a cache argument
+            v = val(args[name])
+            return v.permute(0, 2, 1, 3) if k_write.heads_first else v
+
+        if shared is not None:
+            root = self._replaced.get(shared.root, shared.root)
+            q_out, new = _viewed_call(emit, op, args, {n: (root, op_view(n)) for n in ("k_cache", "v_cache")})
+            written = ((shared.written, new[root]),)
+            names, extra_roles[root] = ("k_cache and v_cache's buffer",), "cache"
+        elif k_write.heads_first:
+            q_out, new = _viewed_call(emit, op, args, {n: (args[n], op_view(n)) for n in ("k_cache", "v_cache")})
+            written = ((k_write.put, new[args["k_cache"]]), (v_write.put, new[args["v_cache"]]))
             names = ("k_cache", "v_cache")
         else:
-            root = self._replaced.get(shared.root, shared.root)
-            outs = _shared_base_call(emit, op, args, root)
-            written = ((shared.written, outs["buffer"]),)
-            names, extra_roles[root] = ("k_cache and v_cache's buffer",), "cache"
-        new_q = as_layout(emit, outs["q_out"], q.layout, q.prepared)
+            outs = emit.functional_call(op, args)
+            q_out = outs["q_out"]
+            written = ((k_write.put, outs["k_cache"]), (v_write.put, outs["v_cache"]))
+            names = ("k_cache", "v_cache")
+        new_q = as_layout(emit, q_out, q.layout, q.prepared)
         note = ""
         if self.validate == "probe":
             checked = [Checked("q_out", q.prepared, new_q)] + [Checked(n, old, new) for n, (old, new) in zip(names, written)]
-            note = emit.validate(args, checked, extra_roles)
+            cache = op_view("k_cache")
+            note = emit.validate(args, checked, extra_roles, slot_capacity=cache.shape[0] * cache.shape[1])
         q.prepared.replace_all_uses_with(new_q)
         for old, new in written:
             old.replace_all_uses_with(new)
@@ -366,29 +377,37 @@ def _shared_base(first: CacheWrite, second: CacheWrite) -> SharedBase | None:
         return None
 
 
-def _shared_base_call(emit: Emitter, op, args: dict, root: torch.fx.Node) -> dict[str, torch.fx.Node]:
-    """The call writing both caches as views of ``root``: for v2 one base with each cache's
-    view regenerated from it (``_<arg>_size/_stride/_storage_offset``), which the
-    defunctionalize pass turns into in-place writes; for v1 both views, then their new
-    values scattered back into ``root``. Returns ``q_out`` and the new ``buffer``."""
+def _viewed_call(emit: Emitter, op, args: dict, views: dict) -> tuple[torch.fx.Node, dict]:
+    """The call writing ``k_cache`` and ``v_cache`` as views of graph buffers: ``views`` maps
+    each to ``(root, view)``, ``view`` the fake tensor the op writes (its sizes, strides and
+    storage offset within ``root``'s storage). Both caches views of one buffer share a
+    root (FlashInfer's ``[NB, 2, bs, Hkv, D]``); a heads-first cache ``[NB, Hkv, bs, D]`` is
+    its own root, written through its ``[NB, bs, Hkv, D]`` permutation. For v2 each root is
+    one base and each view is regenerated from it (``_<arg>_size/_stride/_storage_offset``),
+    which the defunctionalize pass turns into in-place writes; for v1 the views are
+    ``as_strided`` of their roots and their new values are scattered back. Returns
+    ``(q_out, {root: its new value})``."""
     v1, v2 = auto_functionalized_ops()
-    views = {name: val(args[name]) for name in ("k_cache", "v_cache")}
+    roots = list(dict.fromkeys(root for root, _ in views.values()))
+    strided = {name: (list(view.shape), list(view.stride()), view.storage_offset()) for name, (_, view) in views.items()}
     if v2 is not None and torch._inductor.config.enable_auto_functionalized_v2:
         call = {k: v for k, v in args.items() if k not in ("q_out", *views)}
-        call.update(_q_out_base_index=0, _all_bases=[args["q_out"], root])
-        for name, view in views.items():
-            call.update({f"_{name}_base_index": 1, f"_{name}_size": list(view.shape),
-                         f"_{name}_stride": list(view.stride()), f"_{name}_storage_offset": view.storage_offset()})
+        call.update(_q_out_base_index=0, _all_bases=[args["q_out"], *roots])
+        for name, (root, _) in views.items():
+            size, stride, offset = strided[name]
+            call.update({f"_{name}_base_index": 1 + roots.index(root), f"_{name}_size": size,
+                         f"_{name}_stride": stride, f"_{name}_storage_offset": offset})
         af = emit.node(v2, op, **call)
         index = output_indices(af)
-        return {"q_out": emit.node(operator.getitem, af, index["q_out"]),
-                "buffer": emit.node(operator.getitem, af, index["k_cache"])}
-    strided = {name: (list(view.shape), list(view.stride()), view.storage_offset()) for name, view in views.items()}
-    call = dict(args, **{name: emit.node(aten.as_strided.default, root, *strided[name]) for name in views})
+        new = {root: emit.node(operator.getitem, af, index[next(n for n, (r, _) in views.items() if r is root)])
+               for root in roots}
+        return emit.node(operator.getitem, af, index["q_out"]), new
+    call = dict(args, **{name: emit.node(aten.as_strided.default, root, *strided[name])
+                         for name, (root, _) in views.items()})
     af = emit.node(v1, op, **call)
     index = output_indices(af)
-    buffer = root
-    for name in views:
-        buffer = emit.node(aten.as_strided_scatter.default, buffer, emit.node(operator.getitem, af, index[name]),
-                           *strided[name])
-    return {"q_out": emit.node(operator.getitem, af, index["q_out"]), "buffer": buffer}
+    new = {root: root for root in roots}
+    for name, (root, _) in views.items():
+        new[root] = emit.node(aten.as_strided_scatter.default, new[root], emit.node(operator.getitem, af, index[name]),
+                              *strided[name])
+    return emit.node(operator.getitem, af, index["q_out"]), new

@@ -73,6 +73,9 @@ class CacheWrite:
     # rows and slots have sizes the graph cannot tell equal (two dynamic dims: an engine's
     # T and T'); index_put needs them equal, and the call asserts so at run time
     rows_per_slot_at_run_time: bool = False
+    # the cache is [NB, Hkv, bs, D] (heads before slots, ``cache[s // bs, :, s % bs] = rows``):
+    # the op writes it through a [NB, bs, Hkv, D] view (its strides say the layout)
+    heads_first: bool = False
 
 
 # --------------------------------------------------------------------------------------
@@ -259,7 +262,8 @@ def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
 
 
 def match_cache_write(put: torch.fx.Node) -> CacheWrite:
-    """Pattern (``cache [NB, bs, Hkv, D]``, bf16 or e4m3)::
+    """Pattern (``cache [NB, bs, Hkv, D]``, or heads first ``[NB, Hkv, bs, D]`` written as
+    ``cache[slots // bs, :, slots % bs]``; bf16 or e4m3)::
 
         cache[slots // bs, slots % bs] = rows[:n]                   # bf16 cache
         cache[slots // bs, slots % bs] = (rows[:n].float() / kv_scale).clamp(-448, 448).to(e4m3)
@@ -273,11 +277,14 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     cv = val(cache)
     expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
     expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")
-    if len(indices) == 3 and indices[1] is None:
-        raise NoMatch("write: indices [block, :, row]: a [num_blocks, Hkv, block_size, D] cache (heads before slots); "
-                      "the op's cache is [num_blocks, block_size, Hkv, D]")
-    slots = paged_slots(list(indices), cv.shape[1])
-    expect(tuple(shape(values)[1:]) == tuple(cv.shape[2:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the cache")
+    heads_first = len(indices) == 3 and indices[1] is None
+    if heads_first:  # cache[s // bs, :, s % bs] = rows: a [NB, Hkv, bs, D] cache
+        slots = paged_slots([indices[0], indices[2]], cv.shape[2])
+        expect((shape(values)[1], shape(values)[2]) == (cv.shape[1], cv.shape[3]),
+               f"write: rows {shape(values)} do not fill [Hkv, D] of the [NB, Hkv, bs, D] cache")
+    else:
+        slots = paged_slots(list(indices), cv.shape[1])
+        expect(tuple(shape(values)[1:]) == tuple(cv.shape[2:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the cache")
     rows_n, slots_n = shape(values)[0], shape(slots)[0]
     at_run_time = not same_size(rows_n, slots_n)
     expect(not (at_run_time and isinstance(rows_n, int) and isinstance(slots_n, int)),
@@ -291,4 +298,5 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     while is_op(values, *CONVERTS) and val(values.args[0]).dtype == torch.bfloat16:
         values = values.args[0]  # a no-op cast kept by the graph
     return CacheWrite(put, cache, slots, first_rows_of(values, shape(slots)[0]), scale,
-                      rows_per_slot_at_run_time=at_run_time and first_rows_of(values, slots_n) is values)
+                      rows_per_slot_at_run_time=at_run_time and first_rows_of(values, slots_n) is values,
+                      heads_first=heads_first)

@@ -91,7 +91,7 @@ class Checked:
 
 
 def validate_rewrite(emitted: Iterable[torch.fx.Node], args: dict, checked: list[Checked],
-                     extra_roles: dict[torch.fx.Node, str] | None = None) -> int:
+                     extra_roles: dict[torch.fx.Node, str] | None = None, *, slot_capacity=None) -> int:
     """Run the region and the emitted call on ``NUM_PROBES`` probes and compare each output
     of ``checked``; returns the number of probes, or raises ``NoMatch("validation: ...")``.
 
@@ -99,7 +99,8 @@ def validate_rewrite(emitted: Iterable[torch.fx.Node], args: dict, checked: list
     ``extra_roles`` names inputs the arguments do not show (a cache's base buffer:
     ``"cache"``; per-token cos/sin values whose halves the recogniser proved equal:
     ``"duplicated_halves"``; fp32 values the code had rounded to bf16 where the graph lost
-    the rounding: ``"bf16_values"``).
+    the rounding: ``"bf16_values"``). ``slot_capacity`` overrides the slots read off
+    ``k_cache`` (a cache the op writes through a view of another layout).
     """
     emitted = list(emitted)
     emitted_set = set(emitted)
@@ -112,6 +113,8 @@ def validate_rewrite(emitted: Iterable[torch.fx.Node], args: dict, checked: list
                       f"more than the {MAX_REGION_NODES} a probe runs")
     leaves = _leaves(call_nodes) | _leaves(region_nodes)
     limits = _limits(args)
+    if slot_capacity is not None:
+        limits["slots"] = concrete(slot_capacity)
     with unset_fake_temporarily(), torch.no_grad():
         for probe in range(NUM_PROBES):
             gen = torch.Generator().manual_seed(_SEED + probe)

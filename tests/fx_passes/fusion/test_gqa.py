@@ -154,9 +154,15 @@ def pair_bound(h: torch.Tensor, spelling: GqaSpelling) -> torch.Tensor:
     return bf16_rope_pair_bound(h, spelling.rotary_dim or h.shape[-1], spelling.is_neox)
 
 
+def slot_major(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` as ``[NB, bs, Hkv, D]``: a heads-first ``[NB, Hkv, bs, D]`` cache (the
+    ``heads_slots`` spellings; HKV != BLOCK here, so the shape tells) permuted."""
+    return cache.permute(0, 2, 1, 3) if cache.shape[1] == HKV and cache.shape[2] == BLOCK else cache
+
+
 def written_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``cache[slots // bs, slots % bs]``, gathered as bytes (not every device indexes fp8)."""
-    return cache.view(torch.uint8)[slots // BLOCK, slots % BLOCK].view(cache.dtype)
+    """``cache[slots // bs, slots % bs]`` (slot-major), gathered as bytes (not every device indexes fp8)."""
+    return slot_major(cache.view(torch.uint8))[slots // BLOCK, slots % BLOCK].view(cache.dtype)
 
 
 def assert_close_to_eager(r: Run) -> None:
@@ -176,6 +182,7 @@ def assert_close_to_eager(r: Run) -> None:
     k_rows, ref_rows = written_rows(k, slots), written_rows(ref_k, slots)
     assert ((k_rows.float() - ref_rows.float()).abs() <= pair_bound(k_in[: slots.shape[0]], spelling)).all()
     # untouched cache bytes stay as they were
+    k, ref_k = slot_major(k), slot_major(ref_k)
     mask = torch.ones(k.shape[:2], dtype=torch.bool)
     mask[slots // BLOCK, slots % BLOCK] = False
     assert torch.equal(k[mask].view(torch.uint8), ref_k[mask].view(torch.uint8))
@@ -183,7 +190,7 @@ def assert_close_to_eager(r: Run) -> None:
     twin = dataclasses.replace(case, spelling=dataclasses.replace(spelling, rope="hf_fp32"))
     twin_caches = (case.k_cache.clone(), case.v_cache.clone())
     assert torch.equal(q, prep(twin)(*twin.args(*twin_caches)))
-    assert torch.equal(k.view(torch.uint8), twin_caches[0].view(torch.uint8))
+    assert torch.equal(k.view(torch.uint8), slot_major(twin_caches[0]).view(torch.uint8))
 
 
 def graph_ops(graph: str) -> list[str]:
@@ -437,7 +444,6 @@ LOOKALIKE_CASES = [
     # where Inductor drops the norm's .to(bf16) before RoPE's .float() (torch 2.11), RoPE reads the fp32 product
     ("weight_in_fp32", 1, "not of the bf16 heads cast to fp32" if inductor_drops_narrowing_round_trips()
      else "the weight multiplies in fp32 before the rounding"),
-    ("cache_heads_before_slots", 2, "heads before slots"),
     ("cache_row_offset_by_one", 2, "is not slot % 16 of the same slots"),
     ("fp8_mul_reciprocal", 2, "the op divides by kv_scale"),
     ("float16", 2, "the cache is torch.float16"),
