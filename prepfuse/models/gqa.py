@@ -59,7 +59,7 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS, unchecked
 _NORMS = ("hf", "none", "weight_in_fp32")
 _SPLITS = ("split", "slice", "separate")
 _ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_reversed")
-_CACHE_LAYOUTS = ("slots_heads", "heads_slots", "next_row")
+_CACHE_LAYOUTS = ("slots_heads", "heads_slots", "flat", "next_row")
 _FP8_SCALINGS = ("div", "mul_reciprocal")
 
 
@@ -75,7 +75,8 @@ class GqaSpelling:
     cache_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.bfloat16  # look-alike: float16
     k_eps: float | None = None  # look-alike: a k norm eps other than q's
-    cache_layout: str = "slots_heads"  # "heads_slots": [NB, Hkv, bs, D]; look-alike "next_row": (slot + 1) % bs
+    cache_layout: str = "slots_heads"  # "heads_slots": [NB, Hkv, bs, D]; "flat": [NB*bs, Hkv, D] written
+    # cache[slot] (a token pool); look-alike "next_row": (slot + 1) % bs
     fp8_scaling: str = "div"  # look-alike: x * (1 / kv_scale)
 
     def __post_init__(self) -> None:
@@ -113,6 +114,8 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
     GqaSpelling("qwen3-hf-heads-first", cache_layout="heads_slots"),
     GqaSpelling("llama-hf_fp32-heads-first-fp8", norm="none", rope="hf_fp32", cache_layout="heads_slots",
                 cache_dtype=torch.float8_e4m3fn),
+    # a flat token pool [N, Hkv, D] written k_buffer[loc] = k (SGLang's MHATokenToKVPool)
+    GqaSpelling("qwen3-hf_fp32-token-pool", rope="hf_fp32", cache_layout="flat"),
 )
 
 # Code that looks like the above and computes something else: never fused.
@@ -214,16 +217,18 @@ def cache_rows(x: torch.Tensor, kv_scale: torch.Tensor | None, spelling: GqaSpel
 
 
 def insert(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, spelling: GqaSpelling) -> None:
-    """``cache[slot // bs, slot % bs] = rows`` for the first ``len(slot_mapping)`` rows
-    (every slot valid, see the module docstring)."""
+    """``cache[slot // bs, slot % bs] = rows`` (or the spelling's layout's form of it) for the
+    first ``len(slot_mapping)`` rows (every slot valid, see the module docstring)."""
     n = slot_mapping.shape[0]
     if spelling.cache_layout == "slots_heads":  # [NB, bs, Hkv, D]
         block_size = cache.shape[1]
         cache[slot_mapping // block_size, slot_mapping % block_size] = rows[:n]
+    elif spelling.cache_layout == "flat":  # a token pool [N, Hkv, D] (SGLang's k_buffer[loc] = k)
+        cache[slot_mapping] = rows[:n]
     elif spelling.cache_layout == "next_row":  # look-alike: each row one row further into its block
         block_size = cache.shape[1]
         cache[slot_mapping // block_size, (slot_mapping + 1) % block_size] = rows[:n]
-    else:  # look-alike: [NB, Hkv, bs, D]
+    else:  # heads before slots: [NB, Hkv, bs, D]
         block_size = cache.shape[2]
         cache[slot_mapping // block_size, :, slot_mapping % block_size] = rows[:n]
 
@@ -272,8 +277,9 @@ def make_norms(head_dim: int, eps: float, spelling: GqaSpelling, generator: torc
 def kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, spelling: GqaSpelling,
              device=None) -> torch.Tensor:
     """A zeroed paged cache in the spelling's layout and dtype."""
-    shape = ((num_blocks, block_size, num_kv_heads, head_dim) if spelling.cache_layout != "heads_slots"
-             else (num_blocks, num_kv_heads, block_size, head_dim))
+    shape = {"heads_slots": (num_blocks, num_kv_heads, block_size, head_dim),
+             "flat": (num_blocks * block_size, num_kv_heads, head_dim)}.get(
+        spelling.cache_layout, (num_blocks, block_size, num_kv_heads, head_dim))
     return torch.zeros(shape, device=device).to(spelling.cache_dtype)
 
 

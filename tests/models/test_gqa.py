@@ -58,13 +58,19 @@ def model_qkv(qkv: torch.Tensor, spelling: GqaSpelling, head_dim: int):
 
 def run_model(inputs, q_norm, k_norm, spelling):
     """The spelling's model code on fresh outputs; a heads-first spelling writes a
-    ``[NB, Hkv, bs, D]`` view of the op's ``[NB, bs, Hkv, D]`` caches, so both compare as is."""
+    ``[NB, Hkv, bs, D]`` view of the op's ``[NB, bs, Hkv, D]`` caches and a token-pool one a
+    flat copy, copied back, so both compare as is."""
     run = inputs.fresh_outputs()
     caches = (run.k_cache, run.v_cache)
     if spelling.cache_layout == "heads_slots":
         caches = tuple(c.permute(0, 2, 1, 3) for c in caches)
+    if spelling.cache_layout == "flat":  # a token pool: the blocks' rows one after the other
+        caches = tuple(c.flatten(0, 1) for c in caches)  # a copy (the op's caches interleave k and v)
     q = gqa_prep(model_qkv(run.qkv, spelling, run.head_dim), q_norm, k_norm, *caches,
                  run.slot_mapping, run.positions, run.cos_sin_cache, run.kv_scale, HQ, HKV, spelling)
+    if spelling.cache_layout == "flat":
+        for cache, pool in zip((run.k_cache, run.v_cache), caches):
+            cache.copy_(pool.unflatten(0, cache.shape[:2]))
     return q, run
 
 

@@ -96,16 +96,24 @@ def test_indexer(edge, fmt):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_gqa_heads_first_caches(cache_dtype):
-    """Caches laid out heads first, ``[NB, Hkv, bs, D]``, passed as their ``[NB, bs, Hkv, D]``
-    permutation (what the pass emits for ``cache[s // bs, :, s % bs] = rows``): the kernel
-    follows the strides, as the reference does."""
-    inputs = make_gqa_inputs(5, 4, 2, 64, 16, DEVICE, cache_dtype=cache_dtype, rotary_dim=44)
+@pytest.mark.parametrize("layout", ["heads-first", "token-pool"])
+def test_gqa_cache_layouts(layout, cache_dtype):
+    """Caches in the layouts the pass writes through views (``fuse_gqa_prep``): heads first,
+    ``[NB, Hkv, bs, D]`` as its ``[NB, bs, Hkv, D]`` permutation, and a flat token pool
+    ``[N, Hkv, D]`` as ``[N, 1, Hkv, D]`` (block size 1): the kernel follows the strides, as
+    the reference does."""
+    block = 16 if layout == "heads-first" else 1
+    inputs = make_gqa_inputs(5, 4, 2, 64, block, DEVICE, cache_dtype=cache_dtype, rotary_dim=44)
     num_blocks = inputs.k_cache.shape[0]
-    heads_first = [torch.zeros(num_blocks, 2, 16, 64, device=DEVICE).to(cache_dtype).permute(0, 2, 1, 3)
-                   for _ in range(2)]
-    inputs = dataclasses.replace(inputs, k_cache=heads_first[0], v_cache=heads_first[1])
+
+    def cache():
+        if layout == "heads-first":
+            return torch.zeros(num_blocks, 2, block, 64, device=DEVICE).to(cache_dtype).permute(0, 2, 1, 3)
+        return torch.zeros(num_blocks, 2, 64, device=DEVICE).to(cache_dtype).unsqueeze(1)
+
+    caches = [cache(), cache()]
+    inputs = dataclasses.replace(inputs, k_cache=caches[0], v_cache=caches[1])
     expected, actual = both(*IMPLS["gqa"], inputs)
-    assert actual.k_cache.stride() == heads_first[0].stride()
+    assert actual.k_cache.stride() == caches[0].stride()
     comparison = compare_gqa(expected, actual)
     assert comparison.exact(), comparison

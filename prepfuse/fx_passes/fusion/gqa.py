@@ -180,7 +180,8 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(val(k_write.cache).dtype == val(v_write.cache).dtype and k_write.kv_scale is v_write.kv_scale,
                "write: k and v caches differ in dtype or kv_scale")
         expect(tuple(shape(k_write.cache)) == tuple(shape(v_write.cache)), "write: k and v caches differ in shape")
-        expect(k_write.heads_first == v_write.heads_first, "write: one cache is written heads first, the other not")
+        expect(k_write.layout == v_write.layout,
+               f"write: the k cache is laid out {k_write.layout}, the v cache {v_write.layout}")
         shared = _shared_base(k_write, v_write) or _shared_base(v_write, k_write)
         caches = [shared.root] if shared else [k_write.cache, v_write.cache]
         inputs = [q.source, k.source, _plain_heads(v_write.rows)[0], *caches, k_write.slots, *q.cos_sin.key()]
@@ -218,14 +219,16 @@ class FuseGqaPrepPass(PrepfusePass):
             if q.cos_sin.per_token and q.cos_sin.full else {}
         def op_view(name):  # the [NB, bs, Hkv, D] tensor the op writes for a cache argument
             v = val(args[name])
-            return v.permute(0, 2, 1, 3) if k_write.heads_first else v
+            if k_write.layout == "heads_first":
+                return v.permute(0, 2, 1, 3)
+            return v.unsqueeze(1) if k_write.layout == "flat" else v  # a token pool: block size 1
 
         if shared is not None:
             root = self._replaced.get(shared.root, shared.root)
             q_out, new = _viewed_call(emit, op, args, {n: (root, op_view(n)) for n in ("k_cache", "v_cache")})
             written = ((shared.written, new[root]),)
             names, extra_roles[root] = ("k_cache and v_cache's buffer",), "cache"
-        elif k_write.heads_first:
+        elif k_write.layout != "paged":
             q_out, new = _viewed_call(emit, op, args, {n: (args[n], op_view(n)) for n in ("k_cache", "v_cache")})
             written = ((k_write.put, new[args["k_cache"]]), (v_write.put, new[args["v_cache"]]))
             names = ("k_cache", "v_cache")

@@ -73,9 +73,11 @@ class CacheWrite:
     # rows and slots have sizes the graph cannot tell equal (two dynamic dims: an engine's
     # T and T'); index_put needs them equal, and the call asserts so at run time
     rows_per_slot_at_run_time: bool = False
-    # the cache is [NB, Hkv, bs, D] (heads before slots, ``cache[s // bs, :, s % bs] = rows``):
-    # the op writes it through a [NB, bs, Hkv, D] view (its strides say the layout)
-    heads_first: bool = False
+    # the cache's layout: "paged" [NB, bs, Hkv, D]; "heads_first" [NB, Hkv, bs, D]
+    # (``cache[s // bs, :, s % bs] = rows``); "flat" [N, Hkv, D], a token pool
+    # (``cache[loc] = rows``, SGLang's ``k_buffer``). The op writes the last two through a
+    # [NB, bs, Hkv, D] view of them (a permutation; block size 1), its strides saying the layout
+    layout: str = "paged"
 
 
 # --------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def is_cache_write(node) -> bool:
     if not is_op(node, aten.index_put.default):
         return False
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    return not accumulate and len(shape(node.args[0])) == 4 and len(shape(put_rows(node))) == 3
+    return not accumulate and len(shape(node.args[0])) in (3, 4) and len(shape(put_rows(node))) == 3
 
 
 def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
@@ -262,8 +264,9 @@ def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
 
 
 def match_cache_write(put: torch.fx.Node) -> CacheWrite:
-    """Pattern (``cache [NB, bs, Hkv, D]``, or heads first ``[NB, Hkv, bs, D]`` written as
-    ``cache[slots // bs, :, slots % bs]``; bf16 or e4m3)::
+    """Pattern (``cache [NB, bs, Hkv, D]``; or heads first ``[NB, Hkv, bs, D]`` written as
+    ``cache[slots // bs, :, slots % bs]``; or a flat token pool ``[N, Hkv, D]`` written
+    ``cache[loc]``; bf16 or e4m3)::
 
         cache[slots // bs, slots % bs] = rows[:n]                   # bf16 cache
         cache[slots // bs, slots % bs] = (rows[:n].float() / kv_scale).clamp(-448, 448).to(e4m3)
@@ -277,12 +280,21 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     cv = val(cache)
     expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
     expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")
-    heads_first = len(indices) == 3 and indices[1] is None
-    if heads_first:  # cache[s // bs, :, s % bs] = rows: a [NB, Hkv, bs, D] cache
+    if cv.dim() == 3:  # cache[loc] = rows: a flat [N, Hkv, D] token pool
+        layout = "flat"
+        expect(len(indices) == 1 and isinstance(indices[0], torch.fx.Node),
+               f"write: indices {[describe(i) for i in indices]} into a [N, Hkv, D] cache, expected cache[loc] = rows")
+        slots = indices[0]
+        sv = val(slots)
+        expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
+        expect(tuple(shape(values)[1:]) == tuple(cv.shape[1:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the pool")
+    elif len(indices) == 3 and indices[1] is None:  # cache[s // bs, :, s % bs] = rows: [NB, Hkv, bs, D]
+        layout = "heads_first"
         slots = paged_slots([indices[0], indices[2]], cv.shape[2])
         expect((shape(values)[1], shape(values)[2]) == (cv.shape[1], cv.shape[3]),
                f"write: rows {shape(values)} do not fill [Hkv, D] of the [NB, Hkv, bs, D] cache")
     else:
+        layout = "paged"
         slots = paged_slots(list(indices), cv.shape[1])
         expect(tuple(shape(values)[1:]) == tuple(cv.shape[2:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the cache")
     rows_n, slots_n = shape(values)[0], shape(slots)[0]
@@ -299,4 +311,4 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         values = values.args[0]  # a no-op cast kept by the graph
     return CacheWrite(put, cache, slots, first_rows_of(values, shape(slots)[0]), scale,
                       rows_per_slot_at_run_time=at_run_time and first_rows_of(values, slots_n) is values,
-                      heads_first=heads_first)
+                      layout=layout)

@@ -156,7 +156,10 @@ def pair_bound(h: torch.Tensor, spelling: GqaSpelling) -> torch.Tensor:
 
 def slot_major(cache: torch.Tensor) -> torch.Tensor:
     """``cache`` as ``[NB, bs, Hkv, D]``: a heads-first ``[NB, Hkv, bs, D]`` cache (the
-    ``heads_slots`` spellings; HKV != BLOCK here, so the shape tells) permuted."""
+    ``heads_slots`` spellings; HKV != BLOCK here, so the shape tells) permuted, a flat token
+    pool ``[NB * bs, Hkv, D]`` (``flat``) cut into blocks."""
+    if cache.dim() == 3:
+        return cache.unflatten(0, (-1, BLOCK))
     return cache.permute(0, 2, 1, 3) if cache.shape[1] == HKV and cache.shape[2] == BLOCK else cache
 
 
