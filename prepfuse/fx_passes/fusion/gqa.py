@@ -46,7 +46,9 @@ import torch.fx
 from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_patterns
-from prepfuse.fx_passes.fusion.gqa_patterns import CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads
+from prepfuse.fx_passes.fusion.gqa_patterns import (
+    CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads, unsupported_cache_write,
+)
 from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
 from prepfuse.fx_passes.matching.layouts import apply_views, strip_views, token_major_heads
@@ -145,6 +147,8 @@ class FuseGqaPrepPass(PrepfusePass):
                     self.log.declined(self.name, PATTERN, node, str(err))
                     continue
                 (v_writes if _plain_heads(write.rows) is not None else k_writes).append(write)
+            elif (why := unsupported_cache_write(node)) is not None:
+                self.log.declined(self.name, PATTERN, node, why)
         return k_writes, v_writes
 
     def _q_of(self, k: Heads, v_write: CacheWrite, heads: dict[torch.fx.Node, Heads]) -> Heads:

@@ -31,12 +31,13 @@ from prepfuse.fx_passes.matching.layouts import (
 from prepfuse.fx_passes.matching.recognizers import (
     CONVERTS, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, describe,
     expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, shape, val,
-    weighted_rms_norm,
+    view_chain, weighted_rms_norm,
 )
 from prepfuse.fx_passes.matching.validation import read_as_rounded
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
 
-__all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "is_cache_write", "rounding_dropped"]
+__all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "is_cache_write", "rounding_dropped",
+           "unsupported_cache_write"]
 
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -243,6 +244,32 @@ def is_cache_write(node) -> bool:
     return not accumulate and len(shape(node.args[0])) in (3, 4) and len(shape(put_rows(node))) == 3
 
 
+def unsupported_cache_write(node) -> str | None:
+    """Why ``node``, a write into what looks like a KV cache (a 4-d bf16/fp8 graph input or a
+    view of one), is not a candidate, or None when it is no such write: the forms other
+    engines use that the pass does not match yet, so the report says where it stopped."""
+    if not is_op(node, aten.index_copy.default, aten.index_put.default, aten.slice_scatter.default):
+        return None
+    cache = node.args[0]
+    root = view_chain(cache)[0] if isinstance(cache, torch.fx.Node) else None
+    if not (isinstance(root, torch.fx.Node) and root.op == "placeholder" and len(shape(cache)) == 4
+            and val(cache).dtype in (*CACHE_DTYPES, torch.float16)):
+        return None
+    sizes = tuple(shape(cache))
+    if is_op(node, aten.index_copy.default):
+        return (f"write: index_copy into a {list(sizes)} cache along dim {node.args[1]} (Hugging Face's StaticCache "
+                "`index_copy_(2, cache_position, k)`); the pass matches paged-cache index assignment, not this yet")
+    if is_op(node, aten.slice_scatter.default):
+        return (f"write: a slice of a {list(sizes)} cache overwritten (slice_scatter: `cache[:, :, start:end] = k`); "
+                "the pass matches paged-cache index assignment, not this yet")
+    rows = put_rows(node)
+    if len(shape(rows)) == 4:
+        return (f"write: rows {list(shape(rows))} written at {[describe(i) for i in node.args[1]]} of a "
+                f"{list(sizes)} cache (gpt-fast's `k_out[:, :, input_pos] = k`, Hugging Face StaticCache's `index_copy_`); the pass "
+                "matches [n, Hkv, D] rows into paged caches, not this yet")
+    return None
+
+
 def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(bf16 rows, kv_scale) for ``(rows.float() / kv_scale).clamp(-448, 448).to(e4m3)``
     (the fp32 rows where Inductor dropped their bf16 round trip: ``rounding_dropped``)."""
@@ -288,13 +315,17 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         sv = val(slots)
         expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
         expect(tuple(shape(values)[1:]) == tuple(cv.shape[1:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the pool")
-    elif len(indices) == 3 and indices[1] is None:  # cache[s // bs, :, s % bs] = rows: [NB, Hkv, bs, D]
+    elif len(indices) == 3 and indices[1] is None and indices[0] is not None:  # cache[s // bs, :, s % bs] = rows
         layout = "heads_first"
         slots = paged_slots([indices[0], indices[2]], cv.shape[2])
         expect((shape(values)[1], shape(values)[2]) == (cv.shape[1], cv.shape[3]),
                f"write: rows {shape(values)} do not fill [Hkv, D] of the [NB, Hkv, bs, D] cache")
     else:
         layout = "paged"
+        expect(all(i is not None for i in indices),
+               f"write: indices {[describe(i) for i in indices]} select positions along a dim of a {list(cv.shape)} "
+               "cache (a per-sequence cache, gpt-fast / Hugging Face StaticCache style); the op writes paged "
+               "caches: [NB, bs, Hkv, D], heads first [NB, Hkv, bs, D], or a token pool [N, Hkv, D]")
         slots = paged_slots(list(indices), cv.shape[1])
         expect(tuple(shape(values)[1:]) == tuple(cv.shape[2:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the cache")
     rows_n, slots_n = shape(values)[0], shape(slots)[0]
