@@ -59,7 +59,7 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS, unchecked
 _NORMS = ("hf", "none", "weight_in_fp32")
 _SPLITS = ("split", "slice", "separate")
 _ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_reversed")
-_CACHE_LAYOUTS = ("slots_heads", "heads_slots", "flat", "next_row")
+_CACHE_LAYOUTS = ("slots_heads", "heads_slots", "flat", "sequence", "sequence_index_copy", "next_row")
 _FP8_SCALINGS = ("div", "mul_reciprocal")
 
 
@@ -76,7 +76,8 @@ class GqaSpelling:
     dtype: torch.dtype = torch.bfloat16  # look-alike: float16
     k_eps: float | None = None  # look-alike: a k norm eps other than q's
     cache_layout: str = "slots_heads"  # "heads_slots": [NB, Hkv, bs, D]; "flat": [NB*bs, Hkv, D] written
-    # cache[slot] (a token pool); look-alike "next_row": (slot + 1) % bs
+    # cache[slot] (a token pool); "sequence" / "sequence_index_copy": [1, Hkv, NB*bs, D] written
+    # cache[:, :, slot] / index_copy_ (a slot is a position); look-alike "next_row": (slot + 1) % bs
     fp8_scaling: str = "div"  # look-alike: x * (1 / kv_scale)
 
     def __post_init__(self) -> None:
@@ -116,6 +117,9 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
                 cache_dtype=torch.float8_e4m3fn),
     # a flat token pool [N, Hkv, D] written k_buffer[loc] = k (SGLang's MHATokenToKVPool)
     GqaSpelling("qwen3-hf_fp32-token-pool", rope="hf_fp32", cache_layout="flat"),
+    # one sequence's cache [1, Hkv, S, D] written by position: gpt-fast, Hugging Face's StaticCache
+    GqaSpelling("qwen3-hf-sequence-cache", cache_layout="sequence"),
+    GqaSpelling("llama-hf_fp32-static-cache", norm="none", rope="hf_fp32", cache_layout="sequence_index_copy"),
 )
 
 # Code that looks like the above and computes something else: never fused.
@@ -225,6 +229,10 @@ def insert(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, 
         cache[slot_mapping // block_size, slot_mapping % block_size] = rows[:n]
     elif spelling.cache_layout == "flat":  # a token pool [N, Hkv, D] (SGLang's k_buffer[loc] = k)
         cache[slot_mapping] = rows[:n]
+    elif spelling.cache_layout == "sequence":  # one sequence's [1, Hkv, S, D] (gpt-fast's KVCache.update)
+        cache[:, :, slot_mapping] = rows[:n].transpose(0, 1).unsqueeze(0)
+    elif spelling.cache_layout == "sequence_index_copy":  # the same, as Hugging Face's StaticCache writes it
+        cache.index_copy_(2, slot_mapping, rows[:n].transpose(0, 1).unsqueeze(0))
     elif spelling.cache_layout == "next_row":  # look-alike: each row one row further into its block
         block_size = cache.shape[1]
         cache[slot_mapping // block_size, (slot_mapping + 1) % block_size] = rows[:n]
@@ -277,8 +285,10 @@ def make_norms(head_dim: int, eps: float, spelling: GqaSpelling, generator: torc
 def kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, spelling: GqaSpelling,
              device=None) -> torch.Tensor:
     """A zeroed paged cache in the spelling's layout and dtype."""
+    sequence = (1, num_kv_heads, num_blocks * block_size, head_dim)
     shape = {"heads_slots": (num_blocks, num_kv_heads, block_size, head_dim),
-             "flat": (num_blocks * block_size, num_kv_heads, head_dim)}.get(
+             "flat": (num_blocks * block_size, num_kv_heads, head_dim),
+             "sequence": sequence, "sequence_index_copy": sequence}.get(
         spelling.cache_layout, (num_blocks, block_size, num_kv_heads, head_dim))
     return torch.zeros(shape, device=device).to(spelling.cache_dtype)
 

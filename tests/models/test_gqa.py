@@ -66,11 +66,15 @@ def run_model(inputs, q_norm, k_norm, spelling):
         caches = tuple(c.permute(0, 2, 1, 3) for c in caches)
     if spelling.cache_layout == "flat":  # a token pool: the blocks' rows one after the other
         caches = tuple(c.flatten(0, 1) for c in caches)  # a copy (the op's caches interleave k and v)
+    if spelling.cache_layout.startswith("sequence"):  # one sequence's [1, Hkv, S, D]: slot = position
+        caches = tuple(c.flatten(0, 1).transpose(0, 1).unsqueeze(0).contiguous() for c in caches)
     q = gqa_prep(model_qkv(run.qkv, spelling, run.head_dim), q_norm, k_norm, *caches,
                  run.slot_mapping, run.positions, run.cos_sin_cache, run.kv_scale, HQ, HKV, spelling)
-    if spelling.cache_layout == "flat":
-        for cache, pool in zip((run.k_cache, run.v_cache), caches):
-            cache.copy_(pool.unflatten(0, cache.shape[:2]))
+    for cache, written in zip((run.k_cache, run.v_cache), caches):
+        if spelling.cache_layout == "flat":
+            cache.copy_(written.unflatten(0, cache.shape[:2]))
+        elif spelling.cache_layout.startswith("sequence"):
+            cache.copy_(written[0].transpose(0, 1).unflatten(0, cache.shape[:2]))
     return q, run
 
 

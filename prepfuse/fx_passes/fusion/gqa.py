@@ -51,7 +51,7 @@ from prepfuse.fx_passes.fusion.gqa_patterns import (
 )
 from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
-from prepfuse.fx_passes.matching.layouts import apply_views, strip_views, token_major_heads
+from prepfuse.fx_passes.matching.layouts import apply_views, heads_major_as_token_major, strip_views, token_major_heads
 from prepfuse.fx_passes.matching.recognizers import aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
 from prepfuse.fx_passes.matching.validation import Checked
 from prepfuse.fx_passes.mutation_info import output_indices
@@ -131,6 +131,8 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(k is not None, f"k: the rows written with {recognizers.describe(write.put)} are neither qkv heads (v) "
                               f"nor roped ones ({self._why.get(base, 'no RoPE found')})")
         layout = apply_views(k.layout, chain)
+        if layout is not None and write.layout == "sequence":  # [Hkv, T, D] rows: heads, then tokens
+            layout = heads_major_as_token_major(layout)
         expect(layout is not None and token_major_heads(layout, shape(k.source)[0], k.head_dim) == k.num_heads,
                f"k: the rows written with {recognizers.describe(write.put)} are roped heads "
                f"{recognizers.describe(base)} in another order than one row of heads per token")
@@ -146,7 +148,7 @@ class FuseGqaPrepPass(PrepfusePass):
                 except NoMatch as err:
                     self.log.declined(self.name, PATTERN, node, str(err))
                     continue
-                (v_writes if _plain_heads(write.rows) is not None else k_writes).append(write)
+                (v_writes if _plain_heads(write) is not None else k_writes).append(write)
             elif (why := unsupported_cache_write(node)) is not None:
                 self.log.declined(self.name, PATTERN, node, why)
         return k_writes, v_writes
@@ -158,7 +160,7 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(rem == 0 and num_q > 0, f"k: its heads start at column {k.first_column} of qkv, not after whole q heads")
         expect(shape(k.source)[1] == (num_q + 2 * num_kv) * head_dim,
                f"qkv: width {shape(k.source)[1]} is not (Hq + 2*Hkv) * D = ({num_q} + 2*{num_kv}) * {head_dim}")
-        v = _plain_heads(v_write.rows)
+        v = _plain_heads(v_write)
         expect(v == (k.source, (num_q + num_kv) * head_dim, num_kv, head_dim),
                f"v: rows written into {recognizers.describe(v_write.cache)} are not qkv's last {num_kv} heads")
         qs = [h for h in heads.values() if h.source is k.source and h.first_column == 0 and h.num_heads == num_q]
@@ -170,7 +172,7 @@ class FuseGqaPrepPass(PrepfusePass):
         """The prepared q of a separate projection that goes with ``k`` (a whole projection):
         a whole ``[T, Hq*D]`` source other than k's and v's, not itself written as k, with
         k's settings; among several, the one projected from k's input."""
-        v_source = _plain_heads(v_write.rows)[0]
+        v_source = _plain_heads(v_write)[0]
         qs = [h for h in heads.values() if _is_separate(h) and h.head_dim == k.head_dim and h.prepared not in k_rows
               and h.source is not k.source and h.source is not v_source and _settings_match(h, k)]
         qs = _closest_projections(qs, lambda h: h.source, k.source)
@@ -188,7 +190,7 @@ class FuseGqaPrepPass(PrepfusePass):
                f"write: the k cache is laid out {k_write.layout}, the v cache {v_write.layout}")
         shared = _shared_base(k_write, v_write) or _shared_base(v_write, k_write)
         caches = [shared.root] if shared else [k_write.cache, v_write.cache]
-        inputs = [q.source, k.source, _plain_heads(v_write.rows)[0], *caches, k_write.slots, *q.cos_sin.key()]
+        inputs = [q.source, k.source, _plain_heads(v_write)[0], *caches, k_write.slots, *q.cos_sin.key()]
         inputs += [n for n in (q.norm_weight, k.norm_weight, k_write.kv_scale) if n is not None]
         readers = _readers(q, k_write, v_write, shared)
         expect(max(self._order[n] for n in inputs) < min(self._order[n] for n in readers),
@@ -201,7 +203,7 @@ class FuseGqaPrepPass(PrepfusePass):
         emit = Emitter(graph, min(_readers(q, k_write, v_write, shared), key=order.__getitem__), source=q.prepared)
         if _is_separate(k):
             op = GQA_SEPARATE_QKNORM_ROPE_KV_INSERT
-            sources = dict(q=q.source, k=k.source, v=_plain_heads(v_write.rows)[0])
+            sources = dict(q=q.source, k=k.source, v=_plain_heads(v_write)[0])
             counts = {}
         else:
             op = GQA_QKNORM_ROPE_KV_INSERT
@@ -223,7 +225,7 @@ class FuseGqaPrepPass(PrepfusePass):
             if q.cos_sin.per_token and q.cos_sin.full else {}
         def op_view(name):  # the [NB, bs, Hkv, D] tensor the op writes for a cache argument
             v = val(args[name])
-            if k_write.layout == "heads_first":
+            if k_write.layout in ("heads_first", "sequence"):  # sequence: [1, Hkv, S, D], one block of S
                 return v.permute(0, 2, 1, 3)
             return v.unsqueeze(1) if k_write.layout == "flat" else v  # a token pool: block size 1
 
@@ -336,21 +338,22 @@ def _v_write_of(k: Heads, k_write: CacheWrite, v_writes: list[CacheWrite], used:
     found = [w for w in v_writes if w.put not in used and w.slots is k_write.slots and w.cache is not k_write.cache]
     if _is_separate(k):
         # v: the whole of another projection, k's heads and head size
-        found = [w for w, plain in ((w, _plain_heads(w.rows)) for w in found)
+        found = [w for w, plain in ((w, _plain_heads(w)) for w in found)
                  if _is_whole(*plain) and plain[0] is not k.source and plain[2:] == (k.num_heads, k.head_dim)]
-        found = _closest_projections(found, lambda w: _plain_heads(w.rows)[0], k.source)
+        found = _closest_projections(found, lambda w: _plain_heads(w)[0], k.source)
         expect(len(found) == 1, f"v: {len(found)} writes of a separate projection's heads to the same slots fit "
                                 f"k's {recognizers.describe(k.source)}, expected one")
         return found[0]
-    found = [w for w in found if _plain_heads(w.rows)[0] is k.source]
+    found = [w for w in found if _plain_heads(w)[0] is k.source]
     expect(len(found) == 1, f"v: {len(found)} writes of heads of the same qkv to the same slots, expected one")
     return found[0]
 
 
-def _plain_heads(rows) -> tuple | None:
-    """(qkv, first column, heads, head size) if ``rows`` are qkv heads as they are (v), else None."""
+def _plain_heads(write: CacheWrite) -> tuple | None:
+    """(qkv, first column, heads, head size) if ``write``'s rows are qkv heads as they are (v),
+    else None; heads-major rows ``[Hkv, T, D]`` for a per-sequence cache."""
     try:
-        return gqa_patterns.qkv_heads(rows)
+        return gqa_patterns.qkv_heads(write.rows, heads_major=write.layout == "sequence")
     except NoMatch:
         return None
 

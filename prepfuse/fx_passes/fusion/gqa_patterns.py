@@ -26,6 +26,7 @@ from prepfuse._compat import inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.matching.cache_writes import first_rows_of
 from prepfuse.fx_passes.matching.cos_sin import CosSin, cos_sin_operand
 from prepfuse.fx_passes.matching.layouts import (
+    heads_major_as_token_major,
     Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
 )
 from prepfuse.fx_passes.matching.recognizers import (
@@ -74,7 +75,8 @@ class CacheWrite:
     # rows and slots have sizes the graph cannot tell equal (two dynamic dims: an engine's
     # T and T'); index_put needs them equal, and the call asserts so at run time
     rows_per_slot_at_run_time: bool = False
-    # the cache's layout: "paged" [NB, bs, Hkv, D]; "heads_first" [NB, Hkv, bs, D]
+    # the cache's layout: "paged" [NB, bs, Hkv, D]; "heads_first" [NB, Hkv, bs, D]; "sequence"
+    # [1, Hkv, S, D] of one sequence written by position (``cache[:, :, pos] = k``, rows [Hkv, T, D]);
     # (``cache[s // bs, :, s % bs] = rows``); "flat" [N, Hkv, D], a token pool
     # (``cache[loc] = rows``, SGLang's ``k_buffer``). The op writes the last two through a
     # [NB, bs, Hkv, D] view of them (a permutation; block size 1), its strides saying the layout
@@ -124,10 +126,13 @@ def _heads_in_any_order(layout: Layout, num_tokens, head_dim: int) -> bool:
                              num_tokens, head_dim) is not None
 
 
-def qkv_heads(node) -> tuple[torch.fx.Node, int, int, int]:
+def qkv_heads(node, heads_major: bool = False) -> tuple[torch.fx.Node, int, int, int]:
     """(source, first column, heads, head size) of ``heads_view`` for rows read as they are
-    (v): token-major ``[T, H, D]`` only, the order the cache rows are in."""
+    (v): token-major ``[T, H, D]`` only, the order the cache rows are in; ``heads_major``:
+    ``[H, T, D]``, the order a per-sequence cache ``[1, Hkv, S, D]`` takes them in."""
     src, first, num_heads, head_dim, layout = heads_view(node)
+    if heads_major:
+        layout = heads_major_as_token_major(layout) or layout
     expect(token_major_heads(layout, shape(src)[0], head_dim) is not None,
            f"heads: {describe(node)} holds its heads transposed, not one row of heads per token")
     return src, first, num_heads, head_dim
@@ -241,7 +246,9 @@ def is_cache_write(node) -> bool:
     if not is_op(node, aten.index_put.default):
         return False
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    return not accumulate and len(shape(node.args[0])) in (3, 4) and len(shape(put_rows(node))) == 3
+    rows, cache = shape(put_rows(node)), shape(node.args[0])
+    one_sequence = len(rows) == 4 and rows[0] == 1 and len(cache) == 4 and cache[0] == 1  # [1, Hkv, T, D] rows
+    return not accumulate and len(cache) in (3, 4) and (len(rows) == 3 or one_sequence)
 
 
 def unsupported_cache_write(node) -> str | None:
@@ -265,8 +272,9 @@ def unsupported_cache_write(node) -> str | None:
     rows = put_rows(node)
     if len(shape(rows)) == 4:
         return (f"write: rows {list(shape(rows))} written at {[describe(i) for i in node.args[1]]} of a "
-                f"{list(sizes)} cache (gpt-fast's `k_out[:, :, input_pos] = k`, Hugging Face StaticCache's `index_copy_`); the pass "
-                "matches [n, Hkv, D] rows into paged caches, not this yet")
+                f"{list(sizes)} cache of {sizes[0]} sequences (gpt-fast's `k_out[:, :, input_pos] = k`, Hugging Face "
+                "StaticCache's `index_copy_`); the pass matches one sequence's cache (batch 1) and paged caches, "
+                "not a batch of sequences yet")
     return None
 
 
@@ -307,6 +315,24 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     cv = val(cache)
     expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
     expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")
+    if cv.dim() == 4 and len(indices) == 3 and indices[0] is None and indices[1] is None and \
+            isinstance(indices[2], torch.fx.Node) and cv.shape[0] == 1 and len(shape(values)) in (3, 4):
+        # cache[:, :, pos] = k of one sequence (gpt-fast; StaticCache's index_copy_ decomposes
+        # to it): [1, Hkv, S, D] is a heads-first paged cache of one block of S slots, the
+        # rows [Hkv, T, D] heads-major
+        layout = "sequence"
+        slots = indices[2]
+        sv = val(slots)
+        expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: positions are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
+        heads, tokens, dim = shape(values)[-3:]  # [Hkv, T, D], or [1, Hkv, T, D] as index_copy_ leaves them
+        expect((heads, dim) == (cv.shape[1], cv.shape[3]) and same_size(tokens, sv.shape[0]),
+               f"write: rows {shape(values)} are not [Hkv, T, D] of the [1, Hkv, S, D] cache at {sv.shape[0]} positions")
+        scale = None
+        if cv.dtype == torch.float8_e4m3fn:
+            values, scale = _fp8_rows(values)
+        expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
+               f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
+        return CacheWrite(put, cache, slots, values, scale, layout=layout)
     if cv.dim() == 3:  # cache[loc] = rows: a flat [N, Hkv, D] token pool
         layout = "flat"
         expect(len(indices) == 1 and isinstance(indices[0], torch.fx.Node),
@@ -324,8 +350,8 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         layout = "paged"
         expect(all(i is not None for i in indices),
                f"write: indices {[describe(i) for i in indices]} select positions along a dim of a {list(cv.shape)} "
-               "cache (a per-sequence cache, gpt-fast / Hugging Face StaticCache style); the op writes paged "
-               "caches: [NB, bs, Hkv, D], heads first [NB, Hkv, bs, D], or a token pool [N, Hkv, D]")
+               "cache; the op writes paged caches ([NB, bs, Hkv, D], heads first [NB, Hkv, bs, D]), a token pool "
+               "[N, Hkv, D], or one sequence's [1, Hkv, S, D] at cache[:, :, pos]")
         slots = paged_slots(list(indices), cv.shape[1])
         expect(tuple(shape(values)[1:]) == tuple(cv.shape[2:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the cache")
     rows_n, slots_n = shape(values)[0], shape(slots)[0]

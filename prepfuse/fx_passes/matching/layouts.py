@@ -185,6 +185,20 @@ def token_major_heads(layout: Layout, num_tokens, head_dim: int, token_dim: int 
     return heads[0].size
 
 
+def heads_major_as_token_major(layout: Layout) -> Layout | None:
+    """``layout`` of heads-major rows ``[H, T..., D]`` (a per-sequence cache's ``[Hkv, S, D]``
+    slice) with its heads dim moved behind the token dims: the token-major ``[T..., H, D]``
+    layout ``token_major_heads`` reads (one token: ``[H, D]`` as it is), or None if ``layout``
+    has fewer than two dims."""
+    dims = [d for d in layout.dims if d != ()]
+    if len(dims) == 2:  # one token: its size-1 dim holds no factor, [H, D] is token-major already
+        return Layout(tuple(dims))
+    if len(dims) < 2:
+        return None
+    heads, *tokens, dim = dims
+    return Layout((*tokens, heads, dim))
+
+
 def canonical_order(layout: Layout) -> list[int] | None:
     """The permutation ``p`` with ``node = canonical.permute(p)``, ``canonical`` the node's dims
     sorted into base order (base dim, then outer before inner): how to rebuild ``node``'s

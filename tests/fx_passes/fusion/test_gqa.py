@@ -157,9 +157,12 @@ def pair_bound(h: torch.Tensor, spelling: GqaSpelling) -> torch.Tensor:
 def slot_major(cache: torch.Tensor) -> torch.Tensor:
     """``cache`` as ``[NB, bs, Hkv, D]``: a heads-first ``[NB, Hkv, bs, D]`` cache (the
     ``heads_slots`` spellings; HKV != BLOCK here, so the shape tells) permuted, a flat token
-    pool ``[NB * bs, Hkv, D]`` (``flat``) cut into blocks."""
+    pool ``[NB * bs, Hkv, D]`` (``flat``) cut into blocks, one sequence's ``[1, Hkv, S, D]``
+    transposed and cut (a copy: for reading)."""
     if cache.dim() == 3:
         return cache.unflatten(0, (-1, BLOCK))
+    if cache.shape[0] == 1 and cache.shape[1] == HKV and cache.shape[2] > BLOCK:  # one sequence's [1, Hkv, S, D]
+        return cache[0].transpose(0, 1).unflatten(0, (-1, BLOCK))
     return cache.permute(0, 2, 1, 3) if cache.shape[1] == HKV and cache.shape[2] == BLOCK else cache
 
 
@@ -610,7 +613,8 @@ def test_spelling_fuses_on_cuda(name, v2, device, num_tokens):
         assert_within(k_rows, ref_rows, k_in[: slots.shape[0]])
 
 
-# per-sequence caches [B, Hkv, S, D] written by position: not matched yet, declined by name
+# caches of a batch of sequences [B, Hkv, S, D] written by position: not matched yet, declined
+# by name (one sequence's, B = 1, fuses: the sequence-cache spellings)
 def _static_cache_write(k, cache, pos):
     cache.index_copy_(2, pos, k)  # Hugging Face StaticCache
     return cache.sum()
@@ -627,15 +631,15 @@ def _sliced_write(k, cache, pos):
 
 
 @pytest.mark.parametrize("fn, words", [
-    (_static_cache_write, "StaticCache's `index_copy_`"),
-    (_gpt_fast_write, "select positions along a dim"),
+    (_static_cache_write, "of 2 sequences"),
+    (_gpt_fast_write, "of 2 sequences"),
     (_sliced_write, "slice_scatter"),
 ], ids=["static_cache", "gpt_fast", "slice"])
-def test_per_sequence_cache_writes_are_declined_by_name(fn, words):
+def test_batched_sequence_cache_writes_are_declined_by_name(fn, words):
     """The report says where the match stopped, for the cache forms other engines use
     (before, these writes gave no near miss at all)."""
     backend = PrepfuseBackend({"passes": (PASS,)})
-    k, cache, pos = torch.randn(1, HKV, 3, D).to(torch.bfloat16), torch.zeros(1, HKV, 16, D).to(torch.bfloat16), \
+    k, cache, pos = torch.randn(2, HKV, 3, D).to(torch.bfloat16), torch.zeros(2, HKV, 16, D).to(torch.bfloat16), \
         torch.tensor([1, 4, 6])
     ref_cache = cache.clone()
     assert torch.equal(torch.compile(fn, backend=backend, fullgraph=True)(k, cache, pos), fn(k, ref_cache, pos))
