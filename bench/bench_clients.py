@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (also puts the repository on sys.path)
 
 from prepfuse.backend import PrepfuseBackend  # noqa: E402
-from prepfuse.models.clients import CLIENT_CASES, build_client  # noqa: E402
+from prepfuse.models.clients import CLIENT_CASES, build_client, cache_rows  # noqa: E402
 
 SIZES = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, num_layers=1, block_size=16)
 DEFAULT_TOKENS = (1, 64, 4096)
@@ -35,7 +35,7 @@ GATE = 2**-6
 
 
 def rows(caches, slots, block_size):
-    return [c[slots // block_size, slots % block_size].float() for pair in caches for c in pair]
+    return cache_rows(caches, slots, block_size)
 
 
 def gate(got, want) -> float:

@@ -7,7 +7,8 @@ transformers' ``AttentionInterface`` (``ENGINE_ATTENTION``): the module projects
 ropes q and k in its own layout (``[B, S, H, D]``, transposed to ``[B, H, S, D]``), and the
 function writes the step's k and v into a paged cache ``[num_blocks, block_size, Hkv, D]``
 by index assignment (``cache[slots // bs, slots % bs] = k.transpose(1, 2).reshape(B*S, Hkv, D)``),
-then attends (SDPA over the step's tokens; where an engine reads the cache back is its own
+or (``cache="static"``) into one sequence's ``[1, Hkv, max_len, D]`` as transformers' StaticCache
+does (``index_copy_(2, cache_position, k)``), then attends (SDPA over the step's tokens; where an engine reads the cache back is its own
 kernel's business). cos/sin come from the model's own rotary module, as the model computes
 them (``rotary="module"``: from ``inv_freq`` in the forward, cast to the activation dtype), or
 from outside the compiled code (``rotary="inputs"``: full-width tables passed in).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ClientCase", "CLIENT_CASES", "ENGINE_ATTENTION", "build_client", "register_engine_attention"]
+__all__ = ["ClientCase", "CLIENT_CASES", "ENGINE_ATTENTION", "build_client", "cache_rows", "register_engine_attention"]
 
 ENGINE_ATTENTION = "prepfuse_paged"  # the name the engine's attention function is registered under
 
@@ -35,8 +36,14 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
     assignment, then SDPA over the step's tokens (causal, GQA by repeating kv heads)."""
     k_cache, v_cache, slots, block_size = kwargs["k_cache"], kwargs["v_cache"], kwargs["slot_mapping"], kwargs["block_size"]
     batch, kv_heads, seq, head_dim = key.shape
-    k_cache[slots // block_size, slots % block_size] = key.transpose(1, 2).reshape(batch * seq, kv_heads, head_dim)
-    v_cache[slots // block_size, slots % block_size] = value.transpose(1, 2).reshape(batch * seq, kv_heads, head_dim)
+    if k_cache.dim() == 4 and k_cache.shape[1] == kv_heads and block_size is None:
+        # one sequence's static cache [1, Hkv, max_len, D], written as transformers' StaticCache
+        # writes its layers (``StaticLayer.update``): index_copy_ at the cache positions
+        k_cache.index_copy_(2, slots, key)
+        v_cache.index_copy_(2, slots, value)
+    else:
+        k_cache[slots // block_size, slots % block_size] = key.transpose(1, 2).reshape(batch * seq, kv_heads, head_dim)
+        v_cache[slots // block_size, slots % block_size] = value.transpose(1, 2).reshape(batch * seq, kv_heads, head_dim)
     groups = query.shape[1] // kv_heads
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), is_causal=True, scale=scaling)
@@ -63,6 +70,7 @@ class ClientCase:
     expected_reason: str = ""  # a fragment of the near miss, where nothing fuses yet
     pattern: str = ""  # the report's pattern name of each fused call
     config: tuple = ()  # extra config items
+    cache: str = "paged"  # "paged": [NB, bs, Hkv, D] by slot; "static": [1, Hkv, max_len, D] by position
 
     @property
     def source(self) -> str:
@@ -75,6 +83,8 @@ CLIENT_CASES: tuple[ClientCase, ...] = (
     ClientCase("hf-llama", "llama", "Llama", pattern="gqa_rope_kv+separate+bf16_rope"),
     ClientCase("hf-qwen2", "qwen2", "Qwen2", pattern="gqa_rope_kv+separate+bf16_rope"),
     ClientCase("hf-mistral", "mistral", "Mistral", pattern="gqa_rope_kv+separate+bf16_rope"),
+    # one sequence's static cache, written as transformers' StaticCache writes it (index_copy_)
+    ClientCase("hf-qwen3-static-cache", "qwen3", "Qwen3", cache="static", pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
     # cos/sin made outside the compiled code: full-width tables the graph cannot prove are
     # two equal halves; the op reads half tables (a full-width operand is the next step)
     ClientCase("hf-qwen3-cos-sin-inputs", "qwen3", "Qwen3", rotary="inputs", expected_fused=0,
@@ -100,7 +110,7 @@ class _EngineLayers(nn.Module):
         cos_sin = self.rotary(x, position_ids) if cos_sin is None else cos_sin
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
             out, _ = layer(x, cos_sin, None, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
-                           block_size=self.block_size)
+                           block_size=None if self.case.cache == "static" else self.block_size)
             x = x + out
         return x
 
@@ -131,10 +141,22 @@ def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, he
         slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     model = model.to(device)
     positions = torch.arange(num_tokens, device=device)[None]
-    caches = [tuple(torch.full((num_blocks, block_size, kv_heads, head_dim), -7.0, dtype=torch.bfloat16, device=device)
-                    for _ in range(2)) for _ in range(num_layers)]
+    cache_shape = ((1, kv_heads, num_blocks * block_size, head_dim) if case.cache == "static"
+                   else (num_blocks, block_size, kv_heads, head_dim))  # static: the slots are positions
+    caches = [tuple(torch.full(cache_shape, -7.0, dtype=torch.bfloat16, device=device) for _ in range(2))
+              for _ in range(num_layers)]
     args = [x.to(device), positions, slots.to(device), caches]
     if case.rotary == "inputs":
         with torch.no_grad():
             args.append(tuple(t.clone() for t in model.rotary(args[0], positions)))
     return model, tuple(args)
+
+
+def cache_rows(caches, slots: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    """fp32 rows ``[T, Hkv, D]`` every layer's k and v cache holds at ``slots``: a paged cache's
+    ``cache[s // bs, s % bs]``, a static one's ``cache[0, :, s]`` (its slots are positions)."""
+    def rows(c):
+        if c.dim() == 4 and c.shape[0] == 1 and c.shape[2] > block_size:
+            return c[0, :, slots].transpose(0, 1)
+        return c[slots // block_size, slots % block_size]
+    return [rows(c).float() for pair in caches for c in pair]

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from prepfuse._compat import golden_rotary_graph_stable  # noqa: E402
 from prepfuse.backend import PrepfuseBackend  # noqa: E402
-from prepfuse.models.clients import CLIENT_CASES, build_client  # noqa: E402
+from prepfuse.models.clients import CLIENT_CASES, build_client, cache_rows  # noqa: E402
 from prepfuse.testing.golden import GoldenFiles
 
 GOLDEN = GoldenFiles.beside(__file__)
@@ -35,7 +35,7 @@ PASS = "fuse_gqa_prep"
 
 def written(caches, slots, block_size=16):
     """fp32 rows [T, Hkv, D] of every layer's k and v cache at ``slots``."""
-    return [c[slots // block_size, slots % block_size].float() for pair in caches for c in pair]
+    return cache_rows(caches, slots, block_size)
 
 
 def compiled_run(case, backend, **build):
