@@ -93,23 +93,25 @@ def _checked(name: str, arg_names: list[str], check: Callable | None, index_chec
              impl: Callable | None, written: list[str] = ()) -> Callable:
     """``impl(*args)`` after ``check``, the aliasing check of the ``written`` arguments
     (``_checks.check_written_apart``) and ``index_check``, each given the arguments it names."""
-    steps = [(fn, list(inspect.signature(fn).parameters)) for fn in (check, index_check) if fn is not None]
-    for fn, wanted in steps:
-        unknown = set(inspect.signature(fn).parameters) - set(arg_names)
+    shape_checks = [(check, list(inspect.signature(check).parameters))] if check is not None else []
+    value_checks = [(index_check, list(inspect.signature(index_check).parameters))] if index_check is not None else []
+    for fn, wanted in shape_checks + value_checks:
+        unknown = set(wanted) - set(arg_names)
         if unknown:
             raise TypeError(f"{NAMESPACE}::{name}: {fn.__name__} takes {sorted(unknown)}, which the schema does not have")
+    written = list(written)
 
     def run(*args, **kwargs):
         named = dict(zip(arg_names, args), **kwargs)
         if len(args) > len(arg_names) or set(named) != set(arg_names):
             raise TypeError(f"{NAMESPACE}::{name}: expected the arguments ({', '.join(arg_names)}), "
                             f"got {len(args)} positional and {sorted(kwargs)}")
-        for fn, wanted in steps:
-            if fn is index_check and written:  # after the shape checks, before any value is read
-                check_written_apart(named, list(written))
+        for fn, wanted in shape_checks:
             fn(**{p: named[p] for p in wanted})
-        if index_check is None and written:
-            check_written_apart(named, list(written))
+        if written:  # after the shape checks, before any index value is read
+            check_written_apart(named, written)
+        for fn, wanted in value_checks:
+            fn(**{p: named[p] for p in wanted})
         return impl(*(named[n] for n in arg_names)) if impl is not None else None
 
     run.__name__ = f"{name}_{getattr(impl, '__name__', 'fake')}"
