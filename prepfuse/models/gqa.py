@@ -385,4 +385,4 @@ def gqa_prep_unfused(*args) -> None:
     filtered out (that would need a boolean mask, i.e. a host sync) and would index the
     cache from its end. The benchmarks use all-valid slot mappings for every
     implementation. No input checks: a model's code would not carry them either."""
-    unchecked_reference(*args, all_slots_valid=True)
+    unchecked_reference(*args, as_baseline=True)

@@ -1,12 +1,15 @@
-"""Plain-PyTorch math more than one op's reference uses: the two RoPE pairings and the
-power-of-two-scaled e4m3 quantisation. One spelling each, so the references of every
-family compute the same steps in the same order (and so the same bits)."""
+"""Plain-PyTorch math more than one op's reference uses: the two RoPE pairings, the
+power-of-two-scaled e4m3 quantisation and UE8M0 scale bytes. One spelling each, so the
+references of every family compute the same steps in the same order (and so the same
+bits)."""
 
 from __future__ import annotations
 
 import torch
 
 E4M3_MAX = 448.0
+E4M3_NAN_CODE = 0x7F
+UE8M0_NAN = 0xFF
 
 
 def rope_gptj(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -21,11 +24,31 @@ def rope_neox(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
-def e4m3_pow2_quant(x: torch.Tensor, amax_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def e4m3_pow2_quant(x: torch.Tensor, amax_floor: float, *, non_finite_blocks: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes of ``x`` as uint8, e) with one power-of-two scale ``2^e`` per row of the
     last dim: ``e = ceil(log2(max(amax(|x|), floor) / 448))``, codes ``e4m3(clamp(x * 2^-e,
-    +-448))``, round to nearest even. The scale is a power of two, so ``x * 2^-e`` is exact."""
-    amax = x.abs().amax(dim=-1).clamp_min(amax_floor)
-    e = torch.ceil(torch.log2(amax / E4M3_MAX))
+    +-448))``, round to nearest even. The scale is a power of two, so ``x * 2^-e`` is exact.
+
+    ``non_finite_blocks``: the ops' rule (``docs/ops.md``, non-finite inputs): a row holding
+    a NaN or an infinity has no scale, ``e`` is NaN and every code 0x7F (e4m3fn's NaN).
+    Without it, the math as model code writes it (the unfused baselines), which leaves such
+    a row undefined."""
+    amax = x.abs().amax(dim=-1)  # NaN when the row holds one
+    e = torch.ceil(torch.log2(amax.clamp_min(amax_floor) / E4M3_MAX))
+    if non_finite_blocks:
+        finite = amax.isfinite()
+        e = torch.where(finite, e, torch.nan)
     scaled = (x * torch.exp2(-e).unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
-    return scaled.to(torch.float8_e4m3fn).view(torch.uint8), e
+    codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    if non_finite_blocks:
+        codes = torch.where(finite.unsqueeze(-1), codes, E4M3_NAN_CODE)
+    return codes, e
+
+
+def ue8m0_bytes(e: torch.Tensor, *, non_finite_blocks: bool = True) -> torch.Tensor:
+    """Power-of-two exponents (float) as UE8M0 bytes ``e + 127``; ``non_finite_blocks``: NaN
+    (a block without a scale) as 0xFF, UE8M0's NaN (else the models' ``clamp(0, 255)``)."""
+    if not non_finite_blocks:
+        return (e + 127).clamp(0, 255).to(torch.uint8)
+    return torch.where(e.isnan(), UE8M0_NAN, (e + 127).clamp(0, 254)).to(torch.uint8)

@@ -1,4 +1,5 @@
-"""``@triton.jit`` helpers shared by the ops' kernels: exact rounding and unfused products.
+"""``@triton.jit`` helpers shared by the ops' kernels: exact rounding, unfused products, and
+the clamp and amax that keep a NaN as PyTorch does (``docs/ops.md``, non-finite inputs).
 
 Each takes ``SOFT_ROUNDING`` (``prepfuse._compat.triton_interpret_mode()`` at launch): on a
 GPU the hardware instruction already rounds as PyTorch does; triton's CPU interpreter does
@@ -30,7 +31,7 @@ if has_triton():
 
     @triton.jit
     def _to_e4m3_bits(v, SOFT_ROUNDING: tl.constexpr):
-        """fp32 in [-448, 448] -> e4m3fn code byte, round to nearest even.
+        """fp32 in [-448, 448] or NaN -> e4m3fn code byte, round to nearest even.
 
         Under the interpreter (whose fp8 cast rounds half up and drops the carry into
         the exponent) the value is first rounded onto the e4m3 grid exactly with
@@ -47,8 +48,35 @@ if has_triton():
             units = (signif + (1 << (shift - 1)) - 1 + ((signif >> shift) & 1)) >> shift
             quantum = ((tl.maximum(exp, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
             rounded = units.to(tl.float32) * quantum
-            v = (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            rounded = (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+            codes = rounded.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            # NaN: the interpreter's cast does not give e4m3's NaN code (the GPU's does)
+            return tl.where(v != v, 0x7F, codes).to(tl.uint8)
+        else:
+            return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+    @triton.jit
+    def _clamp_e4m3(x):
+        """clamp(x, -448, 448) with torch.clamp's NaN: NaN stays NaN (then e4m3's NaN code;
+        the GPU's satfinite convert keeps it). ``tl.minimum``/``tl.maximum`` return the
+        other operand for a NaN, which stored a NaN as -448."""
+        low = tl.maximum(x, -448.0, propagate_nan=tl.PropagateNan.ALL)
+        return tl.minimum(low, 448.0, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _max_keep_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _amax(x, axis: tl.constexpr):
+        """max |x| along ``axis``, NaN when any value is NaN, as ``torch.amax`` (``tl.max``
+        skips NaNs). With ``_finite`` it tells a block that has no power-of-two scale."""
+        return tl.reduce(tl.abs(x), axis, _max_keep_nan)
+
+    @triton.jit
+    def _finite(amax):
+        """True where ``amax`` (of ``_amax``) is finite: False for NaN and for infinity."""
+        return amax <= 3.4028234663852886e38
 
     @triton.jit
     def _mul_rn(a, b, SOFT_ROUNDING: tl.constexpr):

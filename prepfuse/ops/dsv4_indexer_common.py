@@ -33,6 +33,8 @@ Math, per query head and per key row (x: 128 values, fp32)::
         nibble = e2m1(x * 2^-e)  (round to nearest even, saturating at +-6; bit 3 the sign)
         byte j of a block = nibble(x[2j]) | nibble(x[2j+1]) << 4  (even element low)
         scale byte = e + 127 (UE8M0: value = nibble * 2^(byte - 127))
+    a row (fp8) or block (mxfp4) holding a NaN or an infinity has no scale: fp8 scale
+    NaN (so the head's weight is NaN) and codes 0x7F; mxfp4 scale byte 0xFF, nibbles 0
 
 Choices and sources (vLLM is the production reference; see docs/ops.md):
 
@@ -63,7 +65,7 @@ from __future__ import annotations
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
-from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj
+from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj, ue8m0_bytes
 from prepfuse.ops._checks import (
     can_read_index_values,
     check_size,
@@ -96,8 +98,11 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
+        _amax,
         _ceil_log2_ratio,
         _exp2_int,
+        _finite,
+        _max_keep_nan,
         _rope_pairs_split,
         _to_bf16,
         _to_e2m1_code,
@@ -124,36 +129,48 @@ if has_triton():
         return nope_even, nope_odd, rot_even, rot_odd
 
     @triton.jit
-    def _fp8_codes(even, odd, inv, SOFT_ROUNDING: tl.constexpr):
-        """Pairs [R, 32] times ``inv [R, 1]`` -> their e4m3 code bytes [R, 64], in order."""
+    def _fp8_codes(even, odd, inv, finite, SOFT_ROUNDING: tl.constexpr):
+        """Pairs [R, 32] times ``inv [R, 1]`` -> their e4m3 code bytes [R, 64], in order
+        (0x7F, NaN, in rows not ``finite [R, 1]``)."""
         code_even = _to_e4m3_bits(tl.minimum(tl.maximum(even * inv, -448.0), 448.0), SOFT_ROUNDING)
         code_odd = _to_e4m3_bits(tl.minimum(tl.maximum(odd * inv, -448.0), 448.0), SOFT_ROUNDING)
-        return tl.reshape(tl.join(code_even, code_odd), even.shape[:-1] + [64])
+        codes = tl.reshape(tl.join(code_even, code_odd), even.shape[:-1] + [64])
+        return tl.where(finite, codes, 0x7F)
 
     @triton.jit
     def _quant_fp8(nope_even, nope_odd, rot_even, rot_odd, SOFT_ROUNDING: tl.constexpr):
-        """One scale per row of 128 -> (codes of dims 0..63 [R, 64], of 64..127 [R, 64], exponent [R])."""
-        amax = tl.maximum(
-            tl.maximum(tl.max(tl.abs(nope_even), axis=1), tl.max(tl.abs(nope_odd), axis=1)),
-            tl.maximum(tl.max(tl.abs(rot_even), axis=1), tl.max(tl.abs(rot_odd), axis=1)),
+        """One scale per row of 128 -> (codes of dims 0..63 [R, 64], of 64..127 [R, 64], the
+        fp32 scale 2^e's bits [R] uint32). A row holding a NaN or an infinity has no scale:
+        NaN scale, NaN codes (docs/ops.md, non-finite inputs)."""
+        amax = _max_keep_nan(
+            _max_keep_nan(_amax(nope_even, 1), _amax(nope_odd, 1)),
+            _max_keep_nan(_amax(rot_even, 1), _amax(rot_odd, 1)),
         )
+        finite = _finite(amax)
         e = _ceil_log2_ratio(tl.maximum(amax, 1e-4), 8, 0x600000)  # 448 = 1.75 * 2^8
         inv = _exp2_int(-e)[:, None]
-        return _fp8_codes(nope_even, nope_odd, inv, SOFT_ROUNDING), _fp8_codes(rot_even, rot_odd, inv, SOFT_ROUNDING), e
+        scale_bits = tl.where(finite, (e + 127).to(tl.uint32) << 23, 0x7FC00000)
+        nope = _fp8_codes(nope_even, nope_odd, inv, finite[:, None], SOFT_ROUNDING)
+        return nope, _fp8_codes(rot_even, rot_odd, inv, finite[:, None], SOFT_ROUNDING), scale_bits
 
     @triton.jit
     def _quant_mxfp4_half(even, odd):
-        """64 values as pairs [R, 32] = two blocks of 32 -> (packed bytes [R, 32], exponents [R, 2])."""
+        """64 values as pairs [R, 32] = two blocks of 32 -> (packed bytes [R, 32], UE8M0
+        scale bytes [R, 2]). A block holding a NaN or an infinity has no scale: byte 0xFF
+        (UE8M0's NaN), nibbles 0 (docs/ops.md, non-finite inputs)."""
         # shapes inline: a list bound to a name becomes a tuple of tensors on the GPU
         # compiler (not in the CPU interpreter), which tl.reshape rejects
         even = tl.reshape(even, even.shape[:-1] + [2, 16])
         odd = tl.reshape(odd, odd.shape[:-1] + [2, 16])
-        amax = tl.maximum(tl.max(tl.abs(even), axis=2), tl.max(tl.abs(odd), axis=2))
+        amax = _max_keep_nan(_amax(even, 2), _amax(odd, 2))
+        finite = _finite(amax)
         e = _ceil_log2_ratio(tl.maximum(amax, 6.0 * 2.0**-126), 2, 0x400000)  # 6 = 1.5 * 2^2
         e = tl.minimum(tl.maximum(e, -127), 127)  # never binds for finite bf16 input
         inv = _exp2_int(-e)[:, :, None]
         packed = _to_e2m1_code(even * inv) | (_to_e2m1_code(odd * inv) << 4)
-        return tl.reshape(packed.to(tl.uint8), even.shape[:-2] + [32]), e
+        packed = tl.where(finite[:, :, None], packed, 0)
+        scale_bytes = tl.where(finite, e + 127, 255).to(tl.uint8)
+        return tl.reshape(packed.to(tl.uint8), even.shape[:-2] + [32]), scale_bytes
 
     @triton.jit
     def _dsv4_indexer_rope_quant_insert_kernel(
@@ -212,22 +229,22 @@ if has_triton():
             w = tl.load(w_ptr + t * stride_wt + heads, mask=in_h, other=0.0).to(tl.float32)
             out = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
             if MXFP4:
-                nope_packed, nope_e = _quant_mxfp4_half(ne, no)
-                rope_packed, rope_e = _quant_mxfp4_half(re, ro)
+                nope_packed, nope_scales = _quant_mxfp4_half(ne, no)
+                rope_packed, rope_scales = _quant_mxfp4_half(re, ro)
                 tl.store(out + d32, nope_packed, mask=in_h[:, None])
                 tl.store(out + 32 + d32, rope_packed, mask=in_h[:, None])
                 b = tl.arange(0, 2)[None, :]
                 scales = q_scale_ptr + t * stride_st + heads[:, None] * stride_sh + b
-                tl.store(scales, (nope_e + 127).to(tl.uint8), mask=in_h[:, None])
-                tl.store(scales + 2, (rope_e + 127).to(tl.uint8), mask=in_h[:, None])
+                tl.store(scales, nope_scales, mask=in_h[:, None])
+                tl.store(scales + 2, rope_scales, mask=in_h[:, None])
                 # the block scales travel with q: weights carry no q scale
                 w_out = w * weights_scale
             else:
-                nope_codes, rope_codes, e = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
+                nope_codes, rope_codes, scale_bits = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
                 tl.store(out + d64, nope_codes, mask=in_h[:, None])
                 tl.store(out + 64 + d64, rope_codes, mask=in_h[:, None])
                 # the head's scale 2^e is folded into its weight (exact: a power of two)
-                w_out = (w * _exp2_int(e)) * weights_scale
+                w_out = (w * scale_bits.to(tl.float32, bitcast=True)) * weights_scale
             tl.store(w_out_ptr + t * stride_wot + heads, w_out, mask=in_h)
         else:
             r = pid - n_q_programs
@@ -241,23 +258,23 @@ if has_triton():
                 ne, no, re, ro = _load_rotated_pairs(k_row, d64 >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
                 block = cache_ptr + blk * stride_cache_block
                 if MXFP4:
-                    nope_packed, nope_e = _quant_mxfp4_half(ne, no)
-                    rope_packed, rope_e = _quant_mxfp4_half(re, ro)
+                    nope_packed, nope_scales = _quant_mxfp4_half(ne, no)
+                    rope_packed, rope_scales = _quant_mxfp4_half(re, ro)
                     data = block + row * 64
                     tl.store(data + d32, nope_packed)
                     tl.store(data + 32 + d32, rope_packed)
                     b = tl.arange(0, 2)[None, :]
                     scales = block + block_size * 64 + row * 4 + b
-                    tl.store(scales, (nope_e + 127).to(tl.uint8))
-                    tl.store(scales + 2, (rope_e + 127).to(tl.uint8))
+                    tl.store(scales, nope_scales)
+                    tl.store(scales + 2, rope_scales)
                 else:
-                    nope_codes, rope_codes, e = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
+                    nope_codes, rope_codes, scale_bits = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
                     data = block + row * 128
                     tl.store(data + d64, nope_codes)
                     tl.store(data + 64 + d64, rope_codes)
                     # the fp32 scale 2^e as 4 little-endian bytes (byte stores: no alignment needed)
                     b = tl.arange(0, 4)[None, :]
-                    bits = (e + 127).to(tl.uint32)[:, None] << 23
+                    bits = scale_bits[:, None]
                     tl.store(block + block_size * 128 + row * 4 + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8))
 
 
@@ -354,11 +371,14 @@ def e2m1_codes_reference(v: torch.Tensor) -> torch.Tensor:
 def mxfp4_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks of 32 of ``x [..., 128]`` fp32: (packed [..., 64] uint8, UE8M0 bytes [..., 4])."""
     blocks = x.unflatten(-1, (MXFP4_BLOCKS, MXFP4_BLOCK))
-    amax = blocks.abs().amax(dim=-1).clamp_min(MXFP4_AMAX_FLOOR)
-    e = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-127, 127)
+    amax = blocks.abs().amax(dim=-1)  # NaN when the block holds one
+    e = torch.ceil(torch.log2(amax.clamp_min(MXFP4_AMAX_FLOOR) / E2M1_MAX)).clamp(-127, 127)
+    finite = amax.isfinite()  # a block holding a NaN or an infinity has no scale
+    e = torch.where(finite, e, torch.nan)
     codes = e2m1_codes_reference(blocks * torch.exp2(-e).unsqueeze(-1))
+    codes = torch.where(finite.unsqueeze(-1), codes, 0)  # e2m1 has no NaN: the 0xFF scale says it
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # even element in the low nibble
-    return packed.flatten(-2), (e + 127).to(torch.uint8)
+    return packed.flatten(-2), ue8m0_bytes(e)
 
 
 def write_cache_rows(

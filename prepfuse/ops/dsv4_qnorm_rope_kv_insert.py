@@ -29,7 +29,8 @@ KV path, per inserted row::
     rope dims 448..511 as above (no norm), rounded to bf16
     7 blocks of 64 NoPE values: amax = max(max|x|, 1e-4); e = ceil(log2(amax/448))
         fp8 = e4m3(clamp(x * 2^-e, -448, 448))  (round to nearest even)
-        scale byte = clamp(e + 127, 0, 255)      (UE8M0: value = fp8 * 2^(byte-127))
+        scale byte = e + 127                     (UE8M0: value = fp8 * 2^(byte-127))
+    a block holding a NaN or an infinity: scale byte 0xFF (UE8M0's NaN), codes 0x7F
 
 Cache layout ``fp8_ds_mla``: slot s is block b = s // block_size, row i = s % block_size;
 bytes [b*S + i*576, +448) hold the fp8 NoPE values, [+448, +576) the 64 roped values
@@ -50,7 +51,7 @@ from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
 from prepfuse.ops._indices import clamped_positions, written_rows
 from prepfuse.ops._library import define_op
-from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj
+from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj, ue8m0_bytes
 
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -76,7 +77,7 @@ if has_triton():
     import triton
     import triton.language as tl
 
-    from prepfuse.ops._triton_helpers import _rope_pairs_split, _to_bf16, _to_e4m3_bits
+    from prepfuse.ops._triton_helpers import _amax, _finite, _rope_pairs_split, _to_bf16, _to_e4m3_bits
 
     @triton.jit
     def _rope_pairs(y, cs_row, SOFT_ROUNDING: tl.constexpr):
@@ -139,7 +140,11 @@ if has_triton():
                 c = tl.arange(0, 64)
                 in_nope = (r < 7)[:, None]
                 x = tl.load(kv_row + r[:, None] * 64 + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+                # a block holding a NaN or an infinity has no scale: it is stored as NaN
+                # (scale byte 0xFF, every code 0x7F; docs/ops.md, non-finite inputs)
+                amax = _amax(x, 1)
+                finite = _finite(amax)
+                amax = tl.maximum(amax, 1e-4)
                 # e = ceil(log2(amax / 448)) read exactly off amax's bits: with
                 # amax = m * 2^E (1 <= m < 2) and 448 = 1.75 * 2^8, e is E - 8, or
                 # E - 7 when m > 1.75. No division or log2 whose rounding could flip
@@ -148,9 +153,9 @@ if has_triton():
                 e = ((amax_bits >> 23) & 0xFF) - 127 - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
                 inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
                 scaled = tl.minimum(tl.maximum(x * inv_scale[:, None], -448.0), 448.0)
-                codes = _to_e4m3_bits(scaled, SOFT_ROUNDING)
+                codes = tl.where(finite[:, None], _to_e4m3_bits(scaled, SOFT_ROUNDING), 0x7F)
                 tl.store(data + r[:, None] * 64 + c[None, :], codes, mask=in_nope)
-                scale_byte = tl.minimum(tl.maximum(e + 127, 0), 255)
+                scale_byte = tl.where(finite, tl.minimum(tl.maximum(e + 127, 0), 254), 255)
                 tl.store(scales + r, tl.where(r < 7, scale_byte, 0).to(tl.uint8))
 
                 # RoPE on dims 448..511 (no norm), rounded to bf16
@@ -250,23 +255,26 @@ def q_prep_reference(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: to
     return torch.cat((y[..., :NOPE_DIM], rope), dim=-1)
 
 
-def ue8m0_fp8_quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ue8m0_fp8_quant_reference(x: torch.Tensor, *, non_finite_blocks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-64 UE8M0 e4m3 quantisation of ``x [..., 448]`` fp32.
 
-    Returns (fp8 codes [..., 448] uint8, scale bytes [..., 7] uint8).
+    Returns (fp8 codes [..., 448] uint8, scale bytes [..., 7] uint8); ``non_finite_blocks``:
+    the op's rule for a block holding a NaN or an infinity (``e4m3_pow2_quant``), else the
+    models' math, which leaves such a block undefined.
     """
-    codes, e = e4m3_pow2_quant(x.unflatten(-1, (N_QUANT_BLOCKS, QUANT_BLOCK)), AMAX_FLOOR)
-    return codes.flatten(-2), (e + 127).clamp(0, 255).to(torch.uint8)
+    blocks = x.unflatten(-1, (N_QUANT_BLOCKS, QUANT_BLOCK))
+    codes, e = e4m3_pow2_quant(blocks, AMAX_FLOOR, non_finite_blocks=non_finite_blocks)
+    return codes.flatten(-2), ue8m0_bytes(e, non_finite_blocks=non_finite_blocks)
 
 
 def kv_cache_rows_reference(
-    kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *, non_finite_blocks: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The bytes one kv row becomes: (data [T, 576] uint8, scales [T, 8] uint8)."""
     x = kv.float()
     cs = cos_sin_cache[positions]
     rope = rope_gptj(x[:, NOPE_DIM:], cs[:, : ROPE_DIM // 2], cs[:, ROPE_DIM // 2 :]).to(torch.bfloat16)
-    codes, scale_bytes = ue8m0_fp8_quant_reference(x[:, :NOPE_DIM])
+    codes, scale_bytes = ue8m0_fp8_quant_reference(x[:, :NOPE_DIM], non_finite_blocks=non_finite_blocks)
     data = torch.cat((codes, rope.contiguous().view(torch.uint8)), dim=-1)
     scales = torch.cat((scale_bytes, scale_bytes.new_zeros(scale_bytes.shape[0], 1)), dim=-1)
     return data, scales
@@ -296,22 +304,24 @@ def write_rows(k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, 
 
 
 def unchecked_reference(
-    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *, all_slots_valid: bool = False,
+    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *, as_baseline: bool = False,
 ) -> None:
     """The op in plain PyTorch, unchecked (``define_op`` runs the checks first).
 
-    ``all_slots_valid``: every index value is valid (slots distinct and in the cache,
-    positions in the table): write every row without filtering skipped (negative) slots,
-    which needs a boolean mask, i.e. a host sync, and read positions as they are:
-    capturable, for the benchmarks' unfused baseline (``prepfuse.models.dsv4_prep_unfused``)."""
-    if not all_slots_valid:  # the kernel's reading of positions outside the table (``_indices``)
+    ``as_baseline``: the benchmarks' unfused baseline (``prepfuse.models.dsv4_prep_unfused``),
+    capturable, as model code writes it: every index value is trusted valid (slots distinct
+    and in the cache, positions in the table), so every row is written without filtering
+    skipped (negative) slots, which needs a boolean mask, i.e. a host sync, and positions are
+    read as they are; blocks are quantised without the non-finite rule (the models' math)."""
+    if not as_baseline:  # the kernel's reading of positions outside the table (``_indices``)
         positions = clamped_positions(positions, cos_sin_cache.shape[0])
     num_heads = q.shape[1]
     q_out[:, :num_heads] = q_prep_reference(q, positions, cos_sin_cache, eps).to(torch.bfloat16)
     q_out[:, num_heads:] = 0
     n_insert = slot_mapping.shape[0]
-    data, scales = kv_cache_rows_reference(kv[:n_insert], positions[:n_insert], cos_sin_cache)
-    (write_rows if all_slots_valid else insert_rows_reference)(k_cache, data, scales, slot_mapping, block_size)
+    data, scales = kv_cache_rows_reference(kv[:n_insert], positions[:n_insert], cos_sin_cache,
+                                           non_finite_blocks=not as_baseline)
+    (write_rows if as_baseline else insert_rows_reference)(k_cache, data, scales, slot_mapping, block_size)
 
 
 # --------------------------------------------------------------------------------------

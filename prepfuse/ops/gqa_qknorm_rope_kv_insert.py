@@ -95,7 +95,7 @@ if has_triton():
     import triton
     import triton.language as tl
 
-    from prepfuse.ops._triton_helpers import _mul_rn, _to_bf16, _to_e4m3_bits
+    from prepfuse.ops._triton_helpers import _clamp_e4m3, _mul_rn, _to_bf16, _to_e4m3_bits
 
     @triton.jit
     def _weighted(x, rstd, w_ptr, dims, HAS_NORM: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
@@ -200,8 +200,7 @@ if has_triton():
             scale = tl.load(scale_ptr)
             # a true, correctly rounded division (vLLM's scaled_convert), not x * (1/scale)
             scaled = tl.div_rn(values.to(tl.float32), scale)
-            scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-            tl.store(ptrs, _to_e4m3_bits(scaled, SOFT_ROUNDING), mask=mask)
+            tl.store(ptrs, _to_e4m3_bits(_clamp_e4m3(scaled), SOFT_ROUNDING), mask=mask)
         else:
             tl.store(ptrs, values, mask=mask)
 
@@ -411,13 +410,13 @@ def quantize_cache_reference(x: torch.Tensor, kv_scale: torch.Tensor | None) -> 
 
 
 def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, *,
-                           all_slots_valid: bool = False) -> None:
+                           as_baseline: bool = False) -> None:
     """Write ``rows [T', Hkv, D]`` at ``slots`` of ``cache [NB, BS, Hkv, D]`` as the kernel
     does (``_indices.written_rows``: negative and out-of-cache slots skipped, a duplicated
     slot written by its last token; a host sync on CUDA, as befits the oracle), unless the
     caller says every slot is valid and distinct (the capturable baseline)."""
     block_size = cache.shape[1]
-    if not all_slots_valid:
+    if not as_baseline:
         keep = written_rows(slots, cache.shape[0] * block_size)
         slots, rows = slots[keep], rows[keep]
     # through uint8 views: index_put has no float8 kernel on every device
@@ -426,17 +425,17 @@ def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch
 
 def sources_reference(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, *, all_slots_valid: bool = False,
+    kv_scale, is_neox, eps, *, as_baseline: bool = False,
 ) -> None:
     """Both GQA ops in plain PyTorch, unchecked (``define_op`` runs the checks first), from
     q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``: the separate op's reference as it stands, the
     fused op's on qkv's column ranges (``on_qkv_columns``).
 
-    ``all_slots_valid`` promises distinct slots inside the caches and positions inside the
+    ``as_baseline`` promises distinct slots inside the caches and positions inside the
     table, so no row is filtered (a boolean mask would sync the host) and no position
     clamped: the capturable form the benchmarks' unfused baseline runs
     (``prepfuse.models.gqa_prep_unfused``)."""
-    if not all_slots_valid:  # the kernel's reading of positions outside the table (``_indices``)
+    if not as_baseline:  # the kernel's reading of positions outside the table (``_indices``)
         positions = clamped_positions(positions, cos_sin_cache.shape[0])
     head_dim = q_out.shape[2]
     q_vals, k_rows, v_rows = prepared_heads_reference(
@@ -444,8 +443,8 @@ def sources_reference(
         q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0], is_neox, eps,
     )
     q_out.copy_(q_vals)
-    insert_cache_reference(k_cache, k_rows, slot_mapping, all_slots_valid=all_slots_valid)
-    insert_cache_reference(v_cache, v_rows, slot_mapping, all_slots_valid=all_slots_valid)
+    insert_cache_reference(k_cache, k_rows, slot_mapping, as_baseline=as_baseline)
+    insert_cache_reference(v_cache, v_rows, slot_mapping, as_baseline=as_baseline)
 
 
 def on_qkv_columns(impl):

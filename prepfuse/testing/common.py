@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Q_POISON", "CACHE_POISON", "poisoned_like", "fresh_generator", "random_slots", "rope_cos_sin_cache", "bf16_ulp_diff", "e4m3_code_diff", "call_with_fake_tensors"]
+__all__ = ["Q_POISON", "CACHE_POISON", "poisoned_like", "fresh_generator", "seeded_generator", "random_slots", "rope_cos_sin_cache", "bf16_ulp_diff", "e4m3_code_diff", "call_with_fake_tensors"]
 
 Q_POISON = -123.0
 CACHE_POISON = 0xA5
@@ -28,6 +28,13 @@ def fresh_generator(generator: torch.Generator | None) -> torch.Generator:
         generator = torch.Generator()
         generator.seed()
     return generator
+
+
+def seeded_generator() -> tuple[torch.Generator, int]:
+    """(a new CPU generator, its seed): a fresh nondeterministic seed that a failure message
+    can carry, so the failing data can be drawn again."""
+    generator = torch.Generator()
+    return generator, generator.seed()
 
 
 def random_slots(

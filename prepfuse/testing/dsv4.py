@@ -3,6 +3,7 @@ comparison the spec bounds (bf16 ULPs of q, fp8 codes of the cache)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,7 +13,7 @@ from prepfuse.testing.common import (
     Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
 )
 
-__all__ = ["Dsv4Inputs", "make_dsv4_inputs", "Dsv4Comparison", "fp8_data_byte_mask", "compare_dsv4_q", "compare_dsv4"]
+__all__ = ["Dsv4Inputs", "make_dsv4_inputs", "exact_rms_q", "Dsv4Comparison", "fp8_data_byte_mask", "compare_dsv4_q", "compare_dsv4"]
 
 
 @dataclass
@@ -88,6 +89,52 @@ def make_dsv4_inputs(
         block_size=block_size,
     )
     return inputs.fresh_outputs()
+
+
+# a * a + b * b -> (a, b) for 0 <= a <= b <= 64
+_TWO_SQUARES: dict[int, tuple[int, int]] = {}
+for _a in range(65):
+    for _b in range(_a, 65):
+        _TWO_SQUARES.setdefault(_a * _a + _b * _b, (_a, _b))
+
+
+def exact_rms_q(num_tokens: int, num_heads: int, generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    """Random q [T, H, 512] bf16 and an eps for which the RMS needs no rounding at all.
+
+    q is integers in [-64, 64] times 2^k (one k per call, in [-20, 10]) and eps is
+    e0^2 * 2^(2k-10), e0 in [1, 2048]: each head's sum of squares is exact in fp32 in any
+    order (at most 512 * 64^2 = 2^21 units of 2^(2k)), and two entries of each head are
+    chosen so that mean(x^2) + eps = (M * 2^(k-5))^2 exactly (M^2 < 2^24), which makes
+    the sqrt exact too. All implementations then share every value up to
+    y = x * (1/rms), and "bit for bit" is a deterministic claim.
+
+    Why not any q: torch's fp32 sqrt on CPU is not correctly rounded (MKL VML: 1 ULP off
+    for ~15% of inputs), and the kernel sums in another order; with a random RMS either
+    one flips a rare bf16 rounding.
+    """
+    def draw(*shape):
+        return torch.randint(-64, 65, shape, generator=generator)
+
+    k = int(torch.randint(-20, 11, (1,), generator=generator))
+    e0 = int(torch.randint(1, 2049, (1,), generator=generator))
+    ints = draw(num_tokens, num_heads, 512)
+    if num_tokens:
+        ints[0, 0] = 0  # a head of zeros: y = 0 * (1/sqrt(eps))
+    for head in ints.view(-1, 512):
+        while True:
+            # 2 * sum(x^2) + e0^2 = M^2 with x[0]^2 + x[1]^2 = need, M = e0 (mod 2)
+            rest = int((head[2:] ** 2).sum())
+            m = math.isqrt(2 * rest + e0 * e0 - 1) + 1
+            m += (m - e0) % 2
+            while (need := (m * m - e0 * e0) // 2 - rest) <= 2 * 64 * 64 and need not in _TWO_SQUARES:
+                m += 2
+            if need in _TWO_SQUARES:
+                signs = torch.where(draw(2) >= 0, 1, -1)
+                head[:2] = signs * torch.tensor(_TWO_SQUARES[need])
+                break
+            head[2:] = draw(510)  # no two squares fit: draw the rest of the head again
+    q = ints.float() * 2.0**k
+    return q.to(torch.bfloat16), e0 * e0 * 2.0 ** (2 * k - 10)
 
 
 @dataclass

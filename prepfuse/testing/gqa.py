@@ -11,7 +11,7 @@ from prepfuse.testing.common import (
     Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
 )
 
-__all__ = ["GqaInputs", "make_gqa_inputs", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
+__all__ = ["GqaInputs", "make_gqa_inputs", "exact_sum_qkv", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
 
 
 @dataclass
@@ -144,6 +144,21 @@ def make_gqa_inputs(
         eps=eps,
     )
     return inputs.fresh_outputs()
+
+
+def exact_sum_qkv(inputs: GqaInputs, generator: torch.Generator) -> GqaInputs:
+    """The same inputs with qkv replaced by integers in [-64, 64] times 2^k, one k per head
+    in [-20, 10]: a head's sum of squares (at most 256 * 2^12 units of 2^(2k)) is exact in
+    fp32 in any order, so kernel and reference share mean(x^2) and hence the norm."""
+    qkv = inputs.qkv
+    num_tokens, width = qkv.shape
+    n_heads = width // inputs.head_dim
+    ints = torch.randint(-64, 65, (num_tokens, n_heads, inputs.head_dim), generator=generator).float()
+    powers = torch.exp2(torch.randint(-20, 11, (num_tokens, n_heads, 1), generator=generator).float())
+    values = (ints * powers).flatten(1).to(torch.bfloat16)
+    qkv = qkv.clone() if qkv.is_contiguous() else torch.empty_strided(qkv.shape, qkv.stride(), dtype=qkv.dtype)
+    qkv.copy_(values)
+    return replace(inputs, qkv=qkv.to(inputs.q_out.device))
 
 
 @dataclass

@@ -43,6 +43,7 @@ from prepfuse.testing import (
     compare_dsv4_indexer,
     indexer_written_bytes,
     make_dsv4_indexer_inputs,
+    seeded_generator,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,13 +68,8 @@ def impl_of(fmt: str, which: str):
     return REFERENCES[fmt] if which == "reference" else KERNELS[fmt]
 
 
-def new_generator() -> tuple[torch.Generator, int]:
-    generator = torch.Generator()
-    return generator, generator.seed()
-
-
 def indexer_inputs(fmt, num_tokens, num_heads, block_size, device, **options) -> tuple[Dsv4IndexerInputs, int]:
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     return make_dsv4_indexer_inputs(fmt, num_tokens, num_heads, block_size, device, generator=generator, **options), seed
 
 
@@ -293,7 +289,7 @@ def k_slot(out: Dsv4IndexerInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("which", ["reference", pytest.param("triton", marks=needs_triton)])
 def test_fp8_scale_at_power_of_two_floor_and_weights(which):
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     q = (torch.rand(128, generator=generator) * 80 - 40)
     q[7], q[100] = 56.0, -56.0  # amax / 448 = 2^-3 exactly
     k = torch.zeros(128)  # all zero: amax floored to 1e-4, scale 2^ceil(log2(1e-4/448)) = 2^-22
@@ -314,7 +310,7 @@ def test_mxfp4_ties_saturation_sign_and_nibble_order(which):
     unscaled: the ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to the even code, -5.5
     saturates, small negatives keep their sign. Block 1 is all -0.0 (floor scale, sign
     nibbles); block 2 (rotated dims) has amax 6.25, so e = 1; block 3 is tiny values."""
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     x = torch.zeros(128)
     x[:16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -5.5, 0.5, -1.0, 3.0, 4.0, 0.1, -0.1])
     x[32:64] = -0.0

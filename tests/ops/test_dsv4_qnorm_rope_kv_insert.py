@@ -36,7 +36,9 @@ from prepfuse.ops import (
     dsv4_qnorm_rope_kv_insert_triton,
 )
 from tests.ops.bad_inputs import assert_rejected, changed
-from prepfuse.testing import CACHE_POISON, Dsv4Inputs, call_with_fake_tensors, compare_dsv4, make_dsv4_inputs
+from prepfuse.testing import (
+    CACHE_POISON, Dsv4Inputs, call_with_fake_tensors, compare_dsv4, exact_rms_q, make_dsv4_inputs, seeded_generator,
+)
 
 # Where kernels run: compiled on a CUDA device when there is one, else triton's CPU
 # interpreter (tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA).
@@ -55,60 +57,9 @@ IMPLS = [
 ]
 
 
-def new_generator() -> tuple[torch.Generator, int]:
-    """A CPU generator with a fresh, nondeterministic seed (the global RNG is left alone)."""
-    generator = torch.Generator()
-    return generator, generator.seed()
-
-
-# a * a + b * b -> (a, b) for 0 <= a <= b <= 64
-TWO_SQUARES = {}
-for _a in range(65):
-    for _b in range(_a, 65):
-        TWO_SQUARES.setdefault(_a * _a + _b * _b, (_a, _b))
-
-
-def exact_rms_q(num_tokens: int, num_heads: int, generator: torch.Generator) -> tuple[torch.Tensor, float]:
-    """Random q [T, H, 512] bf16 and an eps for which the RMS needs no rounding at all.
-
-    q is integers in [-64, 64] times 2^k (one k per call, in [-20, 10]) and eps is
-    e0^2 * 2^(2k-10), e0 in [1, 2048]: each head's sum of squares is exact in fp32 in any
-    order (at most 512 * 64^2 = 2^21 units of 2^(2k)), and two entries of each head are
-    chosen so that mean(x^2) + eps = (M * 2^(k-5))^2 exactly (M^2 < 2^24), which makes
-    the sqrt exact too. All implementations then share every value up to
-    y = x * (1/rms), and the bound's "bit for bit on small inputs" is a deterministic claim.
-
-    Why not any q: torch's fp32 sqrt on CPU is not correctly rounded (MKL VML: 1 ULP off
-    for ~15% of inputs), and the kernel sums in another order; with a random RMS either
-    one flips a rare bf16 rounding.
-    """
-    def draw(*shape):
-        return torch.randint(-64, 65, shape, generator=generator).numpy()
-
-    k = int(torch.randint(-20, 11, (1,), generator=generator))
-    e0 = int(torch.randint(1, 2049, (1,), generator=generator))
-    ints = draw(num_tokens, num_heads, 512)
-    if num_tokens:
-        ints[0, 0] = 0  # a head of zeros: y = 0 * (1/sqrt(eps))
-    for head in ints.reshape(-1, 512):
-        while True:
-            # 2 * sum(x^2) + e0^2 = M^2 with x[0]^2 + x[1]^2 = need, M = e0 (mod 2)
-            rest = int((head[2:] ** 2).sum())
-            m = math.isqrt(2 * rest + e0 * e0 - 1) + 1
-            m += (m - e0) % 2
-            while (need := (m * m - e0 * e0) // 2 - rest) <= 2 * 64 * 64 and need not in TWO_SQUARES:
-                m += 2
-            if need in TWO_SQUARES:
-                head[:2] = np.where(draw(2) >= 0, 1, -1) * TWO_SQUARES[need]
-                break
-            head[2:] = draw(510)  # no two squares fit: draw the rest of the head again
-    q = torch.from_numpy(ints).float() * 2.0**k
-    return q.to(torch.bfloat16), e0 * e0 * 2.0 ** (2 * k - 10)
-
-
 def dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, device, *, exact_q=True, **kwargs):
     """``make_dsv4_inputs`` with a fresh seed, q and eps optionally from ``exact_rms_q``; (inputs, seed)."""
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, device, generator=generator, **kwargs)
     if exact_q:
         q, eps = exact_rms_q(num_tokens, num_heads, generator)
@@ -287,7 +238,7 @@ def test_oracle_matches_reference_on_random_q():
     2^-7) plus 2^-16 absolute for RoPE outputs that cancel to near zero, where a one-ULP
     fp32 difference in the RMS is many bf16 ULPs of the tiny result.
     """
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_dsv4_inputs(7, 3, 8, 16, "cpu", generator=generator)
     expected_q, expected_cache = oracle(inputs)
     out = run(dsv4_qnorm_rope_kv_insert_reference, inputs)
@@ -302,7 +253,7 @@ def test_oracle_matches_reference_on_random_q():
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_ue8m0_scales_at_power_of_two_and_floor(impl):
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_dsv4_inputs(2, 1, 8, 16, "cpu", generator=generator, skip_fraction=0.0)
     kv = (torch.rand(2, 512, generator=generator) * 80 - 40).to(torch.bfloat16)  # |x| <= 40
     kv[0, 5], kv[0, 9] = 56.0, -56.0  # block 0: amax / 448 = 2^-3 exactly
@@ -330,7 +281,7 @@ def test_ue8m0_scales_at_power_of_two_and_floor(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_padded_heads_are_positive_zero_even_with_eps_zero(impl):
     """Padded heads are +0.0 bit for bit: not -0.0 (0 * -sin) and not NaN (0 / sqrt(0 + 0))."""
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_dsv4_inputs(3, 2, 8, 16, DEVICE, generator=generator, eps=0.0)
     out = run(impl, inputs)
     assert bool((out.q_out[:, 2:].view(torch.int16) == 0).all()), f"seed={seed}"
@@ -345,7 +296,7 @@ def test_rope_special_tables(impl, table):
     q rows are +-2^k, so after the norm every value of a head has one magnitude and the
     input's sign: the expected output is that exactly, with no rounding to argue about.
     """
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     num_tokens, num_heads = 5, 3
     inputs = make_dsv4_inputs(num_tokens, num_heads, 8, 16, "cpu", generator=generator, skip_fraction=0.0)
     signs = torch.randint(0, 2, (num_tokens, num_heads, 512), generator=generator).float() * 2 - 1
@@ -456,7 +407,7 @@ def test_triton_interpreter_odd_cache_layout(byte_offset, stride_pad):
 def test_triton_interpreter_random_q_within_tolerance():
     """Unconstrained q (summation order now matters): q to the tolerance of
     test_oracle_matches_reference_on_random_q; the cache, with no sums, byte for byte."""
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_dsv4_inputs(7, 16, 16, 64, "cpu", generator=generator)
     expected = run(dsv4_qnorm_rope_kv_insert_reference, inputs)
     actual = run(dsv4_qnorm_rope_kv_insert_triton, inputs)
@@ -507,7 +458,7 @@ def gpu_cases():
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, num_heads, padded_heads, block_size", list(gpu_cases()))
 def test_cuda_kernel_matches_reference(num_tokens, num_heads, padded_heads, block_size):
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cuda", generator=generator)
     expected = run(dsv4_qnorm_rope_kv_insert_reference, inputs)
     actual = run(DSV4_QNORM_ROPE_KV_INSERT, inputs)
@@ -648,7 +599,7 @@ def test_kv_only_call_with_no_q_heads(impl):
     """The call the pass emits for a kv side alone: q and q_out ``[T, 0, 512]``. The checks
     accept it, so every implementation runs it (the launcher had divided by
     next_power_of_2(0) == 0); the cache bytes are the reference's exactly."""
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_dsv4_inputs(5, 3, 8, 16, "cpu", generator=generator)
     inputs = dataclasses.replace(inputs, q=inputs.q[:, :0].contiguous(), q_out=inputs.q_out[:, :0].contiguous())
     got = run(impl, to_device(inputs, DEVICE))

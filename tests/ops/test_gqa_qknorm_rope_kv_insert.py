@@ -35,7 +35,9 @@ from prepfuse.ops import (
 )
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import rms_norm_reference
 from tests.ops.bad_inputs import assert_rejected, changed
-from prepfuse.testing import CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, make_gqa_inputs
+from prepfuse.testing import (
+    CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, exact_sum_qkv, make_gqa_inputs, seeded_generator,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -54,33 +56,13 @@ IMPLS = [
 ]
 
 
-def new_generator() -> tuple[torch.Generator, int]:
-    generator = torch.Generator()
-    return generator, generator.seed()
-
-
 def gqa_inputs(*shape, exact_sum=True, **options) -> tuple[GqaInputs, int]:
     """``make_gqa_inputs(*shape, **options)`` with a fresh seed; (inputs, seed)."""
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_gqa_inputs(*shape, generator=generator, **options)
     if exact_sum:
         inputs = exact_sum_qkv(inputs, generator)
     return inputs, seed
-
-
-def exact_sum_qkv(inputs: GqaInputs, generator: torch.Generator) -> GqaInputs:
-    """The same inputs with qkv replaced by integers in [-64, 64] times 2^k, one k per head
-    in [-20, 10]: a head's sum of squares (at most 256 * 2^12 units of 2^(2k)) is exact in
-    fp32 in any order, so kernel and reference share mean(x^2) and hence the norm."""
-    qkv = inputs.qkv
-    num_tokens, width = qkv.shape
-    n_heads = width // inputs.head_dim
-    ints = torch.randint(-64, 65, (num_tokens, n_heads, inputs.head_dim), generator=generator).float()
-    powers = torch.exp2(torch.randint(-20, 11, (num_tokens, n_heads, 1), generator=generator).float())
-    values = (ints * powers).flatten(1).to(torch.bfloat16)
-    qkv = qkv.clone() if qkv.is_contiguous() else torch.empty_strided(qkv.shape, qkv.stride(), dtype=qkv.dtype)
-    qkv.copy_(values)
-    return dataclasses.replace(inputs, qkv=qkv.to(inputs.q_out.device))
 
 
 def run(impl, inputs: GqaInputs) -> GqaInputs:
@@ -345,7 +327,7 @@ def to_device(inputs: GqaInputs, device) -> GqaInputs:
 def test_fp8_store_divides_saturates_and_rounds_to_nearest_even(impl):
     """kv_scale 0.5 (shape []), so the stored value is 2v: +-448 saturation, e4m3
     subnormals and ties (to the even code) at both ends of the range."""
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_gqa_inputs(1, 1, 1, 64, 16, "cpu", generator=generator, cache_dtype=FP8, skip_fraction=0.0)
     qkv = inputs.qkv.clone()
     v = torch.zeros(64)
@@ -367,7 +349,7 @@ def test_fp8_store_divides_saturates_and_rounds_to_nearest_even(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_rope_quarter_turn_moves_each_pair(impl, is_neox, rotary_dim):
     """cos=0, sin=1 maps each pair (a, b) to (-b, a), exactly; dims past R pass through."""
-    generator, seed = new_generator()
+    generator, seed = seeded_generator()
     inputs = make_gqa_inputs(3, 2, 1, 64, 16, "cpu", generator=generator, rotary_dim=rotary_dim,
                              is_neox=is_neox, norm=False, skip_fraction=0.0)
     half = rotary_dim // 2
