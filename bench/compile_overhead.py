@@ -1,6 +1,6 @@
 """Compile-time cost of prepfuse's passes: the demo model, and each case of the corpus of
 other people's code (``prepfuse.models.clients``: transformers' attention modules run
-engine-style), compiled with backend="prepfuse" with its passes (validating each rewrite on
+engine-style; ``prepfuse.models.engine_clients``: vLLM, SGLang, gpt-fast, nano-vllm), compiled with backend="prepfuse" with its passes (validating each rewrite on
 probes, the default), with its passes and ``validate="off"``, and with none (``passes=()``),
 fresh each time (no FX graph cache).
 
@@ -39,7 +39,9 @@ def demo_model(layers: int, device):
 def client_model(case):
     def build(layers: int, device):
         from prepfuse.models.clients import build_client
-        return build_client(case, num_layers=layers, device=device)
+        from prepfuse.models.engine_clients import EngineCase, build_engine_client
+        return (build_engine_client if isinstance(case, EngineCase) else build_client)(
+            case, num_layers=layers, device=device)
     return build
 
 
@@ -88,7 +90,8 @@ def main() -> None:
     models = {"demo (DeepSeek-V4 block)": demo_model}
     if not args.no_corpus:
         from prepfuse.models.clients import CLIENT_CASES
-        models.update({case.name: client_model(case) for case in CLIENT_CASES})
+        from prepfuse.models.engine_clients import ENGINE_CASES
+        models.update({case.name: client_model(case) for case in (*CLIENT_CASES, *ENGINE_CASES)})
     compile_seconds(demo_model, {}, args.layers, device)  # warm: imports, first-use costs of Inductor
     print(f"torch {torch.__version__}, {device}, {args.layers} layers, median of {args.repeats} fresh compiles")
     for name, build in models.items():

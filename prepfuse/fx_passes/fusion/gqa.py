@@ -52,6 +52,7 @@ from prepfuse.fx_passes.fusion.gqa_patterns import (
 from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
 from prepfuse.fx_passes.matching.layouts import apply_views, heads_major_as_token_major, strip_views, token_major_heads
+from prepfuse.fx_passes.matching.repeated_steps import merge_repeated_steps
 from prepfuse.fx_passes.matching.recognizers import aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
 from prepfuse.fx_passes.matching.validation import Checked
 from prepfuse.fx_passes.mutation_info import output_indices
@@ -82,6 +83,7 @@ class FuseGqaPrepPass(PrepfusePass):
                 str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
+        merge_repeated_steps(graph)  # one node per computation: vLLM's cos/sin cast per tensor, gpt-fast's pairs
         self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         self._order = {n: i for i, n in enumerate(graph.nodes)}
         heads = self._prepared_heads(graph)

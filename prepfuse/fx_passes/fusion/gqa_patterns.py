@@ -27,7 +27,7 @@ from prepfuse.fx_passes.matching.cache_writes import first_rows_of
 from prepfuse.fx_passes.matching.cos_sin import CosSin, cos_sin_operand
 from prepfuse.fx_passes.matching.layouts import (
     heads_major_as_token_major,
-    Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
+    Axis, Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
 )
 from prepfuse.fx_passes.matching.recognizers import (
     CONVERTS, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, describe,
@@ -94,23 +94,30 @@ def heads_view(node) -> tuple[torch.fx.Node, int, int, int, Layout]:
     one ...). ``layout`` is ``node``'s dims over the heads' columns (``layouts.py``)."""
     head_dim = shape(node)[-1]
     base, chain = strip_views(node)
-    first, cols = 0, base
+    first, src, start = 0, base, None
     found = last_dim_slice(base)
     if found is not None and len(shape(found[0])) == 2:  # columns of a 2-d qkv (slice or split)
         src, first, end, step = found
         expect(step == 1, f"heads: {describe(base)} takes every {step}th column of {describe(src)}")
-    else:
-        src = base
+    elif found is not None:  # columns of a qkv with batch dims ([B, S, W], gpt-fast) over a 2-d [T, W]
+        src, first, end, step = found
+        root, lead_chain = strip_views(src)
+        lead = apply_views(identity(root), lead_chain) if len(shape(root)) == 2 else None
+        if lead is not None and lead.dims[-1] == (Axis(1, shape(root)[1], 1),) and step == 1:
+            # the views keep the last dim whole: the slice's columns are columns of the 2-d root
+            start = Layout(lead.dims[:-1] + ((Axis(1, shape(base)[-1], 1),),))
+            src = root
     expect(isinstance(src, torch.fx.Node) and len(shape(src)) == 2 and chain,
            f"heads: {describe(node)} is not a view of columns of a 2-d qkv or projection (it is {describe(base)})")
-    layout = apply_views(identity(cols), chain)
-    expect(layout is not None, f"heads: {describe(node)} is a view of {describe(cols)} that moves values across heads")
-    found = token_major_heads(layout, shape(cols)[0], head_dim)
-    expect(found is not None or _heads_in_any_order(layout, shape(cols)[0], head_dim),
+    num_tokens, width = shape(src)[0], shape(base)[-1]
+    layout = apply_views(start or identity(base), chain)
+    expect(layout is not None, f"heads: {describe(node)} is a view of {describe(base)} that moves values across heads")
+    found = token_major_heads(layout, num_tokens, head_dim)
+    expect(found is not None or _heads_in_any_order(layout, num_tokens, head_dim),
            f"heads: {describe(node)} does not hold whole heads of {head_dim} columns of {describe(src)}")
-    num_heads = shape(cols)[1] // head_dim
-    expect(shape(cols)[1] == num_heads * head_dim, f"heads: columns [{first}, {first + shape(cols)[1]}) are not "
-                                                    f"whole heads of {head_dim}")
+    num_heads = width // head_dim
+    expect(width == num_heads * head_dim, f"heads: columns [{first}, {first + width}) are not "
+                                          f"whole heads of {head_dim}")
     expect(val(src).dtype == torch.bfloat16, f"heads: qkv is {val(src).dtype}, the op reads bfloat16")
     return src, first, num_heads, head_dim, layout
 
@@ -280,11 +287,16 @@ def unsupported_cache_write(node) -> str | None:
 
 def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(bf16 rows, kv_scale) for ``(rows.float() / kv_scale).clamp(-448, 448).to(e4m3)``
-    (the fp32 rows where Inductor dropped their bf16 round trip: ``rounding_dropped``)."""
+    (the fp32 rows where Inductor dropped their bf16 round trip: ``rounding_dropped``), or
+    with no clamp: torch's cast to e4m3fn saturates (CPU and CUDA: 480 and inf become 448,
+    NaN stays NaN), so SGLang's bare ``(k / k_scale).to(fp8)`` is the same math; the
+    probes check it on the graph's own torch (validation). ``rows / kv_scale`` with bf16
+    rows divides in fp32 (type promotion), as ``rows.float() / kv_scale`` does."""
     clamped = convert_source(values, torch.float8_e4m3fn)
     expect(clamped is not None, f"fp8: rows {describe(values)} are not a cast to float8_e4m3fn")
     scaled, lo, hi = clamp_bounds(clamped)
-    expect((lo, hi) == (-FP8_MAX, FP8_MAX), f"fp8: clamp to [{lo}, {hi}], expected [-448, 448]")
+    expect((lo, hi) in ((-FP8_MAX, FP8_MAX), (None, None)),
+           f"fp8: clamp to [{lo}, {hi}], expected [-448, 448] (or no clamp: the cast saturates there)")
     expect(is_op(scaled, aten.div.Tensor), f"fp8: rows are scaled by {describe(scaled)}; the op divides by kv_scale "
                                            "(a true division: a multiply by 1/kv_scale rounds differently)")
     x, scale = scaled.args[:2]
@@ -292,6 +304,8 @@ def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
     expect(isinstance(scale, torch.fx.Node) and sv.dtype == torch.float32 and sv.numel() == 1 and sv.dim() <= 1,
            f"fp8: divisor {describe(scale)} is not a device fp32 kv_scale of shape [1] or []")
     if rounding_dropped(x):
+        return x, scale
+    if val(x).dtype == torch.bfloat16 and val(scaled).dtype == torch.float32:  # promoted: an fp32 division
         return x, scale
     rows = convert_source(x, torch.float32)
     expect(rows is not None and val(rows).dtype == torch.bfloat16, f"fp8: {describe(x)} is not bf16 rows cast to fp32")

@@ -52,7 +52,8 @@ class CosSin:
         return self.table is None
 
     def key(self) -> tuple:
-        """What two rotations must share to be one call's (q and k): the same nodes."""
+        """What two rotations must share to be one call's (q and k): the same nodes
+        (``repeated_steps`` merged copies of one computation first)."""
         return (self.table, self.positions) if self.table is not None else (self.cos, self.sin)
 
 

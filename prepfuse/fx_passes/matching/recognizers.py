@@ -70,16 +70,29 @@ def same_shape(a, b) -> bool:
     return len(sa) == len(sb) and all(same_size(x, y) for x, y in zip(sa, sb))
 
 
-def same_value(a, b) -> bool:
-    """``a`` and ``b`` certainly hold the same value: one node, or the same view op on the same
-    value (functionalization regenerates a view chain instead of reusing it)."""
+# steps whose value is a function of their arguments alone (no randomness, no mutation)
+PURE_STEPS = (
+    *VIEW_STEPS, *CONVERTS, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
+    aten.permute.default, aten.transpose.int, aten.split.Tensor, aten.split_with_sizes.default, aten.index.Tensor,
+    aten.index_select.default, aten.cat.default, aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor,
+    aten.sub.Tensor, aten.neg.default, aten.cos.default, aten.sin.default, operator.getitem,
+)
+
+
+def same_value(a, b, depth: int = 12) -> bool:
+    """``a`` and ``b`` certainly hold the same value: one node, or the same pure step on the
+    same values, up to ``depth`` steps back. Functionalization regenerates a view chain
+    instead of reusing it, and code that casts cos/sin once per rotated tensor (vLLM's
+    ``cos.unsqueeze(-2).to(x.dtype)`` for q and again for k) computes one value twice."""
     if a is b:
         return True
-    if not (is_op(a, *VIEW_STEPS) and is_op(b, *VIEW_STEPS)) or a.target is not b.target or a.kwargs != b.kwargs:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y, depth) for x, y in zip(a, b))
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return not isinstance(a, torch.fx.Node) and not isinstance(b, torch.fx.Node) and a == b
+    if depth == 0 or a.op != "call_function" or a.target is not b.target or a.target not in PURE_STEPS:
         return False
-    return len(a.args) == len(b.args) and all(
-        same_value(x, y) if isinstance(x, torch.fx.Node) else x == y for x, y in zip(a.args, b.args)
-    )
+    return a.kwargs == b.kwargs and same_value(list(a.args), list(b.args), depth - 1)
 
 
 def describe(node) -> str:
@@ -302,6 +315,15 @@ def _sqrt_of(node):
 # GPT-J (interleaved) RoPE and its cos/sin
 # --------------------------------------------------------------------------------------
 def _pair_slice(node, parity: int):
+    """``x`` where ``node`` is ``x``'s even (``parity`` 0) or odd values: ``x[..., parity::2]``,
+    or ``x.reshape(..., n, 2)[..., parity]`` (gpt-fast's ``xshaped[..., 0]``)."""
+    if is_op(node, aten.select.int) and node.args[2] == parity and \
+            _dim(node.args[1], len(shape(node.args[0]))) == len(shape(node.args[0])) - 1:
+        pairs = node.args[0]
+        if is_op(pairs, *RESHAPES) and shape(pairs)[-1] == 2 and len(shape(pairs)) == len(shape(pairs.args[0])) + 1 \
+                and all(same_size(a, b) for a, b in zip(shape(pairs)[:-2], shape(pairs.args[0])[:-1])):
+            return pairs.args[0]
+        return None
     found = last_dim_slice(node)
     if found is None:
         return None
@@ -354,8 +376,16 @@ def rope_gptj(out) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
     expect(e is not None and o is not None, "rope: not GPT-J interleaved pairs (x[..., ::2], x[..., 1::2])")
     x = _pair_slice(e, 0)
     expect(_pair_slice(o, 1) is x, "rope: even and odd halves come from different tensors")
-    im_terms = {frozenset(m.args[:2]) for m in products[2:]}
-    expect(im_terms == {frozenset((e, sin)), frozenset((o, cos))}, "rope: imaginary part is not e*sin + o*cos")
+    # the imaginary part's operands may be nodes of their own computing the same values
+    # (gpt-fast writes xshaped[..., 0] and freqs_cis[..., 1] again): compared by value
+    def is_product_of(m, a, b) -> bool:
+        p, q = m.args[:2]
+        return (same_value(p, a) and same_value(q, b)) or (same_value(p, b) and same_value(q, a))
+
+    m1, m2 = products[2:]
+    expect((is_product_of(m1, e, sin) and is_product_of(m2, o, cos)) or (is_product_of(m1, o, cos) and
+                                                                          is_product_of(m2, e, sin)),
+           "rope: imaginary part is not e*sin + o*cos")
     return x, cos, sin
 
 

@@ -1,0 +1,123 @@
+"""Serving engines' and reference projects' spellings of attention-input preparation
+(``prepfuse.models.engine_clients``: vLLM's ``forward_native`` layers, SGLang's token pool,
+gpt-fast, nano-vllm), written after reading theirs: what ``backend="prepfuse"`` fuses,
+against eager and against ``backend="inductor"``.
+
+Per case: the exact number of fused calls and their pattern, numerics, and for one case
+the golden post-pass graph and serving every T in 1..300 without a recompile. Numerics:
+vLLM and SGLang rotate in bf16 (``cos.to(x.dtype)``); the fused op multiplies by the same
+bf16 cos/sin in fp32 and rounds once, as Inductor's code for the unfused math does. So
+against Inductor the written rows agree to a bf16 rounding (an fp8 row to one e4m3 step);
+against eager by the rotation's bf16 roundings, ``2^-7 * (|a| + |b|)`` per rotated value,
+bounded here per row as ``2^-6`` of its largest value (twice that for the second layer,
+whose input carries the first layer's difference), and one e4m3 step more for fp8 rows
+(``2^-3`` of the row's largest value covers both). Small shapes (T=7, 4 q heads, 2 kv
+heads, D=64, two layers); the FX graph cache is off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prepfuse.backend import PrepfuseBackend
+from prepfuse.models.engine_clients import ENGINE_CASES, build_engine_client, engine_cache_rows
+from prepfuse.testing.golden import GoldenFiles
+
+GOLDEN = GoldenFiles.beside(__file__)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+CASES = {c.name: c for c in ENGINE_CASES}
+PASS = "fuse_gqa_prep"
+FP8 = torch.float8_e4m3fn
+
+
+def run(case, backend, **build):
+    """(output, every layer's written rows) of ``case`` compiled with ``backend`` (or eager
+    for None), on the inputs ``build`` makes."""
+    torch._dynamo.reset()
+    model, (x, positions, slots, caches, kv_scale, block_size) = build_engine_client(case, **build)
+    fn = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        out = fn(x, positions, slots, caches, kv_scale, block_size)
+    return out, engine_cache_rows(case, caches, slots, block_size)
+
+
+def row_error(got, want) -> float:
+    """Largest relative error of a written row (max over the row's values over its largest)."""
+    return max(((g - w).abs().amax(-1) / w.abs().amax(-1).clamp_min(1e-3)).max().item() for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_spelling_fuses(name):
+    case = CASES[name]
+    backend = PrepfuseBackend()
+    seed = int(torch.randint(0, 2**31, (1,)))
+    out, rows = run(case, backend, seed=seed)
+    report = backend.reports[0]
+    assert report.matched_counts.get(PASS, 0) == 2 * case.expected_fused, report.format(verbose=True)
+    matched = [r.pattern for r in report.rewrites if r.pass_name == PASS and r.kind == "matched"]
+    declined = [r.why for r in report.rewrites if r.pass_name == PASS and r.kind == "declined"]
+    assert matched == [case.pattern] * 2 and not declined, (matched, declined)
+    ref_out, ref_rows = run(case, None, seed=seed)
+    fp8 = case.cache_dtype == FP8
+    first, second = (2**-3, 2**-3) if fp8 else (2**-6, 2**-5)
+    if case.pattern.endswith("+bf16_rope") or fp8:  # rows per layer: k, v of layer 0, then of layer 1
+        assert row_error(rows[:2], ref_rows[:2]) <= first, f"seed={seed}"
+        assert row_error(rows[2:], ref_rows[2:]) <= second, f"seed={seed}"
+    else:  # an fp32 rotation the op computes step for step: the first layer's bits; the
+        # second reads the first one's output, which Inductor computes in its own order
+        assert all(torch.equal(a, b) for a, b in zip(rows[:2], ref_rows[:2])), f"seed={seed}"
+        assert row_error(rows[2:], ref_rows[2:]) <= second, f"seed={seed}"
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=0.05, atol=0.05, msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_spelling_matches_inductor(name, device):
+    """The fused op against Inductor's own code for the unfused layers, same weights and
+    inputs: both rotate bf16 values in fp32 and round once. On CUDA the fused op is the
+    Triton kernel, and it must be fused there too."""
+    case = CASES[name]
+    prepfuse = PrepfuseBackend()
+    (out, rows), (ind_out, ind_rows) = (run(case, b, seed=1234, device=device) for b in (prepfuse, "inductor"))
+    assert prepfuse.reports[0].matched_counts.get(PASS, 0) == 2 * case.expected_fused
+    fp8 = case.cache_dtype == FP8
+    assert row_error(rows[:2], ind_rows[:2]) <= (2**-3 if fp8 else 2**-7)
+    assert row_error(rows[2:], ind_rows[2:]) <= (2**-3 if fp8 else 2**-6)
+    torch.testing.assert_close(out.float(), ind_out.float(), rtol=0.02, atol=0.02)
+
+
+def test_vllm_golden_graph():
+    backend = PrepfuseBackend({"record_graphs": True})
+    run(CASES["vllm-qwen3"], backend, num_layers=1, seed=0)
+    GOLDEN.check(backend.reports[0].graph, "vllm_qwen3")
+
+
+@pytest.mark.parametrize("name", ["vllm-qwen3", "gpt-fast-llama"])
+def test_every_batch_size_without_a_recompile(name):
+    """``mark_dynamic`` on the token count, warmed up at T=1 and T=7, then every T in 1..300
+    (the CUDA-graph batch sizes 64, 128, 256 among them) under ``fail_on_recompile``: no
+    pass adds a guard on the token count, and every graph fuses both layers."""
+    case = CASES[name]
+    model, _ = build_engine_client(case, num_tokens=300, seed=7, num_blocks=20)
+    backend = PrepfuseBackend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    token_dim = 1 if case.engine == "gpt-fast" else 0
+
+    def call(t):
+        _, (x, positions, slots, caches, kv_scale, block_size) = build_engine_client(case, num_tokens=t, seed=t,
+                                                                                     num_blocks=20)
+        if t > 1:
+            for tensor, dim in ((x, token_dim), (positions, 0), (slots, 0)):
+                torch._dynamo.mark_dynamic(tensor, dim)
+        with torch.no_grad():
+            compiled(x, positions, slots, caches, kv_scale, block_size)
+
+    for t in (1, 7):
+        call(t)
+    assert backend.reports and all(r.matched_counts.get(PASS, 0) == 2 for r in backend.reports), backend.reports
+    compiled_graphs = len(backend.reports)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for t in range(1, 301):
+            call(t)
+    assert len(backend.reports) == compiled_graphs
