@@ -22,6 +22,8 @@ spellings, by engine:
   (cos, sin) pairs indexed by ``input_pos``, the GPT-J rotation on ``x.float().reshape(...,
   -1, 2)`` then ``type_as(x)``; ``transpose(1, 2)``; ``k_out[:, :, input_pos] = k`` into one
   sequence's ``[1, Hkv, S_max, D]``.
+- **FlashInfer** (``append_paged_kv_cache``): vLLM's preparation, the rows written through a
+  page table, ``cache[page_table[pos // bs], pos % bs] = k``.
 - **nano-vllm**: ``RMSNorm`` in place (``x.float()``, ``x.mul_(rsqrt(var + eps))``,
   ``x.to(dtype).mul_(weight)``), the rotation in fp32 on ``chunk(x.float(), 2)`` with a
   ``[P, 1, D]`` fp32 table ``cos_sin_cache[positions].chunk(2, -1)``, ``cat(...).to(dtype)``.
@@ -40,7 +42,7 @@ from torch import nn
 
 __all__ = ["EngineCase", "ENGINE_CASES", "build_engine_client", "engine_cache_rows"]
 
-_ENGINES = ("vllm", "sglang", "gpt-fast", "nano-vllm")
+_ENGINES = ("vllm", "sglang", "gpt-fast", "nano-vllm", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class EngineCase:
             "sglang": "SGLang `forward_native` rotation, `MHATokenToKVPool.set_kv_buffer`",
             "gpt-fast": "gpt-fast `apply_rotary_emb`, `KVCache.update`",
             "nano-vllm": "nano-vllm `RMSNorm` (in place), `RotaryEmbedding`",
+            "flashinfer": "vLLM's preparation, the cache written through a page table (FlashInfer's `append_paged_kv_cache`)",
         }[self.engine]
 
 
@@ -83,6 +86,9 @@ ENGINE_CASES: tuple[EngineCase, ...] = (
     EngineCase("sglang-llama-fp8-token-pool", "sglang", qk_norm=False, cache_dtype=torch.float8_e4m3fn, pattern=_BF16),
     EngineCase("gpt-fast-llama", "gpt-fast", qk_norm=False, is_neox=False, pattern="gqa_rope_kv"),
     EngineCase("nano-vllm-qwen3", "nano-vllm", table_dtype=torch.float32, pattern="gqa_qknorm_rope_kv"),
+    # a page table maps each position's logical page to a block: the pass computes the op's
+    # slot per token in front of the call (page_table[pos // bs] * bs + pos % bs)
+    EngineCase("flashinfer-qwen3-page-table", "flashinfer", pattern=_QK_BF16),
 )
 
 
@@ -196,7 +202,7 @@ class _EngineLayer(nn.Module):
             k = self._norm(k.view(*k.shape[:-1], self.kv_heads, d), self.k_norm).view(k.shape)
             q, k = self._vllm_rope(positions, q, k)
             q, k, v = q.view(-1, self.heads, d), k.view(-1, self.kv_heads, d), v.view(-1, self.kv_heads, d)
-        self._write(k, v, slots, k_cache, v_cache, kv_scale, block_size)
+        self._write(k, v, positions, slots, k_cache, v_cache, kv_scale, block_size)
         return self.o_proj(self._attend(q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2)))
 
     def _gpt_fast_forward(self, x, input_pos, k_cache, v_cache):
@@ -210,8 +216,13 @@ class _EngineLayer(nn.Module):
         v_cache[:, :, input_pos] = v
         return self.o_proj(self._attend(q, k, v))
 
-    def _write(self, k, v, slots, k_cache, v_cache, kv_scale, block_size):
+    def _write(self, k, v, positions, slots, k_cache, v_cache, kv_scale, block_size):
         fp8 = self.case.cache_dtype == torch.float8_e4m3fn
+        if self.case.engine == "flashinfer":  # slots is the page table: logical page -> block
+            pages = slots[positions // block_size]
+            k_cache[pages, positions % block_size] = k
+            v_cache[pages, positions % block_size] = v
+            return
         if self.case.engine == "sglang":  # set_kv_buffer: the token pool [N, Hkv, D]
             if fp8:
                 k, v = (k / kv_scale).to(torch.float8_e4m3fn), (v / kv_scale).to(torch.float8_e4m3fn)
@@ -253,7 +264,8 @@ def build_engine_client(case: EngineCase, *, num_tokens: int = 7, hidden: int = 
 
     Caches per engine: vLLM paged ``[NB, bs, Hkv, D]`` by slot; SGLang a token pool
     ``[NB * bs, Hkv, D]`` by slot; gpt-fast one sequence's ``[1, Hkv, NB * bs, D]`` by
-    position (its slots are the positions)."""
+    position (its slots are the positions); FlashInfer paged by a page table (its slots are
+    the table, a permutation of the blocks)."""
     with torch.random.fork_rng(devices=[]):  # fresh random weights and inputs; the global RNG is left alone
         if seed is None:
             torch.seed()
@@ -266,6 +278,8 @@ def build_engine_client(case: EngineCase, *, num_tokens: int = 7, hidden: int = 
         num_blocks = num_blocks or -(-(num_tokens + 16) // block_size)
         x = torch.randn(num_tokens, hidden).to(torch.bfloat16)
         slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+        if case.engine == "flashinfer":
+            slots = torch.randperm(num_blocks)
     positions = torch.arange(num_tokens)
     if case.engine == "gpt-fast":
         x, slots = x[None], positions
@@ -282,8 +296,12 @@ def build_engine_client(case: EngineCase, *, num_tokens: int = 7, hidden: int = 
 
 
 def engine_cache_rows(case: EngineCase, caches, slots: torch.Tensor, block_size: int) -> list[torch.Tensor]:
-    """fp32 rows ``[T, Hkv, D]`` every layer's k and v cache holds at ``slots``."""
+    """fp32 rows ``[T, Hkv, D]`` every layer's k and v cache holds at ``slots`` (for FlashInfer,
+    the page table: the rows of positions ``0..T-1``, as many as the table's pages hold)."""
     def rows(c):
+        if case.engine == "flashinfer":
+            positions = torch.arange(slots.shape[0] * block_size, device=slots.device)
+            return c[slots[positions // block_size], positions % block_size]
         if case.engine == "gpt-fast":
             return c[0, :, slots].transpose(0, 1)
         if case.engine == "sglang":

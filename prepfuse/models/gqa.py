@@ -77,7 +77,9 @@ class GqaSpelling:
     k_eps: float | None = None  # look-alike: a k norm eps other than q's
     cache_layout: str = "slots_heads"  # "heads_slots": [NB, Hkv, bs, D]; "flat": [NB*bs, Hkv, D] written
     # cache[slot] (a token pool); "sequence" / "sequence_index_copy": [1, Hkv, NB*bs, D] written
-    # cache[:, :, slot] / index_copy_ (a slot is a position); look-alike "next_row": (slot + 1) % bs
+    # cache[:, :, slot] / index_copy_ (a slot is a position); "next_row": (slot + 1) % bs, which
+    # the pass fuses as a (block, row) write and a recogniser blind to whose slots a row index
+    # reads would misread (the validation tests' planted bug)
     fp8_scaling: str = "div"  # look-alike: x * (1 / kv_scale)
 
     def __post_init__(self) -> None:
@@ -122,7 +124,8 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
     GqaSpelling("llama-hf_fp32-static-cache", norm="none", rope="hf_fp32", cache_layout="sequence_index_copy"),
 )
 
-# Code that looks like the above and computes something else: never fused.
+# Code that looks like the above and computes something else: never fused (but
+# ``cache_row_offset_by_one``, fused as a (block, row) write: test_gqa says why).
 GQA_LOOKALIKES: tuple[GqaSpelling, ...] = (
     GqaSpelling("k_norm_eps_differs", rope="hf_fp32", k_eps=1e-5),
     GqaSpelling("rotate_half_reversed", rope="hf_reversed"),

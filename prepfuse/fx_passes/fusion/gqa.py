@@ -47,13 +47,13 @@ from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_patterns
 from prepfuse.fx_passes.fusion.gqa_patterns import (
-    CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads, unsupported_cache_write,
+    CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads, slot_nodes, unsupported_cache_write,
 )
 from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
 from prepfuse.fx_passes.matching.layouts import apply_views, heads_major_as_token_major, strip_views, token_major_heads
 from prepfuse.fx_passes.matching.repeated_steps import merge_repeated_steps
-from prepfuse.fx_passes.matching.recognizers import aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
+from prepfuse.fx_passes.matching.recognizers import BlockRows, aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
 from prepfuse.fx_passes.matching.validation import Checked
 from prepfuse.fx_passes.mutation_info import output_indices
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
@@ -103,7 +103,7 @@ class FuseGqaPrepPass(PrepfusePass):
             used.add(v_write.put)
             matched += 1
         for v_write in v_writes:  # v writes no k write declined with (that decline names the reason)
-            if not any(k.slots is v_write.slots for k in k_writes):
+            if not any(_same_slots(k.slots, v_write.slots) for k in k_writes):
                 self.log.declined(self.name, PATTERN, v_write.put, "v: no write of roped k heads of the same qkv "
                                                                   "with the same slots goes with this write of v heads")
         return matched
@@ -192,7 +192,7 @@ class FuseGqaPrepPass(PrepfusePass):
                f"write: the k cache is laid out {k_write.layout}, the v cache {v_write.layout}")
         shared = _shared_base(k_write, v_write) or _shared_base(v_write, k_write)
         caches = [shared.root] if shared else [k_write.cache, v_write.cache]
-        inputs = [q.source, k.source, _plain_heads(v_write)[0], *caches, k_write.slots, *q.cos_sin.key()]
+        inputs = [q.source, k.source, _plain_heads(v_write)[0], *caches, *slot_nodes(k_write.slots), *q.cos_sin.key()]
         inputs += [n for n in (q.norm_weight, k.norm_weight, k_write.kv_scale) if n is not None]
         readers = _readers(q, k_write, v_write, shared)
         expect(max(self._order[n] for n in inputs) < min(self._order[n] for n in readers),
@@ -213,13 +213,13 @@ class FuseGqaPrepPass(PrepfusePass):
             counts = dict(num_q_heads=q.num_heads, num_kv_heads=k.num_heads)
         args = dict(**sources, q_norm_weight=q.norm_weight, k_norm_weight=k.norm_weight,
                     q_out=q_out_buffer(emit, q), k_cache=k_write.cache, v_cache=v_write.cache,
-                    slot_mapping=k_write.slots, **cos_sin_args(emit, q.cos_sin, q.source, q.rotary_dim),
+                    slot_mapping=_slot_mapping(emit, k_write), **cos_sin_args(emit, q.cos_sin, q.source, q.rotary_dim),
                     kv_scale=k_write.kv_scale, **counts, is_neox=q.is_neox, eps=q.eps if q.eps is not None else 0.0)
         if k_write.rows_per_slot_at_run_time or v_write.rows_per_slot_at_run_time:
             # an index_put of T rows at T' slots: T' == T at run time, which the graph does not
             # show (two dynamic sizes); the op inserts the first T' rows, so say it: an assert
             # that runs with the call, not a guard (nothing recompiles)
-            same = emit.node(operator.eq, emit.size(k_write.slots, 0), emit.size(k.source, 0))
+            same = emit.node(operator.eq, emit.size(slot_nodes(k_write.slots)[0], 0), emit.size(k.source, 0))
             emit.node(aten._assert_scalar.default, same, "prepfuse: the cache write's rows and slots differ in number")
         # a cache an earlier rewrite wrote (two calls into one cache) is read from its replacement
         args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
@@ -250,7 +250,10 @@ class FuseGqaPrepPass(PrepfusePass):
         if self.validate == "probe":
             checked = [Checked("q_out", q.prepared, new_q)] + [Checked(n, old, new) for n, (old, new) in zip(names, written)]
             cache = op_view("k_cache")
-            note = emit.validate(args, checked, extra_roles, slot_capacity=cache.shape[0] * cache.shape[1])
+            if isinstance(k_write.slots, BlockRows):  # probed as one slot each: distinct (block, row) pairs
+                extra_roles.update({k_write.slots.block: "slot_block", k_write.slots.row: "slot_row"})
+            note = emit.validate(args, checked, extra_roles, slot_capacity=cache.shape[0] * cache.shape[1],
+                                 block_size=cache.shape[1])
         q.prepared.replace_all_uses_with(new_q)
         for old, new in written:
             old.replace_all_uses_with(new)
@@ -258,6 +261,20 @@ class FuseGqaPrepPass(PrepfusePass):
         pattern = ("gqa_qknorm_rope_kv" if q.norm_weight is not None else "gqa_rope_kv") + (
             "+separate" if _is_separate(k) else "") + ("+bf16_rope" if q.bf16_rope else "")
         self.log.matched(self.name, pattern, q.prepared, note)
+
+
+def _same_slots(a, b) -> bool:
+    """Two writes address the same slots: one node, or the same page-table (block, row) nodes."""
+    return a is b or (isinstance(a, BlockRows) and a == b)
+
+
+def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
+    """The op's slot per row: the write's slots, or ``block * bs + row`` for a page table's
+    indices (``BlockRows``), computed in front of the call."""
+    if not isinstance(write.slots, BlockRows):
+        return write.slots
+    block_size = val(write.cache).shape[1]
+    return emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, write.slots.block, block_size), write.slots.row)
 
 
 def _is_separate(h: Heads) -> bool:
@@ -337,7 +354,7 @@ def _v_write_of(k: Heads, k_write: CacheWrite, v_writes: list[CacheWrite], used:
     """The one unused write, to the same slots, of ``k``'s qkv's heads as they are; or,
     where k is a separate projection, of the whole of another projection (among several,
     the one projected from k's input)."""
-    found = [w for w in v_writes if w.put not in used and w.slots is k_write.slots and w.cache is not k_write.cache]
+    found = [w for w in v_writes if w.put not in used and _same_slots(w.slots, k_write.slots) and w.cache is not k_write.cache]
     if _is_separate(k):
         # v: the whole of another projection, k's heads and head size
         found = [w for w, plain in ((w, _plain_heads(w)) for w in found)

@@ -30,14 +30,14 @@ from prepfuse.fx_passes.matching.layouts import (
     Axis, Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
 )
 from prepfuse.fx_passes.matching.recognizers import (
-    CONVERTS, NoMatch, aten, bf16_columns, clamp_bounds, columns, convert_source, describe,
+    CONVERTS, BlockRows, NoMatch, aten, bf16_columns, block_rows, clamp_bounds, columns, convert_source, describe,
     expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, shape, val,
     view_chain, weighted_rms_norm,
 )
 from prepfuse.fx_passes.matching.validation import read_as_rounded
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
 
-__all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "is_cache_write", "rounding_dropped",
+__all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "slot_count", "slot_nodes", "is_cache_write", "rounding_dropped",
            "unsupported_cache_write"]
 
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -68,7 +68,7 @@ class CacheWrite:
 
     put: torch.fx.Node  # the index_put: its users read the written cache
     cache: torch.fx.Node  # the cache before the write, [NB, bs, Hkv, D]
-    slots: torch.fx.Node  # int64 [n]
+    slots: torch.fx.Node | BlockRows  # int64 [n]; or a page table's (block, row) indices
     rows: torch.fx.Node  # bf16 [n, Hkv, D] or [T, Hkv, D] (first n inserted), before quantisation
     #   (fp32 where Inductor removed their bf16 round trip: ``rounding_dropped``)
     kv_scale: torch.fx.Node | None
@@ -312,10 +312,21 @@ def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
     return rows, scale
 
 
+def slot_count(slots) -> object:
+    """How many rows a write's slots (a node, or ``BlockRows``) address."""
+    return shape(slots.block if isinstance(slots, BlockRows) else slots)[0]
+
+
+def slot_nodes(slots) -> tuple[torch.fx.Node, ...]:
+    """The nodes a write's slots are read from."""
+    return slots.nodes() if isinstance(slots, BlockRows) else (slots,)
+
+
 def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     """Pattern (``cache [NB, bs, Hkv, D]``; or heads first ``[NB, Hkv, bs, D]`` written as
     ``cache[slots // bs, :, slots % bs]``; or a flat token pool ``[N, Hkv, D]`` written
-    ``cache[loc]``; bf16 or e4m3)::
+    ``cache[loc]``; or through a page table, ``cache[page_table[pos // bs], pos % bs]``, any
+    block index with a row ``x % bs``: ``BlockRows``; bf16 or e4m3)::
 
         cache[slots // bs, slots % bs] = rows[:n]                   # bf16 cache
         cache[slots // bs, slots % bs] = (rows[:n].float() / kv_scale).clamp(-448, 448).to(e4m3)
@@ -366,20 +377,26 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
                f"write: indices {[describe(i) for i in indices]} select positions along a dim of a {list(cv.shape)} "
                "cache; the op writes paged caches ([NB, bs, Hkv, D], heads first [NB, Hkv, bs, D]), a token pool "
                "[N, Hkv, D], or one sequence's [1, Hkv, S, D] at cache[:, :, pos]")
-        slots = paged_slots(list(indices), cv.shape[1])
+        try:
+            slots = paged_slots(list(indices), cv.shape[1])
+        except NoMatch as err:  # a block index of its own: a page table (the row still x % bs)
+            try:
+                slots = block_rows(list(indices), cv.shape[1])
+            except NoMatch:
+                raise err from None
         expect(tuple(shape(values)[1:]) == tuple(cv.shape[2:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the cache")
-    rows_n, slots_n = shape(values)[0], shape(slots)[0]
+    rows_n, slots_n = shape(values)[0], slot_count(slots)
     at_run_time = not same_size(rows_n, slots_n)
     expect(not (at_run_time and isinstance(rows_n, int) and isinstance(slots_n, int)),
            f"write: {rows_n} rows for {slots_n} slots, not one row per slot")
     scale = None
-    values = first_rows_of(values, shape(slots)[0])  # rows[:n], sliced after quantisation
+    values = first_rows_of(values, slots_n)  # rows[:n], sliced after quantisation
     if cv.dtype == torch.float8_e4m3fn:
         values, scale = _fp8_rows(values)
     expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
            f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
     while is_op(values, *CONVERTS) and val(values.args[0]).dtype == torch.bfloat16:
         values = values.args[0]  # a no-op cast kept by the graph
-    return CacheWrite(put, cache, slots, first_rows_of(values, shape(slots)[0]), scale,
+    return CacheWrite(put, cache, slots, first_rows_of(values, slots_n), scale,
                       rows_per_slot_at_run_time=at_run_time and first_rows_of(values, slots_n) is values,
                       layout=layout)

@@ -87,14 +87,15 @@ class Emitter:
         return {name: self.node(operator.getitem, af, index) for name, index in output_indices(af).items()}
 
     def validate(self, args: dict, checked: list[Checked], extra_roles: dict | None = None, *,
-                 slot_capacity: int | None = None) -> str:
+                 slot_capacity: int | None = None, block_size: int | None = None) -> str:
         """Prove the emitted call on probes against the region it replaces
         (``validation.validate_rewrite``) before any reader moves to it: the report's note
         on success; on a mismatch the emitted nodes are erased and ``NoMatch`` says why."""
         roles = dict.fromkeys(self.rounded_inputs, "bf16_values")
         roles.update(extra_roles or {})
         try:
-            probes = validate_rewrite(self.emitted, args, checked, roles, slot_capacity=slot_capacity)
+            probes = validate_rewrite(self.emitted, args, checked, roles, slot_capacity=slot_capacity,
+                                      block_size=block_size)
         except NoMatch:
             self.discard()
             raise

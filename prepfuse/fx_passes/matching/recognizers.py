@@ -23,6 +23,7 @@ is done with its output, so a new spelling of one step is one new branch in one 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -75,7 +76,8 @@ PURE_STEPS = (
     *VIEW_STEPS, *CONVERTS, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
     aten.permute.default, aten.transpose.int, aten.split.Tensor, aten.split_with_sizes.default, aten.index.Tensor,
     aten.index_select.default, aten.cat.default, aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor,
-    aten.sub.Tensor, aten.neg.default, aten.cos.default, aten.sin.default, operator.getitem,
+    aten.sub.Tensor, aten.neg.default, aten.cos.default, aten.sin.default, aten.remainder.Scalar,
+    aten.remainder.Tensor, aten.div.Tensor_mode, operator.getitem,
 )
 
 
@@ -617,6 +619,37 @@ def paged_slots(indices, block_size: int) -> torch.fx.Node:
     sv = val(blk.args[0])
     expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
     return blk.args[0]
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """A paged write's ``(block [n], row [n])`` indices where the row is ``x % block_size``
+    and the block is not ``x // block_size``: a page table maps a sequence's logical page to
+    a block (FlashInfer's ``append_paged_kv_cache``: ``cache[page_table[pos // bs], pos % bs]``).
+    The slot is ``block * block_size + row``, and since ``0 <= row < block_size`` the op's
+    ``slot // bs``, ``slot % bs`` are the block and row again."""
+
+    block: torch.fx.Node
+    row: torch.fx.Node
+
+    def nodes(self) -> tuple[torch.fx.Node, torch.fx.Node]:
+        return self.block, self.row
+
+
+def block_rows(indices, block_size: int) -> BlockRows:
+    """``BlockRows`` for ``[block, x % block_size]`` with any int64 ``[n]`` block index, for a
+    caller that found no ``paged_slots`` (the row must be a remainder by the block size: that
+    is what keeps it in ``[0, block_size)``)."""
+    expect(len(indices) == 2 and all(isinstance(i, torch.fx.Node) for i in indices),
+           f"write: indices {[describe(i) for i in indices]}, expected [block, row]")
+    blk, row = indices
+    expect(is_op(row, aten.remainder.Scalar, aten.remainder.Tensor) and row.args[1] == block_size,
+           f"write: row index {describe(row)} is not x % {block_size}")
+    for node, name in ((blk, "block"), (row, "row")):
+        v = val(node)
+        expect(v.dtype == torch.int64 and v.dim() == 1, f"write: {name} indices are {v.dtype} {tuple(v.shape)}, not int64 [n]")
+    expect(same_size(shape(blk)[0], shape(row)[0]), "write: block and row indices differ in number")
+    return BlockRows(blk, row)
 
 
 def put_rows(put) -> torch.fx.Node:

@@ -91,7 +91,8 @@ class Checked:
 
 
 def validate_rewrite(emitted: Iterable[torch.fx.Node], args: dict, checked: list[Checked],
-                     extra_roles: dict[torch.fx.Node, str] | None = None, *, slot_capacity=None) -> int:
+                     extra_roles: dict[torch.fx.Node, str] | None = None, *, slot_capacity=None,
+                     block_size=None) -> int:
     """Run the region and the emitted call on ``NUM_PROBES`` probes and compare each output
     of ``checked``; returns the number of probes, or raises ``NoMatch("validation: ...")``.
 
@@ -99,8 +100,10 @@ def validate_rewrite(emitted: Iterable[torch.fx.Node], args: dict, checked: list
     ``extra_roles`` names inputs the arguments do not show (a cache's base buffer:
     ``"cache"``; per-token cos/sin values whose halves the recogniser proved equal:
     ``"duplicated_halves"``; fp32 values the code had rounded to bf16 where the graph lost
-    the rounding: ``"bf16_values"``). ``slot_capacity`` overrides the slots read off
-    ``k_cache`` (a cache the op writes through a view of another layout).
+    the rounding: ``"bf16_values"``; a page table's block and row indices: ``"slot_block"``,
+    ``"slot_row"``, drawn as one distinct slot each, split by ``block_size``).
+    ``slot_capacity`` overrides the slots read off ``k_cache`` (a cache the op writes
+    through a view of another layout).
     """
     emitted = list(emitted)
     emitted_set = set(emitted)
@@ -115,6 +118,9 @@ def validate_rewrite(emitted: Iterable[torch.fx.Node], args: dict, checked: list
     limits = _limits(args)
     if slot_capacity is not None:
         limits["slots"] = concrete(slot_capacity)
+    if block_size is not None:
+        limits["block_size"] = concrete(block_size)
+    limits["probe_seed"] = _SEED  # block and row indices draw one permutation per probe
     with unset_fake_temporarily(), torch.no_grad():
         for probe in range(NUM_PROBES):
             gen = torch.Generator().manual_seed(_SEED + probe)
@@ -228,6 +234,13 @@ def _values(node, role, sizes, dtype, limits, probe, gen) -> torch.Tensor:
         if capacity is None or n > capacity:
             raise NoMatch(f"validation: {n} slots do not fit the cache ({capacity} slots)")
         return torch.randperm(capacity, generator=gen)[:n].reshape(sizes).to(dtype)
+    if role in ("slot_block", "slot_row"):
+        # both from one permutation of the slots (the same seed for either): distinct pairs
+        capacity, block = limits.get("slots"), limits.get("block_size")
+        if capacity is None or block is None or n > capacity:
+            raise NoMatch(f"validation: {n} block/row pairs do not fit the cache ({capacity} slots)")
+        slots = torch.randperm(capacity, generator=torch.Generator().manual_seed(limits["probe_seed"] + 97 * probe))[:n]
+        return (slots // block if role == "slot_block" else slots % block).reshape(sizes).to(dtype)
     if role == "positions":
         rows = limits.get("positions")
         if rows is None or rows == 0:

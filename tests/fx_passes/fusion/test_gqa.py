@@ -450,10 +450,23 @@ LOOKALIKE_CASES = [
     # where Inductor drops the norm's .to(bf16) before RoPE's .float() (torch 2.11), RoPE reads the fp32 product
     ("weight_in_fp32", 1, "not of the bf16 heads cast to fp32" if inductor_drops_narrowing_round_trips()
      else "the weight multiplies in fp32 before the rounding"),
-    ("cache_row_offset_by_one", 2, "is not slot % 16 of the same slots"),
     ("fp8_mul_reciprocal", 2, "the op divides by kv_scale"),
     ("float16", 2, "the cache is torch.float16"),
 ]
+
+
+def test_row_offset_write_fuses_as_block_and_row():
+    """``cache[s // bs, (s + 1) % bs] = rows`` was a look-alike while the pass read only
+    ``cache[s // bs, s % bs]``. A write at ``[block, x % bs]`` is now fused with the op's slot
+    computed as ``block * bs + row`` (``BlockRows``, page tables): the op then writes exactly
+    the rows the code writes, which the probes confirm. (It stays in ``GQA_LOOKALIKES`` as the
+    code a recogniser that ignores whose slots a row index reads would misread:
+    ``tests/fx_passes/test_validation.py``.)"""
+    r = run(prep, make_case(LOOKALIKES["cache_row_offset_by_one"]))
+    assert r.matched == 1, r.report.format(verbose=True)
+    (k, v), (ref_k, ref_v) = r.caches, r.ref_caches
+    assert torch.equal(v, ref_v)  # v rows as they are, at the same places
+    torch.testing.assert_close(k.float(), ref_k.float(), atol=0.05, rtol=0.05)  # HF's bf16 rotation
 
 
 @pytest.mark.parametrize("name, declined, why", LOOKALIKE_CASES, ids=[c[0] for c in LOOKALIKE_CASES])
