@@ -10,7 +10,9 @@
 #   gqa-sweep - the GQA kernel's launch-configuration sweep
 #   indexer - the DeepSeek-V4 indexer ops' benchmark (JSON, PNG, benchmarks_indexer.md into $OUT)
 #   indexer-sweep - the indexer kernel's launch-configuration sweep
-#   clients - transformers' attention modules, backend=prepfuse vs inductor (benchmarks_clients.md into $OUT)
+#   clients - the corpus (transformers' attention modules, engines' spellings), backend=prepfuse vs
+#             inductor (benchmarks_clients.md into $OUT); PREPFUSE_CLIENT_CASES=a,b limits the cases
+#             (all 14 fused cases at T = 1, 64, 4096 take longer than one 10-minute call)
 #   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
 #   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
 #   demo  - the README's main command's python part
@@ -86,7 +88,8 @@ for what in "${steps[@]}"; do
         ;;
     clients)
         step clients
-        python3 bench/bench_clients.py --out-dir "$OUT" --docs "$OUT/benchmarks_clients.md" 2>&1 | tail -n 20 | tee -a "$log" || status=1
+        python3 bench/bench_clients.py --out-dir "$OUT" --docs "$OUT/benchmarks_clients.md" \
+            ${PREPFUSE_CLIENT_CASES:+--cases "$PREPFUSE_CLIENT_CASES"} 2>&1 | tail -n 30 | tee -a "$log" || status=1
         ;;
     micro)
         step micro
