@@ -28,6 +28,7 @@ import harness  # noqa: E402  (also puts the repository on sys.path)
 from prepfuse.backend import PrepfuseBackend  # noqa: E402
 from prepfuse.models.clients import CLIENT_CASES, build_client, cache_rows  # noqa: E402
 from prepfuse.models.engine_clients import ENGINE_CASES, EngineCase, build_engine_client, engine_cache_rows  # noqa: E402
+from prepfuse.testing import max_row_rel_diff  # noqa: E402
 
 SIZES = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, num_layers=1, block_size=16)
 DEFAULT_TOKENS = (1, 64, 4096)
@@ -35,11 +36,6 @@ PASS = "fuse_gqa_prep"
 # the written rows of the two backends, per row: Inductor's CUDA rsqrt is approximate and its
 # reductions ordered differently, so a normed value can be a bf16 ULP apart before RoPE
 GATE = 2**-6
-
-
-def gate(got, want) -> float:
-    """Largest relative difference of a written row (max over the row's values)."""
-    return max(((g - w).abs().amax(-1) / w.abs().amax(-1).clamp_min(1e-3)).max().item() for g, w in zip(got, want))
 
 
 def run_case(case, tokens: int) -> dict:
@@ -68,7 +64,7 @@ def run_case(case, tokens: int) -> dict:
             row["fused"] = sum(r.matched_counts.get(PASS, 0) for r in backend.reports)
             row["declined"] = [r.why for rep in backend.reports for r in rep.rewrites
                                if r.pass_name == PASS and r.kind == "declined"]
-    row["gate_rel_diff"] = gate(outs["prepfuse"], outs["inductor"])
+    row["gate_rel_diff"] = max_row_rel_diff(outs["prepfuse"], outs["inductor"])
     row["correct"] = row["gate_rel_diff"] <= GATE
     row["speedup"] = row["inductor_us"] / row["prepfuse_us"]
     return row

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Q_POISON", "CACHE_POISON", "poisoned_like", "fresh_generator", "seeded_generator", "random_slots", "rope_cos_sin_cache", "bf16_ulp_diff", "e4m3_code_diff", "call_with_fake_tensors"]
+__all__ = ["Q_POISON", "CACHE_POISON", "poisoned_like", "fresh_generator", "seeded_generator", "random_slots", "rope_cos_sin_cache", "bf16_ulp_diff", "e4m3_code_diff", "max_row_rel_diff", "call_with_fake_tensors"]
 
 Q_POISON = -123.0
 CACHE_POISON = 0xA5
@@ -71,6 +71,14 @@ def e4m3_code_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ia = torch.where(ia >= 128, 128 - ia, ia)
     ib = torch.where(ib >= 128, 128 - ib, ib)
     return (ia - ib).abs()
+
+
+def max_row_rel_diff(got, want) -> float:
+    """The largest relative difference of a row, over pairs of same-shape float tensors: per
+    row (last dim), the largest ``|got - want|`` over the row's largest ``|want|`` (at least
+    1e-3, so an all-zero row is compared absolutely). How the corpus compares written cache
+    rows of two backends, or of a backend and eager."""
+    return max(((g - w).abs().amax(-1) / w.abs().amax(-1).clamp_min(1e-3)).max().item() for g, w in zip(got, want))
 
 
 def call_with_fake_tensors(op, args: dict) -> None:

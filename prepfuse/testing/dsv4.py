@@ -11,9 +11,10 @@ import torch
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import HEAD_DIM, NOPE_DIM, SLOT_BYTES
 from prepfuse.testing.common import (
     Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
+    seeded_generator,
 )
 
-__all__ = ["Dsv4Inputs", "make_dsv4_inputs", "exact_rms_q", "Dsv4Comparison", "fp8_data_byte_mask", "compare_dsv4_q", "compare_dsv4"]
+__all__ = ["Dsv4Inputs", "make_dsv4_inputs", "exact_rms_q", "seeded_dsv4_inputs", "Dsv4Comparison", "fp8_data_byte_mask", "compare_dsv4_q", "compare_dsv4"]
 
 
 @dataclass
@@ -135,6 +136,18 @@ def exact_rms_q(num_tokens: int, num_heads: int, generator: torch.Generator) -> 
             head[2:] = draw(510)  # no two squares fit: draw the rest of the head again
     q = ints.float() * 2.0**k
     return q.to(torch.bfloat16), e0 * e0 * 2.0 ** (2 * k - 10)
+
+
+def seeded_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, device, *, exact_q: bool = True,
+                       **options) -> tuple[Dsv4Inputs, int]:
+    """(``make_dsv4_inputs`` from a fresh seed, the seed), with q and eps from ``exact_rms_q``
+    unless ``exact_q`` is False (an RMS no summation order or sqrt can move)."""
+    generator, seed = seeded_generator()
+    inputs = make_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, device, generator=generator, **options)
+    if exact_q:
+        q, eps = exact_rms_q(num_tokens, num_heads, generator)
+        inputs = replace(inputs, q=q.to(device), eps=eps)
+    return inputs, seed
 
 
 @dataclass

@@ -9,9 +9,10 @@ import torch
 
 from prepfuse.testing.common import (
     Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
+    seeded_generator,
 )
 
-__all__ = ["GqaInputs", "make_gqa_inputs", "exact_sum_qkv", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
+__all__ = ["GqaInputs", "make_gqa_inputs", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
 
 
 @dataclass
@@ -159,6 +160,15 @@ def exact_sum_qkv(inputs: GqaInputs, generator: torch.Generator) -> GqaInputs:
     qkv = qkv.clone() if qkv.is_contiguous() else torch.empty_strided(qkv.shape, qkv.stride(), dtype=qkv.dtype)
     qkv.copy_(values)
     return replace(inputs, qkv=qkv.to(inputs.q_out.device))
+
+
+def seeded_gqa_inputs(*shape, exact_sum: bool = True, **options) -> tuple[GqaInputs, int]:
+    """(``make_gqa_inputs(*shape, **options)`` from a fresh seed, the seed), with qkv from
+    ``exact_sum_qkv`` unless ``exact_sum`` is False: exact comparisons of a kernel with the
+    reference need sums of squares that no summation order can move."""
+    generator, seed = seeded_generator()
+    inputs = make_gqa_inputs(*shape, generator=generator, **options)
+    return (exact_sum_qkv(inputs, generator) if exact_sum else inputs), seed
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 from prepfuse.backend import PrepfuseBackend
 from prepfuse.models.engine_clients import ENGINE_CASES, build_engine_client, engine_cache_rows
+from prepfuse.testing import max_row_rel_diff
 from prepfuse.testing.golden import GoldenFiles
 
 GOLDEN = GoldenFiles.beside(__file__)
@@ -43,11 +44,6 @@ def run(case, backend, **build):
     return out, engine_cache_rows(case, caches, slots, block_size)
 
 
-def row_error(got, want) -> float:
-    """Largest relative error of a written row (max over the row's values over its largest)."""
-    return max(((g - w).abs().amax(-1) / w.abs().amax(-1).clamp_min(1e-3)).max().item() for g, w in zip(got, want))
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_spelling_fuses(name):
     case = CASES[name]
@@ -61,18 +57,18 @@ def test_engine_spelling_fuses(name):
     ref_out, ref_rows = run(case, None, seed=seed)
     if not case.expected_fused:  # declined by name; the code runs as Inductor compiles it
         assert declined and all(case.expected_reason in why for why in declined), declined
-        assert row_error(rows, ref_rows) <= 2**-6, f"seed={seed}"
+        assert max_row_rel_diff(rows, ref_rows) <= 2**-6, f"seed={seed}"
         return
     assert matched == [case.pattern] * 2 and not declined, (matched, declined)
     fp8 = case.cache_dtype == FP8
     first, second = (2**-3, 2**-3) if fp8 else (2**-6, 2**-5)
     if case.pattern.endswith("+bf16_rope") or fp8:  # rows per layer: k, v of layer 0, then of layer 1
-        assert row_error(rows[:2], ref_rows[:2]) <= first, f"seed={seed}"
-        assert row_error(rows[2:], ref_rows[2:]) <= second, f"seed={seed}"
+        assert max_row_rel_diff(rows[:2], ref_rows[:2]) <= first, f"seed={seed}"
+        assert max_row_rel_diff(rows[2:], ref_rows[2:]) <= second, f"seed={seed}"
     else:  # an fp32 rotation the op computes step for step: the first layer's bits; the
         # second reads the first one's output, which Inductor computes in its own order
         assert all(torch.equal(a, b) for a, b in zip(rows[:2], ref_rows[:2])), f"seed={seed}"
-        assert row_error(rows[2:], ref_rows[2:]) <= second, f"seed={seed}"
+        assert max_row_rel_diff(rows[2:], ref_rows[2:]) <= second, f"seed={seed}"
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=0.05, atol=0.05, msg=f"seed={seed}")
 
 
@@ -87,8 +83,8 @@ def test_engine_spelling_matches_inductor(name, device):
     (out, rows), (ind_out, ind_rows) = (run(case, b, seed=1234, device=device) for b in (prepfuse, "inductor"))
     assert prepfuse.reports[0].matched_counts.get(PASS, 0) == 2 * case.expected_fused
     fp8 = case.cache_dtype == FP8
-    assert row_error(rows[:2], ind_rows[:2]) <= (2**-3 if fp8 else 2**-7)
-    assert row_error(rows[2:], ind_rows[2:]) <= (2**-3 if fp8 else 2**-6)
+    assert max_row_rel_diff(rows[:2], ind_rows[:2]) <= (2**-3 if fp8 else 2**-7)
+    assert max_row_rel_diff(rows[2:], ind_rows[2:]) <= (2**-3 if fp8 else 2**-6)
     torch.testing.assert_close(out.float(), ind_out.float(), rtol=0.02, atol=0.02)
 
 
@@ -149,4 +145,4 @@ def test_page_table_slots_are_probed(monkeypatch):
     assert backend.reports[0].matched_counts.get(PASS, 0) == 0
     assert declined and all(why.startswith("validation:") for why in declined), declined
     _, ref_rows = run(case, None, seed=5)
-    assert row_error(rows, ref_rows) <= 2**-6
+    assert max_row_rel_diff(rows, ref_rows) <= 2**-6

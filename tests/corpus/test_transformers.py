@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 from prepfuse._compat import golden_rotary_graph_stable  # noqa: E402
 from prepfuse.backend import PrepfuseBackend  # noqa: E402
 from prepfuse.models.clients import CLIENT_CASES, build_client, cache_rows  # noqa: E402
+from prepfuse.testing import max_row_rel_diff  # noqa: E402
 from prepfuse.testing.golden import GoldenFiles
 
 GOLDEN = GoldenFiles.beside(__file__)
@@ -51,9 +52,8 @@ def compiled_run(case, backend, **build):
 
 def assert_rows_close(got, want, rtol):
     """Relative error of each row of written values (max over the row's values)."""
-    for g, w in zip(got, want):
-        err = ((g - w).abs().amax(-1) / w.abs().amax(-1).clamp_min(1e-3)).max().item()
-        assert err <= rtol, err
+    err = max_row_rel_diff(got, want)
+    assert err <= rtol, err
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -37,7 +37,8 @@ from prepfuse.ops import (
 )
 from tests.ops.bad_inputs import assert_rejected, changed
 from prepfuse.testing import (
-    CACHE_POISON, Dsv4Inputs, call_with_fake_tensors, compare_dsv4, exact_rms_q, make_dsv4_inputs, seeded_generator,
+    CACHE_POISON, Dsv4Inputs, call_with_fake_tensors, compare_dsv4, make_dsv4_inputs, seeded_dsv4_inputs,
+    seeded_generator,
 )
 
 # Where kernels run: compiled on a CUDA device when there is one, else triton's CPU
@@ -55,16 +56,6 @@ IMPLS = [
     pytest.param(dsv4_qnorm_rope_kv_insert_reference, id="reference"),
     pytest.param(dsv4_qnorm_rope_kv_insert_triton, id="triton", marks=needs_triton),
 ]
-
-
-def dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, device, *, exact_q=True, **kwargs):
-    """``make_dsv4_inputs`` with a fresh seed, q and eps optionally from ``exact_rms_q``; (inputs, seed)."""
-    generator, seed = seeded_generator()
-    inputs = make_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, device, generator=generator, **kwargs)
-    if exact_q:
-        q, eps = exact_rms_q(num_tokens, num_heads, generator)
-        inputs = dataclasses.replace(inputs, q=q.to(device), eps=eps)
-    return inputs, seed
 
 
 def to_device(inputs: Dsv4Inputs, device) -> Dsv4Inputs:
@@ -222,7 +213,7 @@ def test_oracle_e4m3_table_is_e4m3fn():
     [(7, 3, 8, 16, None), (5, 1, 8, 64, None), (6, 2, 16, 256, 3)],
 )
 def test_oracle_matches_reference_bytes(num_tokens, num_heads, padded_heads, block_size, num_inserted):
-    inputs, seed = dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cpu", num_inserted=num_inserted)
+    inputs, seed = seeded_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cpu", num_inserted=num_inserted)
     expected_q, expected_cache = oracle(inputs)
     out = run(dsv4_qnorm_rope_kv_insert_reference, inputs)
     q_diff = int((bits(out.q_out) != bits(expected_q)).sum())
@@ -326,7 +317,7 @@ def test_rope_special_tables(impl, table):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_writes_every_byte_of_inserted_slots_and_nothing_else(impl):
     """Two runs on different poisons: inserted slots' bytes agree, all other bytes are the poison."""
-    inputs, seed = dsv4_inputs(7, 3, 8, 16, DEVICE, num_inserted=5, skip_fraction=0.3)
+    inputs, seed = seeded_dsv4_inputs(7, 3, 8, 16, DEVICE, num_inserted=5, skip_fraction=0.3)
     first = run(impl, inputs)
     second = inputs.fresh_outputs()
     second.q_out.fill_(77.0)
@@ -369,7 +360,7 @@ INTERPRETER_CASES = [
 @pytest.mark.parametrize("num_tokens, num_heads, padded_heads, block_size, options", INTERPRETER_CASES)
 def test_triton_interpreter_matches_reference(num_tokens, num_heads, padded_heads, block_size, options):
     """Bit for bit (q from exact_rms_q); padded heads zero; only inserted slots written."""
-    inputs, seed = dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cpu", **options)
+    inputs, seed = seeded_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cpu", **options)
     expected = run(dsv4_qnorm_rope_kv_insert_reference, inputs)
     actual = run(dsv4_qnorm_rope_kv_insert_triton, inputs)
     comparison = compare_dsv4(expected, actual)
@@ -385,7 +376,7 @@ def test_triton_interpreter_odd_cache_layout(byte_offset, stride_pad):
     """A cache view whose base address or row stride is odd: the kernel cannot store the
     RoPE bytes as two-byte words there and stores them byte by byte; same bytes as the
     reference, nothing else written."""
-    inputs, seed = dsv4_inputs(7, 3, 8, 16, "cpu")
+    inputs, seed = seeded_dsv4_inputs(7, 3, 8, 16, "cpu")
     num_blocks, row_bytes = inputs.k_cache.shape
     stride = row_bytes + stride_pad
 
@@ -426,7 +417,7 @@ def test_triton_interpreter_random_q_within_tolerance():
 )
 def test_dispatcher_on_cpu_is_the_reference(num_tokens, num_heads, padded_heads, block_size, num_inserted):
     """On CPU the dispatcher runs the reference: the same bytes, random q included."""
-    inputs, seed = dsv4_inputs(
+    inputs, seed = seeded_dsv4_inputs(
         num_tokens, num_heads, padded_heads, block_size, "cpu", exact_q=False, num_inserted=num_inserted
     )
     expected = run(dsv4_qnorm_rope_kv_insert_reference, inputs)

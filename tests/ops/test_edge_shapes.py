@@ -16,8 +16,7 @@ import torch
 
 from prepfuse._compat import has_triton
 from prepfuse.testing import (
-    compare_dsv4, compare_dsv4_indexer, compare_gqa, exact_sum_qkv, make_dsv4_indexer_inputs, make_dsv4_inputs,
-    make_gqa_inputs, seeded_generator,
+    compare_dsv4, compare_dsv4_indexer, compare_gqa, make_dsv4_indexer_inputs, make_dsv4_inputs, seeded_gqa_inputs,
 )
 from tests.ops.impls import IMPLS
 
@@ -62,14 +61,6 @@ INDEXER_EDGES = {
 }
 
 
-def exact_gqa_inputs(*shape, **options):
-    """GQA inputs whose sums of squares are exact in fp32 (``exact_sum_qkv``): the kernel's
-    summation order then cannot move a value, so the comparison is exact; (inputs, seed)."""
-    generator, seed = seeded_generator()
-    inputs = make_gqa_inputs(*shape, DEVICE, generator=generator, **options)
-    return exact_sum_qkv(inputs, generator), seed
-
-
 def both(reference, kernel, inputs):
     expected, actual = inputs.fresh_outputs(), inputs.fresh_outputs()
     reference(*expected.args())
@@ -89,7 +80,7 @@ def test_dsv4(edge):
 @pytest.mark.parametrize("edge", list(GQA_EDGES))
 def test_gqa(edge):
     tokens, hq, hkv, head_dim, block, rotary, neox, cache_dtype, inserted = GQA_EDGES[edge]
-    inputs, seed = exact_gqa_inputs(tokens, hq, hkv, head_dim, block, rotary_dim=rotary, is_neox=neox,
+    inputs, seed = seeded_gqa_inputs(tokens, hq, hkv, head_dim, block, DEVICE, rotary_dim=rotary, is_neox=neox,
                                     cache_dtype=cache_dtype, num_inserted=inserted)
     expected, actual = both(*IMPLS["gqa"], inputs)
     comparison = compare_gqa(expected, actual)
@@ -114,7 +105,7 @@ def test_gqa_cache_layouts(layout, cache_dtype):
     ``[N, Hkv, D]`` as ``[N, 1, Hkv, D]`` (block size 1): the kernel follows the strides, as
     the reference does."""
     block = 16 if layout == "heads-first" else 1
-    inputs, seed = exact_gqa_inputs(5, 4, 2, 64, block, cache_dtype=cache_dtype, rotary_dim=44)
+    inputs, seed = seeded_gqa_inputs(5, 4, 2, 64, block, DEVICE, cache_dtype=cache_dtype, rotary_dim=44)
     num_blocks = inputs.k_cache.shape[0]
 
     def cache():

@@ -36,7 +36,8 @@ from prepfuse.ops import (
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import rms_norm_reference
 from tests.ops.bad_inputs import assert_rejected, changed
 from prepfuse.testing import (
-    CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, exact_sum_qkv, make_gqa_inputs, seeded_generator,
+    CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, make_gqa_inputs, seeded_generator,
+    seeded_gqa_inputs,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,15 +55,6 @@ IMPLS = [
     pytest.param(gqa_qknorm_rope_kv_insert_reference, id="reference"),
     pytest.param(gqa_qknorm_rope_kv_insert_triton, id="triton", marks=needs_triton),
 ]
-
-
-def gqa_inputs(*shape, exact_sum=True, **options) -> tuple[GqaInputs, int]:
-    """``make_gqa_inputs(*shape, **options)`` with a fresh seed; (inputs, seed)."""
-    generator, seed = seeded_generator()
-    inputs = make_gqa_inputs(*shape, generator=generator, **options)
-    if exact_sum:
-        inputs = exact_sum_qkv(inputs, generator)
-    return inputs, seed
 
 
 def run(impl, inputs: GqaInputs) -> GqaInputs:
@@ -231,7 +223,7 @@ def test_reference_matches_oracle(is_neox, cache_dtype, norm):
     """One bf16 ULP on q and k (rtol 2^-7; atol 2^-12 where RoPE cancels to near zero, as
     the oracle's float64 products are not rounded to fp32), v exact, fp8 within one code.
     Partial rotary (32 of 64); qkv from exact_sum_qkv, so mean(x^2) is exact in both."""
-    inputs, seed = gqa_inputs(
+    inputs, seed = seeded_gqa_inputs(
         3, 3, 1, 64, 16, "cpu", rotary_dim=32, is_neox=is_neox, norm=norm, cache_dtype=cache_dtype,
         skip_fraction=0.3,
     )
@@ -281,7 +273,7 @@ def hf_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def test_reference_is_hugging_face_with_fp32_rope(norm, rotary_dim):
     """Bit for bit: HF's RMSNorm as written, and HF's rotate-half RoPE evaluated in fp32
     on the bf16 normed q/k (the fp32 table; HF's bf16 cos/sin would round three times)."""
-    inputs, seed = gqa_inputs(5, 4, 2, 128, 16, "cpu", rotary_dim=rotary_dim, norm=norm, exact_sum=False,
+    inputs, seed = seeded_gqa_inputs(5, 4, 2, 128, 16, "cpu", rotary_dim=rotary_dim, norm=norm, exact_sum=False,
                               skip_fraction=0.0)
     out = run(gqa_qknorm_rope_kv_insert_reference, inputs)
     hq, hkv = inputs.num_q_heads, inputs.num_kv_heads
@@ -303,7 +295,7 @@ def test_hugging_face_bf16_rope_differs_within_the_documented_bound():
     """HF in bf16 rounds cos/sin and both products to bf16; the op's fp32 RoPE differs from
     it by about one bf16 ULP of the inputs (documented: ~2^-7 * (|a| + |b|); checked at
     2^-6, as the bound is a measurement, not a proof)."""
-    inputs, seed = gqa_inputs(64, 4, 2, 128, 16, "cpu", norm=False, exact_sum=False, skip_fraction=0.0)
+    inputs, seed = seeded_gqa_inputs(64, 4, 2, 128, 16, "cpu", norm=False, exact_sum=False, skip_fraction=0.0)
     out = run(gqa_qknorm_rope_kv_insert_reference, inputs)
     q = inputs.qkv.unflatten(1, (8, 128))[:, :4]
     cos, sin = inputs.cos_sin_cache[inputs.positions].chunk(2, dim=-1)
@@ -390,7 +382,7 @@ def test_triton_interpreter_matches_reference(
     num_tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, is_neox, cache_dtype, norm
 ):
     """Bit for bit (qkv from exact_sum_qkv); untouched cache bytes stay poisoned."""
-    inputs, seed = gqa_inputs(
+    inputs, seed = seeded_gqa_inputs(
         num_tokens, num_q_heads, num_kv_heads, head_dim, 16, "cpu",
         rotary_dim=rotary_dim, is_neox=is_neox, norm=norm, cache_dtype=cache_dtype, skip_fraction=0.3,
     )
@@ -415,7 +407,7 @@ def test_triton_interpreter_matches_reference(
 def test_triton_interpreter_partial_inserts(options):
     """Rows t >= T' and negative slots write nothing; the rest is bit for bit."""
     options = {"block_size": 16, **options}
-    inputs, seed = gqa_inputs(7, 3, 1, 64, options.pop("block_size"), "cpu", **options)
+    inputs, seed = seeded_gqa_inputs(7, 3, 1, 64, options.pop("block_size"), "cpu", **options)
     expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
     actual = run(gqa_qknorm_rope_kv_insert_triton, inputs)
     assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
@@ -427,7 +419,7 @@ def test_triton_interpreter_partial_inserts(options):
 @pytest.mark.parametrize("launch_config", [(1, 1), (2, 2), (4, 4)], ids=str)
 def test_triton_interpreter_launch_configs(launch_config):
     """Every heads-per-program choice (including blocks with padding heads) is bit for bit."""
-    inputs, seed = gqa_inputs(5, 3, 1, 64, 16, "cpu", cache_dtype=FP8)
+    inputs, seed = seeded_gqa_inputs(5, 3, 1, 64, 16, "cpu", cache_dtype=FP8)
     expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
     actual = inputs.fresh_outputs()
     gqa_qknorm_rope_kv_insert_triton(*actual.args(), launch_config=launch_config)
@@ -440,7 +432,7 @@ def test_triton_interpreter_launch_configs(launch_config):
 def test_triton_interpreter_random_qkv_within_tolerance():
     """Unconstrained qkv (summation order now matters): q to one bf16 ULP of the normed
     value carried through RoPE; v, which has no sums, byte for byte."""
-    inputs, seed = gqa_inputs(5, 4, 2, 128, 16, "cpu", exact_sum=False)
+    inputs, seed = seeded_gqa_inputs(5, 4, 2, 128, 16, "cpu", exact_sum=False)
     expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
     actual = run(gqa_qknorm_rope_kv_insert_triton, inputs)
     assert_within_normed_ulp(actual.q_out, expected.q_out, one_normed_ulp_bound(inputs, "q"), f"seed={seed}: q_out")
@@ -452,7 +444,7 @@ def test_triton_interpreter_random_qkv_within_tolerance():
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 def test_dispatcher_on_cpu_is_the_reference(cache_dtype):
-    inputs, seed = gqa_inputs(7, 4, 2, 64, 16, "cpu", cache_dtype=cache_dtype, exact_sum=False)
+    inputs, seed = seeded_gqa_inputs(7, 4, 2, 64, 16, "cpu", cache_dtype=cache_dtype, exact_sum=False)
     expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
     actual = run(GQA_QKNORM_ROPE_KV_INSERT, inputs)
     assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
@@ -471,7 +463,7 @@ def test_cuda_kernel_matches_reference(num_tokens, head_dim, is_neox, cache_dtyp
     one bf16 ULP, which RoPE then carries (absolute: up to 2^-6 on values of a few units);
     the caches' fp8 codes then by one."""
     rotary_dim = 64 if head_dim == 256 else head_dim
-    inputs, seed = gqa_inputs(
+    inputs, seed = seeded_gqa_inputs(
         num_tokens, 32, 8, head_dim, 16, "cuda", rotary_dim=rotary_dim, is_neox=is_neox, norm=norm,
         cache_dtype=cache_dtype, exact_sum=False,
     )

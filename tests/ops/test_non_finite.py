@@ -11,7 +11,7 @@ byte 0xFF, fp32 NaN) and every code NaN (e4m3 0x7F); e2m1 has no NaN, so its nib
 (read as NaN through the 0xFF scale, and 0 * 2^128 is NaN too for a reader that does not
 test the scale). NaN payloads and the sign of an e4m3 NaN are not specified: outputs are
 compared with every NaN made one pattern. The normalised inputs have sums of squares
-that are exact in fp32 (``exact_rms_q``, ``exact_sum_qkv``), so that a summation order
+that are exact in fp32 (``seeded_dsv4_inputs``, ``seeded_gqa_inputs``), so that a summation order
 cannot move a finite value and the comparison is exact.
 
 The kernels run here under the CPU interpreter (on CUDA: the kernel itself).
@@ -19,16 +19,12 @@ The kernels run here under the CPU interpreter (on CUDA: the kernel itself).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from prepfuse._compat import has_triton
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, NOPE_DIM, SCALE_BYTES
-from prepfuse.testing import (
-    exact_rms_q, exact_sum_qkv, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs, seeded_generator,
-)
+from prepfuse.testing import make_dsv4_indexer_inputs, seeded_dsv4_inputs, seeded_generator, seeded_gqa_inputs
 from tests.ops.impls import IMPLS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,10 +111,7 @@ def slot_of(inputs, token: int) -> tuple[int, int]:
 # DeepSeek-V4 MLA prep: q heads in bf16, kv as UE8M0 e4m3 blocks of 64 and bf16 RoPE dims
 # --------------------------------------------------------------------------------------
 def test_dsv4():
-    generator, seed = seeded_generator()
-    inputs = make_dsv4_inputs(6, 3, 4, 16, DEVICE, skip_fraction=0.0, generator=generator)
-    q, eps = exact_rms_q(6, 3, generator)
-    inputs = dataclasses.replace(inputs, q=q.to(DEVICE), eps=eps)
+    inputs, seed = seeded_dsv4_inputs(6, 3, 4, 16, DEVICE, skip_fraction=0.0)
     kv, q = inputs.kv, inputs.q
     kv[0, 5] = NAN  # NoPE block 0
     kv[1, 64 + 9] = INF  # NoPE block 1
@@ -150,9 +143,7 @@ def test_dsv4():
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 def test_gqa(cache_dtype):
-    generator, seed = seeded_generator()
-    inputs = make_gqa_inputs(6, 4, 2, 64, 16, DEVICE, cache_dtype=cache_dtype, skip_fraction=0.0, generator=generator)
-    inputs = exact_sum_qkv(inputs, generator)
+    inputs, seed = seeded_gqa_inputs(6, 4, 2, 64, 16, DEVICE, cache_dtype=cache_dtype, skip_fraction=0.0)
     heads = inputs.qkv.unflatten(1, (8, 64))  # q heads 0..3, k heads 4..5, v heads 6..7
     heads[0, 6, 3] = NAN
     heads[1, 7, 4] = INF

@@ -120,7 +120,6 @@ def validate_rewrite(emitted: Iterable[torch.fx.Node], args: dict, checked: list
         limits["slots"] = concrete(slot_capacity)
     if block_size is not None:
         limits["block_size"] = concrete(block_size)
-    limits["probe_seed"] = _SEED  # block and row indices draw one permutation per probe
     with unset_fake_temporarily(), torch.no_grad():
         for probe in range(NUM_PROBES):
             gen = torch.Generator().manual_seed(_SEED + probe)
@@ -239,7 +238,7 @@ def _values(node, role, sizes, dtype, limits, probe, gen) -> torch.Tensor:
         capacity, block = limits.get("slots"), limits.get("block_size")
         if capacity is None or block is None or n > capacity:
             raise NoMatch(f"validation: {n} block/row pairs do not fit the cache ({capacity} slots)")
-        slots = torch.randperm(capacity, generator=torch.Generator().manual_seed(limits["probe_seed"] + 97 * probe))[:n]
+        slots = torch.randperm(capacity, generator=torch.Generator().manual_seed(_SEED + 97 * probe))[:n]
         return (slots // block if role == "slot_block" else slots % block).reshape(sizes).to(dtype)
     if role == "positions":
         rows = limits.get("positions")
