@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     parser.add_argument("--docs", type=Path, default=None)
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: every fused case)")
+    parser.add_argument("--name-suffix", default="", help="appended to the JSON file name (a run of some cases)")
     args = parser.parse_args(argv)
     harness.allow_recompiles()
     info = harness.device_info()
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
             for why in row["declined"]:
                 print(f"    declined: {why[:300]}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    harness.write_json(args.out_dir / f"clients_{info['device_slug']}.json", data)
+    harness.write_json(args.out_dir / f"clients_{info['device_slug']}{args.name_suffix}.json", data)
     if args.docs:
         args.docs.write_text(render(data))
     return 0 if all(r["correct"] for r in data["rows"]) else 1

@@ -12,6 +12,7 @@
 #   indexer-sweep - the indexer kernel's launch-configuration sweep
 #   clients - the corpus (transformers' attention modules, engines' spellings), backend=prepfuse vs
 #             inductor (benchmarks_clients.md into $OUT); PREPFUSE_CLIENT_CASES=a,b limits the cases
+#             and PREPFUSE_CLIENT_SUFFIX names the JSON of such a partial run
 #             (all 14 fused cases at T = 1, 64, 4096 take longer than one 10-minute call)
 #   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
 #   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
@@ -89,7 +90,7 @@ for what in "${steps[@]}"; do
     clients)
         step clients
         python3 bench/bench_clients.py --out-dir "$OUT" --docs "$OUT/benchmarks_clients.md" \
-            ${PREPFUSE_CLIENT_CASES:+--cases "$PREPFUSE_CLIENT_CASES"} 2>&1 | tail -n 30 | tee -a "$log" || status=1
+            ${PREPFUSE_CLIENT_CASES:+--cases "$PREPFUSE_CLIENT_CASES"} ${PREPFUSE_CLIENT_SUFFIX:+--name-suffix "$PREPFUSE_CLIENT_SUFFIX"} 2>&1 | tail -n 30 | tee -a "$log" || status=1
         ;;
     micro)
         step micro

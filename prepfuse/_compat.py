@@ -263,6 +263,29 @@ def inductor_drops_narrowing_round_trips() -> bool:
         return lossy
 
 
+@functools.lru_cache(maxsize=None)
+def e4m3_cast_saturates(device_type: str) -> bool:
+    """Whether torch's own cast to float8_e4m3fn on ``device_type`` saturates: 480 and
+    +-inf become +-448, as ``clamp(-448, 448)`` before the cast would make them.
+
+    It differs by version and device: torch 2.13's CPU cast saturates; torch 2.11's CUDA
+    cast (c10's ``fp8e4m3fn_from_fp32_value``: ``|x| >= 480`` gives the NaN code 0x7F)
+    does not. A bare ``(k / s).to(e4m3)`` (SGLang's spelling) is the op's clamped cast
+    only where this is True. Decided by casting once on the device, not by version."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            probe = torch.tensor([480.0, float("inf"), -1e4], device=device_type)
+            codes = probe.to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    except Exception as err:  # noqa: BLE001 - no device to cast on: assume the strict reading
+        logging.getLogger("prepfuse").warning(
+            "cannot cast on %s to see whether e4m3 casts saturate (%s: %s); assuming they do not",
+            device_type, type(err).__name__, err)
+        return False
+    return codes == [0x7E, 0x7E, 0xFE]
+
+
 def golden_rotary_graph_stable() -> bool:
     """Whether Hugging Face's rotary module decomposes as the corpus golden graph records it
     (torch 2.13 and 2.14: ``inv_freq @ positions`` as a broadcast ``mul``); torch 2.11 keeps a

@@ -67,3 +67,26 @@ def test_round_trip_probe_leaves_inductor_counters_alone():
     _compat.inductor_drops_narrowing_round_trips.cache_clear()
     inductor_drops_narrowing_round_trips()
     assert not counters["inductor"]
+
+
+# what was seen: torch 2.13's CPU cast saturates; torch 2.11's CUDA cast does not (H200, 2026-12-02)
+KNOWN_CPU_SATURATES = {(2, 13): True}
+
+
+def test_e4m3_saturation_probe_agrees_with_casts_over_the_range():
+    """The gate casts three values; torch's cast of everything from 448 to fp32's largest
+    value, and of -inf, must then behave the same way: all +-448 where the probe says it
+    saturates, all NaN from 480 up where it says not."""
+    big = torch.tensor([464.0, 479.9, 480.0, 481.0, 1e4, 3e38, float("inf")])
+    codes = torch.cat([big, -big]).to(torch.float8_e4m3fn).view(torch.uint8)
+    saturated = bool(((codes & 0x7F) == 0x7E).all())
+    nan_from_480 = bool(((codes.view(2, -1)[:, 2:] & 0x7F) == 0x7F).all())
+    if _compat.e4m3_cast_saturates("cpu"):
+        assert saturated, codes
+    else:
+        assert nan_from_480, codes
+
+
+@pytest.mark.skipif(TORCH_VERSION not in KNOWN_CPU_SATURATES, reason="no recorded behaviour for this torch")
+def test_e4m3_saturation_probe_matches_the_known_versions():
+    assert _compat.e4m3_cast_saturates("cpu") == KNOWN_CPU_SATURATES[TORCH_VERSION]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from prepfuse._compat import inductor_drops_narrowing_round_trips
+from prepfuse._compat import e4m3_cast_saturates, inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.matching.cache_writes import first_rows_of
 from prepfuse.fx_passes.matching.cos_sin import CosSin, cos_sin_operand
 from prepfuse.fx_passes.matching.layouts import (
@@ -288,15 +288,21 @@ def unsupported_cache_write(node) -> str | None:
 def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(bf16 rows, kv_scale) for ``(rows.float() / kv_scale).clamp(-448, 448).to(e4m3)``
     (the fp32 rows where Inductor dropped their bf16 round trip: ``rounding_dropped``), or
-    with no clamp: torch's cast to e4m3fn saturates (CPU and CUDA: 480 and inf become 448,
-    NaN stays NaN), so SGLang's bare ``(k / k_scale).to(fp8)`` is the same math; the
-    probes check it on the graph's own torch (validation). ``rows / kv_scale`` with bf16
+    with no clamp where torch's cast to e4m3fn saturates (``_compat.e4m3_cast_saturates``:
+    torch 2.13's CPU cast makes 480 and inf 448, torch 2.11's CUDA cast makes them NaN), so
+    that SGLang's bare ``(k / k_scale).to(fp8)`` is the same math; the probes check it on
+    the graph's own torch (validation). ``rows / kv_scale`` with bf16
     rows divides in fp32 (type promotion), as ``rows.float() / kv_scale`` does."""
     clamped = convert_source(values, torch.float8_e4m3fn)
     expect(clamped is not None, f"fp8: rows {describe(values)} are not a cast to float8_e4m3fn")
     scaled, lo, hi = clamp_bounds(clamped)
     expect((lo, hi) in ((-FP8_MAX, FP8_MAX), (None, None)),
-           f"fp8: clamp to [{lo}, {hi}], expected [-448, 448] (or no clamp: the cast saturates there)")
+           f"fp8: clamp to [{lo}, {hi}], expected [-448, 448] (or no clamp where torch's cast saturates)")
+    device = val(values).device.type
+    expect(lo is not None or e4m3_cast_saturates(device),
+           f"fp8: {describe(values)} is a bare cast to float8_e4m3fn with no clamp, and torch {torch.__version__}'s "
+           f"cast on {device} does not saturate (|x| >= 480 becomes NaN, the op's cast gives 448); "
+           "`.clamp(-448, 448)` before the cast makes it the op's math")
     expect(is_op(scaled, aten.div.Tensor), f"fp8: rows are scaled by {describe(scaled)}; the op divides by kv_scale "
                                            "(a true division: a multiply by 1/kv_scale rounds differently)")
     x, scale = scaled.args[:2]
