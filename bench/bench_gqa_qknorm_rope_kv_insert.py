@@ -46,29 +46,39 @@ BLOCK_SIZE = 16
 SWEEP_BLOCK_H = (1, 2, 4, 8)
 SWEEP_NUM_WARPS = (1, 2, 4)
 FP8 = torch.float8_e4m3fn
-# name -> (Hq, Hkv, D, rotary dim, NeoX, norm, cache dtype)
+# name -> (Hq, Hkv, D, rotary dim, NeoX, norm, cache dtype[, cos/sin form]); the form
+# "full" reads a [P, 2R] full-width table (full_cos_sin=True, Hugging Face's cos/sin
+# passed in), the default "half" the [P, R] table
 MODELS = {
     "qwen3-8b": (32, 8, 128, 128, True, True, torch.bfloat16),
     "qwen3-8b-fp8": (32, 8, 128, 128, True, True, FP8),
     "llama3-8b": (32, 8, 128, 128, True, False, torch.bfloat16),
+    "qwen3-8b-full-cos-sin": (32, 8, 128, 128, True, True, torch.bfloat16, "full"),
 }
+
+
+def full_cos_sin(model: tuple) -> bool:
+    return len(model) > 7 and model[7] == "full"
 
 
 def gqa_bytes_moved(num_tokens: int, model: tuple) -> int:
     """Fewest bytes a call must move: qkv and the cos/sin rows read, q_out and the k and v
     cache rows written (every row inserted; the norm weights are negligible)."""
-    hq, hkv, d, rot, _, _, dtype = model
+    hq, hkv, d, rot, _, _, dtype = model[:7]
     cache_elem = 1 if dtype == FP8 else 2
-    per_token = (hq + 2 * hkv) * d * 2 + rot * 4 + hq * d * 2 + 2 * hkv * d * cache_elem
+    table_row = rot * (8 if full_cos_sin(model) else 4)
+    per_token = (hq + 2 * hkv) * d * 2 + table_row + hq * d * 2 + 2 * hkv * d * cache_elem
     return num_tokens * per_token
 
 
 def make_inputs(num_tokens: int, model: tuple, *, skip_fraction: float):
-    from prepfuse.testing import make_gqa_inputs
+    from prepfuse.testing import make_gqa_inputs, seeded_generator, with_full_cos_sin
 
-    hq, hkv, d, rot, neox, norm, dtype = model
-    return make_gqa_inputs(num_tokens, hq, hkv, d, BLOCK_SIZE, harness.DEVICE, rotary_dim=rot, is_neox=neox,
-                           norm=norm, cache_dtype=dtype, skip_fraction=skip_fraction)
+    hq, hkv, d, rot, neox, norm, dtype = model[:7]
+    inputs = make_gqa_inputs(num_tokens, hq, hkv, d, BLOCK_SIZE, harness.DEVICE, rotary_dim=rot, is_neox=neox,
+                             norm=norm, cache_dtype=dtype, skip_fraction=skip_fraction)
+    # full width with every entry its own value: the kernel reads all 2R of them
+    return with_full_cos_sin(inputs, seeded_generator()[0]) if full_cos_sin(model) else inputs
 
 
 def gqa_within_bound(cmp, norm: bool, cache_fp8: bool) -> bool:
@@ -242,6 +252,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         "- **Models:** " + "; ".join(
             f"`{k}`: Hq {v[0]}, Hkv {v[1]}, D {v[2]}, rotary {v[3]}, {'NeoX' if v[4] == 'True' else 'GPT-J'}, "
             f"{'q/k norm' if v[5] == 'True' else 'no norm'}, {v[6].replace('torch.', '')} cache"
+            f"{', full-width cos/sin (full_cos_sin)' if v[7:] == ['full'] else ''}"
             for k, v in data["models"].items()),
         "",
         "| model | T | fused us | GB/s | % copy BW | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",

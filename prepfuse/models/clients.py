@@ -77,7 +77,6 @@ class ClientCase:
         return f"transformers.models.{self.family}.modeling_{self.family}.{self.prefix}Attention"
 
 
-_HALVES_UNPROVEN = "the graph does not show its halves equal"
 CLIENT_CASES: tuple[ClientCase, ...] = (
     ClientCase("hf-qwen3", "qwen3", "Qwen3", pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
     ClientCase("hf-llama", "llama", "Llama", pattern="gqa_rope_kv+separate+bf16_rope"),
@@ -85,12 +84,12 @@ CLIENT_CASES: tuple[ClientCase, ...] = (
     ClientCase("hf-mistral", "mistral", "Mistral", pattern="gqa_rope_kv+separate+bf16_rope"),
     # one sequence's static cache, written as transformers' StaticCache writes it (index_copy_)
     ClientCase("hf-qwen3-static-cache", "qwen3", "Qwen3", cache="static", pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
-    # cos/sin made outside the compiled code: full-width tables the graph cannot prove are
-    # two equal halves; the op reads half tables (a full-width operand is the next step)
-    ClientCase("hf-qwen3-cos-sin-inputs", "qwen3", "Qwen3", rotary="inputs", expected_fused=0,
-               expected_reason=_HALVES_UNPROVEN),
-    ClientCase("hf-llama-cos-sin-inputs", "llama", "Llama", rotary="inputs", expected_fused=0,
-               expected_reason=_HALVES_UNPROVEN),
+    # cos/sin made outside the compiled code: full-width values the graph cannot prove are
+    # two equal halves, read whole by the op (``full_cos_sin``: cat(cos, sin) [T, 2R])
+    ClientCase("hf-qwen3-cos-sin-inputs", "qwen3", "Qwen3", rotary="inputs",
+               pattern="gqa_qknorm_rope_kv+separate+bf16_rope+full_cos_sin"),
+    ClientCase("hf-llama-cos-sin-inputs", "llama", "Llama", rotary="inputs",
+               pattern="gqa_rope_kv+separate+bf16_rope+full_cos_sin"),
 )
 
 

@@ -68,8 +68,9 @@ def define_op(
     parsed = torch._C.parse_schema(f"{NAMESPACE}::{schema}").arguments
     arg_names = [a.name for a in parsed]
     written = [a.name for a in parsed if a.alias_info is not None and a.alias_info.is_write]
-    checked_reference = _checked(name, arg_names, check, index_check, reference, written)
-    fake = fake or _checked(name, arg_names, check, None, None, written)
+    defaults = {a.name: a.default_value for a in parsed if a.has_default_value()}
+    checked_reference = _checked(name, arg_names, check, index_check, reference, written, defaults)
+    fake = fake or _checked(name, arg_names, check, None, None, written, defaults)
     if _is_defined(name):
         existing = str(getattr(torch.ops, NAMESPACE).__getattr__(name).default._schema)
         expected = f"{NAMESPACE}::{schema}"
@@ -82,7 +83,7 @@ def define_op(
     _LIB.define(schema)
     _LIB.impl(name, checked_reference, "CompositeExplicitAutograd")
     if triton is not None:
-        cuda = _checked(name, arg_names, check, index_check, triton, written) if has_triton() else \
+        cuda = _checked(name, arg_names, check, index_check, triton, written, defaults) if has_triton() else \
             _reference_with_warning(name, checked_reference)
         _LIB.impl(name, cuda, "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
@@ -90,9 +91,12 @@ def define_op(
 
 
 def _checked(name: str, arg_names: list[str], check: Callable | None, index_check: Callable | None,
-             impl: Callable | None, written: list[str] = ()) -> Callable:
+             impl: Callable | None, written: list[str] = (), defaults: dict | None = None) -> Callable:
     """``impl(*args)`` after ``check``, the aliasing check of the ``written`` arguments
-    (``_checks.check_written_apart``) and ``index_check``, each given the arguments it names."""
+    (``_checks.check_written_apart``) and ``index_check``, each given the arguments it names.
+    Arguments the schema gives a default (an operand added later, such as the GQA ops'
+    ``full_cos_sin``) may be left out by a caller; every impl still gets all of them."""
+    defaults = dict(defaults or {})
     shape_checks = [(check, list(inspect.signature(check).parameters))] if check is not None else []
     value_checks = [(index_check, list(inspect.signature(index_check).parameters))] if index_check is not None else []
     for fn, wanted in shape_checks + value_checks:
@@ -103,6 +107,8 @@ def _checked(name: str, arg_names: list[str], check: Callable | None, index_chec
 
     def run(*args, **kwargs):
         named = dict(zip(arg_names, args), **kwargs)
+        for key, value in defaults.items():
+            named.setdefault(key, value)
         if len(args) > len(arg_names) or set(named) != set(arg_names):
             raise TypeError(f"{NAMESPACE}::{name}: expected the arguments ({', '.join(arg_names)}), "
                             f"got {len(args)} positional and {sorted(kwargs)}")

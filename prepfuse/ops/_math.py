@@ -13,15 +13,33 @@ UE8M0_NAN = 0xFF
 
 
 def rope_gptj(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved (GPT-J) rotation of the last dim of ``y`` by pairs (2p, 2p+1)."""
+    """Interleaved (GPT-J) rotation of the last dim of ``y`` by pairs (2p, 2p+1).
+
+    ``cos``/``sin`` hold one value per pair (half ``y``'s width), or one per element (as
+    wide as ``y``: ``y[2p]`` is rotated by entry 2p and ``y[2p+1]`` by entry 2p+1, which is
+    ``y * cos + rotate_pairs(y) * sin`` written out)."""
     e, o = y[..., 0::2], y[..., 1::2]
-    return torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2)
+    if cos.shape[-1] == y.shape[-1]:
+        (cos_e, cos_o), (sin_e, sin_o) = (cos[..., 0::2], cos[..., 1::2]), (sin[..., 0::2], sin[..., 1::2])
+    else:
+        cos_e = cos_o = cos
+        sin_e = sin_o = sin
+    return torch.stack((e * cos_e - o * sin_e, e * sin_o + o * cos_o), dim=-1).flatten(-2)
 
 
 def rope_neox(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half (NeoX) rotation of the last dim of ``y`` by pairs (i, i + n/2)."""
+    """Rotate-half (NeoX) rotation of the last dim of ``y`` by pairs (i, i + n/2).
+
+    ``cos``/``sin`` hold one value per pair (half ``y``'s width), or one per element (as
+    wide as ``y``, Hugging Face's ``y * cos + rotate_half(y) * sin``: the first half is
+    rotated by the first half of the table, the second by the second)."""
     a, b = y.chunk(2, dim=-1)
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    if cos.shape[-1] == y.shape[-1]:
+        (cos_a, cos_b), (sin_a, sin_b) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
+    else:
+        cos_a = cos_b = cos
+        sin_a = sin_b = sin
+    return torch.cat((a * cos_a - b * sin_a, b * cos_b + a * sin_b), dim=-1)
 
 
 def e4m3_pow2_quant(x: torch.Tensor, amax_floor: float, *, non_finite_blocks: bool = True

@@ -5,10 +5,12 @@ Schema (the contract; ``tests/golden/schemas.txt`` holds it verbatim)::
     prepfuse::gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight,
         Tensor? k_norm_weight, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache,
         Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, Tensor? kv_scale,
-        int num_q_heads, int num_kv_heads, bool is_neox, float eps) -> ()
+        int num_q_heads, int num_kv_heads, bool is_neox, float eps,
+        bool full_cos_sin=False) -> ()
 
 Inputs (``T`` tokens, ``Hq`` query heads, ``Hkv`` kv heads, head size ``D`` in {64, 128,
-256} = ``qkv.size(1) // (Hq + 2*Hkv)``, rotary dim ``R = cos_sin_cache.size(1)``)::
+256} = ``qkv.size(1) // (Hq + 2*Hkv)``, rotary dim ``R = cos_sin_cache.size(1)``, or half
+of it with ``full_cos_sin``)::
 
     qkv            [T, (Hq+2*Hkv)*D]    bf16   q heads, then k heads, then v heads; any
                                                token stride, last dim dense
@@ -21,6 +23,9 @@ Inputs (``T`` tokens, ``Hq`` query heads, ``Hkv`` kv heads, head size ``D`` in {
                                                (block s // BS, row s % BS); negative skips
     positions      [T]                  int64  row of cos_sin_cache for each token
     cos_sin_cache  [P, R]               fp32   per position: R/2 cos, then R/2 sin (vLLM)
+                   [P, 2R]                     with full_cos_sin: R cos, then R sin, one
+                                               per rotated dim (Hugging Face's full-width
+                                               cos/sin, whose halves need not be equal)
     kv_scale       [1] or [] or None    fp32   per-tensor cache scale, read on the device;
                                                given iff the caches are fp8
 
@@ -32,6 +37,9 @@ Q and K path, per token and head (x: one head's D values, as fp32)::
     RoPE on dims [0, R) (partial when R < D; dims [R, D) pass through), in fp32:
         is_neox: pairs (i, i + R/2)     GPT-J: pairs (2i, 2i + 1)     i in [0, R/2)
         a' = a*cos[i] - b*sin[i],  b' = b*cos[i] + a*sin[i]     (each product rounded)
+        full_cos_sin: dim j is rotated by entry j of the R-wide cos and sin, for pair
+        (ja, jb): a' = a*cos[ja] - b*sin[ja], b' = b*cos[jb] + a*sin[jb], which is
+        ``x*cos + rotate_half(x)*sin`` (NeoX) or its interleaved form (GPT-J) as written
     q_out = bf16(x);  k = bf16(x)
 
 V path: v as is. Cache store of k and v rows at inserted slots: bf16 as is, or fp8
@@ -59,8 +67,9 @@ Rounding, against the Hugging Face code a pattern pass will replace:
 - The fp8 cache values are quantised from the bf16-rounded k and v, as an unfused engine
   that stores bf16 k/v through its cache-insert kernel would.
 
-Traffic per token: reads (Hq + 2*Hkv)*D*2 bytes of qkv and the 4R-byte cos/sin row
-(re-read by every q and k program, from L1/L2; the 2*D*2 weight bytes likewise); writes
+Traffic per token: reads (Hq + 2*Hkv)*D*2 bytes of qkv and the 4R-byte cos/sin row (8R
+with full_cos_sin; re-read by every q and k program, from L1/L2; the 2*D*2 weight bytes
+likewise); writes
 Hq*D*2 bytes of q_out and 2*Hkv*D*c bytes of cache (c = 2 for bf16, 1 for fp8), only for
 inserted rows. Qwen3-8B (Hq 32, Hkv 8, D 128, R 128), bf16 cache: 12288 B read + 12288 B
 written per token. Bandwidth bound for T above a few hundred, latency bound below.
@@ -84,7 +93,8 @@ CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 SCHEMA = (
     "gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, "
     "Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor positions, "
-    "Tensor cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps) -> ()"
+    "Tensor cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps, "
+    "bool full_cos_sin=False) -> ()"
 )
 
 
@@ -119,6 +129,7 @@ if has_triton():
         ROT_PAD: tl.constexpr,  # R rounded up to a power of two (register tiles need one)
         IS_NEOX: tl.constexpr,  # pairs (i, i + R/2) if true, else (2i, 2i + 1)
         HAS_NORM: tl.constexpr,  # apply the weighted RMSNorm first
+        FULL_COS_SIN: tl.constexpr,  # cs_row holds R cos then R sin (one per dim), else R/2 and R/2
         BLOCK_H: tl.constexpr,  # heads (rows of head_ptr)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
@@ -154,8 +165,12 @@ if has_triton():
             xj = _weighted(xj, rstd, w_ptr, j, HAS_NORM, SOFT_ROUNDING)
             xp = _weighted(xp, rstd, w_ptr, partner, HAS_NORM, SOFT_ROUNDING)
             x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
-            cos = tl.load(cs_row + column, mask=in_rot, other=0.0)[None, :]
-            sin = tl.load(cs_row + HALF + column, mask=in_rot, other=0.0)[None, :]
+            if FULL_COS_SIN:  # lane j's own entry of the R-wide cos and sin
+                cos = tl.load(cs_row + j, mask=in_rot, other=0.0)[None, :]
+                sin = tl.load(cs_row + ROT_DIM + j, mask=in_rot, other=0.0)[None, :]
+            else:
+                cos = tl.load(cs_row + column, mask=in_rot, other=0.0)[None, :]
+                sin = tl.load(cs_row + HALF + column, mask=in_rot, other=0.0)[None, :]
             # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
             rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
                            _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
@@ -176,11 +191,26 @@ if has_triton():
             else:
                 pairs = tl.reshape(xr, [BLOCK_H, HALF, 2])
             a, b = tl.split(pairs)
-            cos = tl.load(cs_row + tl.arange(0, HALF))[None, :]
-            sin = tl.load(cs_row + HALF + tl.arange(0, HALF))[None, :]
+            i = tl.arange(0, HALF)
+            if FULL_COS_SIN:  # a and b each read their own dim's entry of the R-wide cos and sin
+                if IS_NEOX:
+                    ia = i
+                    ib = i + HALF
+                else:
+                    ia = 2 * i
+                    ib = 2 * i + 1
+                cos_a = tl.load(cs_row + ia)[None, :]
+                sin_a = tl.load(cs_row + ROT_DIM + ia)[None, :]
+                cos_b = tl.load(cs_row + ib)[None, :]
+                sin_b = tl.load(cs_row + ROT_DIM + ib)[None, :]
+            else:
+                cos_a = tl.load(cs_row + i)[None, :]
+                sin_a = tl.load(cs_row + HALF + i)[None, :]
+                cos_b = cos_a
+                sin_b = sin_a
             # a' = a*cos - b*sin, b' = b*cos + a*sin, each product rounded (never an FMA)
-            a_rot = _mul_rn(a, cos, SOFT_ROUNDING) - _mul_rn(b, sin, SOFT_ROUNDING)
-            b_rot = _mul_rn(b, cos, SOFT_ROUNDING) + _mul_rn(a, sin, SOFT_ROUNDING)
+            a_rot = _mul_rn(a, cos_a, SOFT_ROUNDING) - _mul_rn(b, sin_a, SOFT_ROUNDING)
+            b_rot = _mul_rn(b, cos_b, SOFT_ROUNDING) + _mul_rn(a, sin_b, SOFT_ROUNDING)
             rot = tl.join(a_rot, b_rot)  # [BLOCK_H, HALF, 2]
             if IS_NEOX:
                 rot = tl.permute(rot, (0, 2, 1))
@@ -216,7 +246,7 @@ if has_triton():
         v_cache_ptr,  # [NB, BS, Hkv, D] as k_cache
         slot_ptr,  # [T'] int64
         pos_ptr,  # [T] int64
-        cos_sin_ptr,  # [P, R] fp32
+        cos_sin_ptr,  # [P, R] fp32 ([P, 2R] with FULL_COS_SIN)
         scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
         Hq,  # query heads
         Hkv,  # kv heads
@@ -242,6 +272,7 @@ if has_triton():
         ROT_PAD: tl.constexpr,  # R rounded up to a power of two
         IS_NEOX: tl.constexpr,  # rotate-half pairs, else GPT-J interleaved pairs
         HAS_NORM: tl.constexpr,  # weighted RMSNorm on q and k
+        FULL_COS_SIN: tl.constexpr,  # cos_sin rows are R cos then R sin, else R/2 and R/2
         CACHE_FP8: tl.constexpr,  # caches hold e4m3fn codes scaled by kv_scale
         BLOCK_H: tl.constexpr,  # heads per program
         Q_COLS: tl.constexpr,  # programs per token on q: cdiv(Hq, BLOCK_H)
@@ -271,7 +302,7 @@ if has_triton():
             real = heads < Hq
             normed, rot = _norm_rope_heads(
                 q_ptr + t * stride_qt + heads * HEAD_DIM, real, q_w_ptr, cs_row, eps,
-                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
+                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, FULL_COS_SIN, BLOCK_H, SOFT_ROUNDING,
             )
             dst = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
             r = tl.arange(0, ROT_PAD)
@@ -288,7 +319,7 @@ if has_triton():
                     real = heads < Hkv
                     normed, rot = _norm_rope_heads(
                         k_ptr + t * stride_kt + heads * HEAD_DIM, real, k_w_ptr, cs_row, eps,
-                        HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, BLOCK_H, SOFT_ROUNDING,
+                        HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, FULL_COS_SIN, BLOCK_H, SOFT_ROUNDING,
                     )
                     # (k_rows, v_dst: one name per branch; triton wants a name's type equal in both)
                     k_rows = k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads[:, None] * stride_kh
@@ -335,7 +366,7 @@ def split_qkv_columns(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
 
 def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, *, launch_config: tuple[int, int] | None = None,
+    kv_scale, is_neox, eps, full_cos_sin=False, *, launch_config: tuple[int, int] | None = None,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
@@ -353,6 +384,7 @@ def launch_gqa_kernel(
     k_w = k_norm_weight if has_norm else q
     scale = kv_scale if fp8 else cos_sin_cache
     block_size = k_cache.shape[1]
+    rot_dim = cos_sin_cache.shape[1] // 2 if full_cos_sin else cos_sin_cache.shape[1]
     grid = (num_tokens * (q_cols + 2 * kv_cols),)
     _gqa_qknorm_rope_kv_insert_kernel[grid](
         q, k, v, q_w, k_w, q_out,
@@ -365,10 +397,11 @@ def launch_gqa_kernel(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cos_sin_cache.stride(0), eps, block_size,
         HEAD_DIM=head_dim,
-        ROT_DIM=cos_sin_cache.shape[1],
-        ROT_PAD=triton.next_power_of_2(cos_sin_cache.shape[1]),
+        ROT_DIM=rot_dim,
+        ROT_PAD=triton.next_power_of_2(rot_dim),
         IS_NEOX=bool(is_neox),
         HAS_NORM=has_norm,
+        FULL_COS_SIN=bool(full_cos_sin),
         CACHE_FP8=fp8,
         BLOCK_H=block_h,
         Q_COLS=q_cols,
@@ -391,11 +424,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * (h * rstd).to(torch.bfloat16)
 
 
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
-    """RoPE on the first ``2 * cos.size(-1)`` dims of bf16 ``x [T, H, D]`` in fp32, one
-    rounding to bf16. ``cos``, ``sin``: [T, R/2] fp32."""
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool, *,
+                   full: bool = False) -> torch.Tensor:
+    """RoPE on the first R dims of bf16 ``x [T, H, D]`` in fp32, one rounding to bf16.
+    ``cos``, ``sin``: [T, R/2] fp32 (one per pair), or [T, R] with ``full`` (one per dim)."""
     h = x.float()
-    rot_dim = 2 * cos.shape[-1]
+    rot_dim = cos.shape[-1] if full else 2 * cos.shape[-1]
     rot, rest = h[..., :rot_dim], h[..., rot_dim:]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rotated = (rope_neox if is_neox else rope_gptj)(rot, cos, sin)
@@ -425,7 +459,7 @@ def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch
 
 def sources_reference(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, *, as_baseline: bool = False,
+    kv_scale, is_neox, eps, full_cos_sin=False, *, as_baseline: bool = False,
 ) -> None:
     """Both GQA ops in plain PyTorch, unchecked (``define_op`` runs the checks first), from
     q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``: the separate op's reference as it stands, the
@@ -441,6 +475,7 @@ def sources_reference(
     q_vals, k_rows, v_rows = prepared_heads_reference(
         q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
         q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0], is_neox, eps,
+        full_cos_sin=full_cos_sin,
     )
     q_out.copy_(q_vals)
     insert_cache_reference(k_cache, k_rows, slot_mapping, as_baseline=as_baseline)
@@ -453,10 +488,10 @@ def on_qkv_columns(impl):
     run one kernel and one reference and cannot drift apart."""
 
     def on_qkv(qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-               cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, **options):
+               cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, **options):
         q, k, v = split_qkv_columns(qkv, num_q_heads, num_kv_heads)
         impl(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-             cos_sin_cache, kv_scale, is_neox, eps, **options)
+             cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin, **options)
 
     on_qkv.__name__ = on_qkv.__qualname__ = f"{impl.__name__}_on_qkv_columns"
     on_qkv.__doc__ = f"``{impl.__name__}`` on qkv's column ranges (``on_qkv_columns``); inputs are not checked here."
@@ -481,6 +516,8 @@ def prepared_heads_reference(
     n_insert: int,
     is_neox: bool,
     eps: float,
+    *,
+    full_cos_sin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them)
     from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]``: everything both ops compute
@@ -489,8 +526,8 @@ def prepared_heads_reference(
         q = rms_norm_reference(q, q_norm_weight, eps)
         k = rms_norm_reference(k, k_norm_weight, eps)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    q = rope_reference(q, cos, sin, is_neox)
-    k = rope_reference(k[:n_insert], cos[:n_insert], sin[:n_insert], is_neox)
+    q = rope_reference(q, cos, sin, is_neox, full=full_cos_sin)
+    k = rope_reference(k[:n_insert], cos[:n_insert], sin[:n_insert], is_neox, full=full_cos_sin)
     return q, quantize_cache_reference(k, kv_scale), quantize_cache_reference(v[:n_insert], kv_scale)
 
 
@@ -499,7 +536,7 @@ def prepared_heads_reference(
 # --------------------------------------------------------------------------------------
 def check_inputs(
     qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps,
+    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
@@ -522,14 +559,14 @@ def check_inputs(
         f"qkv: head size {head_dim} (width {width} / {n_heads} heads) is not one of {HEAD_DIMS}",
     )
     check_prep_args(q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-                    kv_scale, is_neox, eps, num_tokens=num_tokens, num_q_heads=num_q_heads,
+                    kv_scale, is_neox, eps, full_cos_sin, num_tokens=num_tokens, num_q_heads=num_q_heads,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, device=device, source="qkv")
     check_unit_last_stride("qkv", qkv)
 
 
 def check_prep_args(
     q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
-    is_neox, eps, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device, source: str,
+    is_neox, eps, full_cos_sin, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device, source: str,
 ) -> None:
     """Everything but the q/k/v source (both GQA ops): dtypes, shapes, devices and strides
     against the token count, heads and head size the source gave (``source`` names it)."""
@@ -562,12 +599,21 @@ def check_prep_args(
     check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
     check_size("positions", positions, 0, num_tokens, f"T, {source}'s token count")
     check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
-    rot_dim = cos_sin_cache.shape[1]
-    require(
-        (rot_dim > 0) & (rot_dim % 2 == 0) & (rot_dim <= head_dim),
-        f"cos_sin_cache: its width is the rotary dim and must be even, positive and at most "
-        f"the head size {head_dim}, got shape {tuple(cos_sin_cache.shape)}",
-    )
+    if not isinstance(full_cos_sin, bool):
+        raise ValueError(f"full_cos_sin: must be a bool, got {full_cos_sin!r}")
+    width = cos_sin_cache.shape[1]
+    if full_cos_sin:
+        require(
+            (width > 0) & (width % 4 == 0) & (width <= 2 * head_dim),
+            f"cos_sin_cache: with full_cos_sin its width is twice the rotary dim (R cos, then R sin), so a "
+            f"positive multiple of 4 and at most 2 * the head size {head_dim}, got shape {tuple(cos_sin_cache.shape)}",
+        )
+    else:
+        require(
+            (width > 0) & (width % 2 == 0) & (width <= head_dim),
+            f"cos_sin_cache: its width is the rotary dim and must be even, positive and at most "
+            f"the head size {head_dim}, got shape {tuple(cos_sin_cache.shape)}",
+        )
     if k_cache.dtype == torch.float8_e4m3fn:
         if kv_scale is None:
             raise ValueError("kv_scale: an fp8 cache needs a device fp32 scale tensor of shape [1] or [], got None")

@@ -12,7 +12,7 @@ from prepfuse.testing.common import (
     seeded_generator,
 )
 
-__all__ = ["GqaInputs", "make_gqa_inputs", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
+__all__ = ["GqaInputs", "make_gqa_inputs", "with_full_cos_sin", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
 
 
 @dataclass
@@ -33,12 +33,13 @@ class GqaInputs:
     num_kv_heads: int
     is_neox: bool
     eps: float
+    full_cos_sin: bool = False  # cos_sin_cache rows are R cos then R sin (``with_full_cos_sin``)
 
     def args(self) -> tuple:
         return (
             self.qkv, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
             self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale,
-            self.num_q_heads, self.num_kv_heads, self.is_neox, self.eps,
+            self.num_q_heads, self.num_kv_heads, self.is_neox, self.eps, self.full_cos_sin,
         )
 
     @property
@@ -60,6 +61,7 @@ class GqaInputs:
         return (
             *sources, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
             self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale, self.is_neox, self.eps,
+            self.full_cos_sin,
         )
 
     def fresh_outputs(self) -> "GqaInputs":
@@ -145,6 +147,27 @@ def make_gqa_inputs(
         eps=eps,
     )
     return inputs.fresh_outputs()
+
+
+def with_full_cos_sin(inputs: GqaInputs, generator: torch.Generator | None = None) -> GqaInputs:
+    """The same call with a full-width ``[P, 2R]`` table (``full_cos_sin``: R cos, then R
+    sin, one per rotated dim, as Hugging Face's rotary module gives them).
+
+    Without ``generator``: the half table's values spread over the dims each rotates (NeoX
+    ``cat((c, c))``, GPT-J ``c.repeat_interleave(2)``), the same math as the half table, so
+    both forms must write the same bytes. With one: every entry perturbed on its own, so the
+    two dims of a pair use different values and a kernel that reads the wrong entry shows."""
+    half = inputs.cos_sin_cache
+    cos, sin = half.chunk(2, dim=-1)
+    if inputs.is_neox:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    else:
+        cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    table = torch.cat((cos, sin), dim=-1)
+    if generator is not None:
+        noise = torch.rand(table.shape, generator=generator, dtype=torch.float32).to(table.device)
+        table = table * (0.75 + 0.5 * noise)
+    return replace(inputs, cos_sin_cache=table.contiguous(), full_cos_sin=True)
 
 
 def exact_sum_qkv(inputs: GqaInputs, generator: torch.Generator) -> GqaInputs:

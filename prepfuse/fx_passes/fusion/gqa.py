@@ -71,7 +71,8 @@ class FuseGqaPrepPass(PrepfusePass):
 
     ``matched_count`` is the number of op calls made (one per attention layer); the log
     names each ``gqa_qknorm_rope_kv`` or ``gqa_rope_kv`` (no norm), with ``+bf16_rope``
-    when HF's bf16 rotation was replaced, and lists every declined candidate with its reason.
+    when HF's bf16 rotation was replaced and ``+full_cos_sin`` when the op reads full-width
+    cos/sin (``full_cos_sin=True``), and lists every declined candidate with its reason.
     """
 
     name = "fuse_gqa_prep"
@@ -224,7 +225,7 @@ class FuseGqaPrepPass(PrepfusePass):
         # a cache an earlier rewrite wrote (two calls into one cache) is read from its replacement
         args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
         extra_roles = dict.fromkeys((q.cos_sin.cos, q.cos_sin.sin), "duplicated_halves") \
-            if q.cos_sin.per_token and q.cos_sin.full else {}
+            if q.cos_sin.per_token and q.cos_sin.full and q.cos_sin.equal_halves else {}
         def op_view(name):  # the [NB, bs, Hkv, D] tensor the op writes for a cache argument
             v = val(args[name])
             if k_write.layout in ("heads_first", "sequence"):  # sequence: [1, Hkv, S, D], one block of S
@@ -259,7 +260,8 @@ class FuseGqaPrepPass(PrepfusePass):
             old.replace_all_uses_with(new)
             self._replaced[old] = new
         pattern = ("gqa_qknorm_rope_kv" if q.norm_weight is not None else "gqa_rope_kv") + (
-            "+separate" if _is_separate(k) else "") + ("+bf16_rope" if q.bf16_rope else "")
+            "+separate" if _is_separate(k) else "") + ("+bf16_rope" if q.bf16_rope else "") + (
+            "+full_cos_sin" if q.cos_sin.full_operand else "")
         self.log.matched(self.name, pattern, q.prepared, note)
 
 

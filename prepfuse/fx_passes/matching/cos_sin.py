@@ -10,10 +10,12 @@ as fp32 with ``positions = arange(T)``, so the op rotates by exactly the values 
 multiplies with (bf16-rounded ones where the model rounds them).
 
 Full-width cos/sin (Hugging Face's ``[.., R]``, the same ``R/2`` values twice) are taken by
-their first half only where the graph proves the halves equal: the values are, up to
+their first half where the graph proves the halves equal: the values are, up to
 elementwise steps (casts, a scalar factor such as ``attention_scaling``, ``cos``, ``sin``),
-``cat((f, f), -1)`` or its decomposed form (``duplicated_halves``). A table passed in from
-outside cannot be proven so and is declined with that reason.
+``cat((f, f), -1)`` or its decomposed form (``duplicated_halves``); the op then reads the
+half table (``4R`` bytes per token). Where the graph cannot prove it (cos/sin passed in from
+outside the compiled code), the op reads all ``R`` entries of each (``full_cos_sin``:
+``cat(cos, sin)`` ``[T, 2R]``): the formula as written, whatever the values.
 """
 
 from __future__ import annotations
@@ -39,13 +41,19 @@ _SCALAR_STEPS = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Sca
 class CosSin:
     """The op's cos/sin operand: a gathered table (``table``, ``positions``), or the values
     the graph computes per token (``cos``, ``sin``: ``[T, R/2]`` after ``reshape`` and, when
-    ``full``, the first half of ``[T, R]``)."""
+    ``full``, ``[T, R]``: the first half where ``equal_halves``, all of it otherwise)."""
 
     table: torch.fx.Node | None = None
     positions: torch.fx.Node | None = None
     cos: torch.fx.Node | None = None
     sin: torch.fx.Node | None = None
-    full: bool = False  # per-token cos/sin are R wide, the same R/2 values twice
+    full: bool = False  # per-token cos/sin are R wide
+    equal_halves: bool = True  # (full) the graph proves each the same R/2 values twice
+
+    @property
+    def full_operand(self) -> bool:
+        """Whether the op must read all R entries (``full_cos_sin=True``)."""
+        return self.full and not self.equal_halves
 
     @property
     def per_token(self) -> bool:
@@ -112,7 +120,8 @@ def cos_sin_operand(cos: torch.fx.Node, sin: torch.fx.Node, x_layout: Layout, x_
 
     A gather ``table[positions]`` of a ``[P, R]`` fp32 table is taken as it is where the heads
     are ``[T, H, D]`` (``table_rank``: the rank ``cos_sin_rows`` reads); otherwise the values
-    themselves, per token, when they broadcast so and (``full``) their halves are proven equal.
+    themselves, per token, when they broadcast so (``full``: noting whether their halves are
+    proven equal, which lets the op read half of each).
     """
     if table_rank is not None and not full:
         try:
@@ -128,12 +137,8 @@ def cos_sin_operand(cos: torch.fx.Node, sin: torch.fx.Node, x_layout: Layout, x_
             _per_token(c, x_layout, x_shape, width, name)
             expect(val(c).dtype in (torch.float32, torch.bfloat16, torch.float16),
                    f"rope: {name} is {val(c).dtype}")
-            if full:
-                expect(duplicated_halves(c), f"rope: {name} {describe(c)} is {width} wide and the graph does not show "
-                                             f"its halves equal (cat((f, f), -1) of computed values); a table from "
-                                             "outside the graph is not read as half a table")
     except NoMatch as err:
         if gathered_reason is not None:
             raise NoMatch(f"{gathered_reason}; nor per-token values: {err}") from None
         raise
-    return CosSin(cos=cos, sin=sin, full=full)
+    return CosSin(cos=cos, sin=sin, full=full, equal_halves=not full or (duplicated_halves(cos) and duplicated_halves(sin)))

@@ -147,23 +147,26 @@ def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.
 
 
 def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_dim: int) -> dict[str, torch.fx.Node]:
-    """The op's ``positions`` and ``cos_sin_cache`` for ``cos_sin``: the gathered table as it
-    is, or, for values the graph computes per token, ``cat(cos[:, :R/2], sin[:, :R/2])`` as fp32
-    ``[T, R]`` (what Inductor computes, the op reads) with ``positions = arange(T)``."""
+    """The op's ``positions``, ``cos_sin_cache`` and ``full_cos_sin`` for ``cos_sin``: the
+    gathered table as it is, or, for values the graph computes per token,
+    ``cat(cos[:, :R/2], sin[:, :R/2])`` as fp32 ``[T, R]`` (what Inductor computes, the op
+    reads) with ``positions = arange(T)``; full-width values whose halves the graph does not
+    prove equal as ``cat(cos, sin)`` ``[T, 2R]`` with ``full_cos_sin=True``."""
     if not cos_sin.per_token:
         return {"positions": cos_sin.positions, "cos_sin_cache": cos_sin.table}
     tokens, half = emit.size(source, 0), rotary_dim // 2
     width = rotary_dim if cos_sin.full else half
-    halves = []
+    parts = []
     for values in (cos_sin.cos, cos_sin.sin):
         rows = emit.node(aten.reshape.default, values, [tokens, width])
-        if cos_sin.full:  # the same R/2 values twice (``cos_sin.duplicated_halves``): the first
+        if cos_sin.full and cos_sin.equal_halves:  # the same R/2 values twice: the first
             rows = emit.node(aten.slice.Tensor, rows, 1, 0, half)
-        halves.append(rows)
-    table = emit.node(aten.cat.default, halves, -1)
+        parts.append(rows)
+    table = emit.node(aten.cat.default, parts, -1)
     if val(table).dtype != torch.float32:
         table = emit.node(prims.convert_element_type.default, table, torch.float32)
     # prims.iota, not aten.arange: post-grad graphs hold decomposed ops only
     positions = emit.node(prims.iota.default, tokens, start=0, step=1, dtype=torch.int64, device=val(source).device,
                           requires_grad=False)
-    return {"positions": positions, "cos_sin_cache": table}
+    extra = {"full_cos_sin": True} if cos_sin.full_operand else {}
+    return {"positions": positions, "cos_sin_cache": table, **extra}
