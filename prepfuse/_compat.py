@@ -286,12 +286,16 @@ def e4m3_cast_saturates(device_type: str) -> bool:
     return codes == [0x7E, 0x7E, 0xFE]
 
 
-def golden_rotary_graph_stable() -> bool:
-    """Whether Hugging Face's rotary module decomposes as the corpus golden graph records it
-    (torch 2.13 and 2.14: ``inv_freq @ positions`` as a broadcast ``mul``); torch 2.11 keeps a
-    ``bmm`` there, which renumbers the graph's nodes. Only the golden print depends on it:
-    the fused part is the same on every version."""
-    return TORCH_VERSION >= (2, 13)
+def golden_rotary_graph_suffix() -> str | None:
+    """The suffix of the corpus golden graph recorded for this torch, or None where none is.
+
+    Hugging Face's rotary module, whose compute the graph keeps for Inductor, decomposes
+    differently by version: torch 2.13 writes ``inv_freq @ positions`` as a broadcast
+    ``mul`` and keeps ``cos * attention_scaling`` (a ``mul`` by 1.0): the plain golden;
+    torch 2.14 drops that ``mul`` (``_torch2.14``); torch 2.11 keeps a ``bmm`` (not
+    recorded). Only the golden print depends on it: the fused part is the same on every
+    version."""
+    return {(2, 13): "", (2, 14): "_torch2.14"}.get(TORCH_VERSION)
 
 
 def post_grad_hook_takes_list() -> bool:

@@ -6,12 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-set +e
-python -m pytest -q "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-    echo "pytest collected no tests: treating as a failure" >&2
-    exit 1
-fi
-exit "$rc"
+exec bash scripts/pytest_or_fail.sh python -q "$@"
