@@ -62,8 +62,7 @@ def run_case(case, tokens: int) -> dict:
             row[f"{name}_us"] = harness.time_graphs(graphs, target_ms=200, min_replays=20, max_replays=200)["us_median"]
         if name == "prepfuse":
             row["fused"] = sum(r.matched_counts.get(PASS, 0) for r in backend.reports)
-            row["declined"] = [r.why for rep in backend.reports for r in rep.rewrites
-                               if r.pass_name == PASS and r.kind == "declined"]
+            row["declined"] = [r.why for r in backend.reports.near_misses(PASS)]
     row["gate_rel_diff"] = max_row_rel_diff(outs["prepfuse"], outs["inductor"])
     row["correct"] = row["gate_rel_diff"] <= GATE
     row["speedup"] = row["inductor_us"] / row["prepfuse_us"]

@@ -93,8 +93,9 @@ class GraphReport:
         """Matched rewrites, all or those of one pattern (or one pass, by its name)."""
         return [r for r in self.rewrites if r.kind == "matched" and pattern in (None, r.pattern, r.pass_name)]
 
-    def near_misses(self) -> list[Rewrite]:
-        return [r for r in self.rewrites if r.kind == "declined"]
+    def near_misses(self, pattern: str | None = None) -> list[Rewrite]:
+        """Declined candidates, all or those of one pattern (or one pass, by its name)."""
+        return [r for r in self.rewrites if r.kind == "declined" and pattern in (None, r.pattern, r.pass_name)]
 
     def count(self, pattern: str) -> int:
         """How often ``pattern`` (or every pattern of the pass of that name) matched."""
@@ -158,8 +159,8 @@ class Reports(Sequence[GraphReport]):
     def matches(self, pattern: str | None = None) -> list[Rewrite]:
         return [r for rep in self for r in rep.matches(pattern)]
 
-    def near_misses(self) -> list[Rewrite]:
-        return [r for rep in self for r in rep.near_misses()]
+    def near_misses(self, pattern: str | None = None) -> list[Rewrite]:
+        return [r for rep in self for r in rep.near_misses(pattern)]
 
     def count(self, pattern: str) -> int:
         return sum(rep.count(pattern) for rep in self)

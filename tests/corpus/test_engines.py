@@ -54,7 +54,7 @@ def test_engine_spelling_fuses(name):
     expected_fused, expected_reason = case.expected_on("cpu")
     assert report.matched_counts.get(PASS, 0) == 2 * expected_fused, report.format(verbose=True)
     matched = [r.pattern for r in report.rewrites if r.pass_name == PASS and r.kind == "matched"]
-    declined = [r.why for r in report.rewrites if r.pass_name == PASS and r.kind == "declined"]
+    declined = [r.why for r in report.near_misses(PASS)]
     ref_out, ref_rows = run(case, None, seed=seed)
     if not expected_fused:  # declined by name; the code runs as Inductor compiles it
         assert declined and all(expected_reason in why for why in declined), declined
@@ -88,7 +88,7 @@ def test_engine_spelling_matches_inductor(name, device):
     expected_fused, expected_reason = case.expected_on(device)
     assert report.matched_counts.get(PASS, 0) == 2 * expected_fused, report.format(verbose=True)
     if not expected_fused:
-        declined = [r.why for r in report.rewrites if r.pass_name == PASS and r.kind == "declined"]
+        declined = [r.why for r in report.near_misses(PASS)]
         assert declined and all(expected_reason in why for why in declined), declined
     fp8 = case.cache_dtype == FP8
     assert max_row_rel_diff(rows[:2], ind_rows[:2]) <= (2**-3 if fp8 else 2**-7)
@@ -111,7 +111,7 @@ def test_bare_fp8_cast_declines_by_name_where_the_cast_does_not_saturate(monkeyp
     (_, rows), (_, ind_rows) = (run(case, b, seed=4321) for b in (backend, "inductor"))
     report = backend.reports[0]
     assert report.matched_counts.get(PASS, 0) == 0, report.format(verbose=True)
-    declined = [r.why for r in report.rewrites if r.pass_name == PASS and r.kind == "declined"]
+    declined = [r.why for r in report.near_misses(PASS)]
     # one near miss for k's cast and one for v's, in each of the two layers
     assert len(declined) == 4 and all("bare cast to float8_e4m3fn with no clamp" in w for w in declined), declined
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(rows, ind_rows))
@@ -170,7 +170,7 @@ def test_page_table_slots_are_probed(monkeypatch):
     case = CASES["flashinfer-qwen3-page-table"]
     backend = PrepfuseBackend()
     _, rows = run(case, backend, seed=5)
-    declined = [r.why for r in backend.reports[0].rewrites if r.pass_name == PASS and r.kind == "declined"]
+    declined = [r.why for r in backend.reports[0].near_misses(PASS)]
     assert backend.reports[0].matched_counts.get(PASS, 0) == 0
     assert declined and all(why.startswith("validation:") for why in declined), declined
     _, ref_rows = run(case, None, seed=5)

@@ -26,6 +26,7 @@ from prepfuse.ops import (
 from prepfuse.testing import (
     GqaInputs, call_with_fake_tensors, compare_gqa, seeded_generator, seeded_gqa_inputs, with_full_cos_sin,
 )
+from tests.ops.test_gqa_qknorm_rope_kv_insert import hf_rotate_half
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -59,11 +60,6 @@ def test_duplicated_full_table_writes_the_half_tables_bytes(impl, head_dim, rota
     inputs, seed = inputs_on("cpu", head_dim, rotary_dim, is_neox)
     half, full = run(impl, inputs), run(impl, with_full_cos_sin(inputs))
     assert compare_gqa(half, full).exact(), f"seed={seed}: {compare_gqa(half, full)}"
-
-
-def hf_rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
