@@ -14,6 +14,9 @@
 #             inductor (benchmarks_clients.md into $OUT); PREPFUSE_CLIENT_CASES=a,b limits the cases
 #             and PREPFUSE_CLIENT_SUFFIX names the JSON of such a partial run
 #             (all 14 fused cases at T = 1, 64, 4096 take longer than one 10-minute call)
+#   profile - Nsight Compute (SpeedOfLight, memory, occupancy, warp stalls) of each op's kernel on the
+#             benchmarks' inputs (bench/profile_kernels.py), ncu's text tarred into $OUT/ncu.tgz;
+#             PREPFUSE_PROFILE_RUNS="case:T case:T" picks the runs
 #   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
 #   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
 #   demo  - the README's main command's python part
@@ -91,6 +94,21 @@ for what in "${steps[@]}"; do
         step clients
         python3 bench/bench_clients.py --out-dir "$OUT" --docs "$OUT/benchmarks_clients.md" \
             ${PREPFUSE_CLIENT_CASES:+--cases "$PREPFUSE_CLIENT_CASES"} ${PREPFUSE_CLIENT_SUFFIX:+--name-suffix "$PREPFUSE_CLIENT_SUFFIX"} 2>&1 | tail -n 30 | tee -a "$log" || status=1
+        ;;
+    profile)
+        step profile
+        mkdir -p /tmp/ncu
+        for run in ${PREPFUSE_PROFILE_RUNS:-gqa-qwen3-8b:16384 gqa-qwen3-8b-fp8:16384 gqa-llama3-8b:16384 indexer-fp8:16384 indexer-mxfp4:16384 dsv4-h16:16384 gqa-qwen3-8b:1 indexer-fp8:1}; do
+            case_name=${run%%:*} tokens=${run##*:}
+            ncu --clock-control none --launch-skip 1 --launch-count 1 -k "regex:^_(gqa|dsv4)" \
+                --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+                --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+                python3 bench/profile_kernels.py --case "$case_name" --tokens "$tokens" >"/tmp/ncu/${case_name}_T${tokens}.txt" 2>&1 || status=1
+            echo "--- $run" | tee -a "$log"
+            grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|checked|outside" \
+                "/tmp/ncu/${case_name}_T${tokens}.txt" | tee -a "$log"
+        done
+        tar -C /tmp/ncu -czf "$OUT/ncu.tgz" .
         ;;
     micro)
         step micro
