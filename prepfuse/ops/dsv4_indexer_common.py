@@ -248,18 +248,21 @@ if has_triton():
             tl.store(w_out_ptr + t * stride_wot + heads, w_out, mask=in_h)
         else:
             r = pid - n_q_programs
+            # the row (and its position's cos/sin) is loaded beside the slot, not after
+            # it: the branch waits on one round trip to memory, not two
+            pos = tl.minimum(tl.maximum(tl.load(k_pos_ptr + r), 0), max_pos - 1)
+            # the row as one "head" ([1, ...] tensors), so the q side's helpers apply as they
+            # are (k_ names: triton wants a name's type alike in both branches of the if)
+            k_row = k_ptr + r * stride_kt + tl.zeros([1, 1], dtype=tl.int64)
+            k_ne, k_no, k_re, k_ro = _load_rotated_pairs(k_row, d64 >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
             slot = tl.load(slot_ptr + r, mask=r < n_insert, other=-1)
             if (slot >= 0) & (slot < n_slots):
                 blk = slot // block_size
                 row = slot % block_size
-                pos = tl.minimum(tl.maximum(tl.load(k_pos_ptr + r), 0), max_pos - 1)
-                # the row as one "head" ([1, ...] tensors), so the q side's helpers apply as they are
-                k_row = k_ptr + r * stride_kt + tl.zeros([1, 1], dtype=tl.int64)
-                ne, no, re, ro = _load_rotated_pairs(k_row, d64 >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
                 block = cache_ptr + blk * stride_cache_block
                 if MXFP4:
-                    nope_packed, nope_scales = _quant_mxfp4_half(ne, no)
-                    rope_packed, rope_scales = _quant_mxfp4_half(re, ro)
+                    nope_packed, nope_scales = _quant_mxfp4_half(k_ne, k_no)
+                    rope_packed, rope_scales = _quant_mxfp4_half(k_re, k_ro)
                     data = block + row * 64
                     tl.store(data + d32, nope_packed)
                     tl.store(data + 32 + d32, rope_packed)
@@ -268,7 +271,7 @@ if has_triton():
                     tl.store(scales, nope_scales)
                     tl.store(scales + 2, rope_scales)
                 else:
-                    nope_codes, rope_codes, scale_bits = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
+                    nope_codes, rope_codes, scale_bits = _quant_fp8(k_ne, k_no, k_re, k_ro, SOFT_ROUNDING)
                     data = block + row * 128
                     tl.store(data + d64, nope_codes)
                     tl.store(data + 64 + d64, rope_codes)

@@ -127,19 +127,21 @@ if has_triton():
         cs_row = cos_sin_ptr + pos * stride_cs
 
         if col == 0:
+            # the row's loads are issued beside the slot's, not after it: the branch waits
+            # on one round trip to memory, not two (T = 1 is latency bound)
+            kv_row = kv_ptr + t * stride_kvt
+            # NoPE: 7 blocks of 64 (an 8th, masked row keeps the shape a power of 2)
+            r = tl.arange(0, 8)
+            c = tl.arange(0, 64)
+            in_nope = (r < 7)[:, None]
+            x = tl.load(kv_row + r[:, None] * 64 + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
+            pe = tl.load(kv_row + 448 + tl.arange(0, 64)).to(tl.float32)
             slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
             if (slot >= 0) & (slot < n_slots):
                 blk = slot // block_size
                 row = slot % block_size
                 data = cache_ptr + blk * stride_cache_block + row * 576
                 scales = cache_ptr + blk * stride_cache_block + block_size * 576 + row * 8
-                kv_row = kv_ptr + t * stride_kvt
-
-                # NoPE: 7 blocks of 64 (an 8th, masked row keeps the shape a power of 2)
-                r = tl.arange(0, 8)
-                c = tl.arange(0, 64)
-                in_nope = (r < 7)[:, None]
-                x = tl.load(kv_row + r[:, None] * 64 + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
                 # a block holding a NaN or an infinity has no scale: it is stored as NaN
                 # (scale byte 0xFF, every code 0x7F; docs/ops.md, non-finite inputs)
                 amax = _amax(x, 1)
@@ -159,7 +161,6 @@ if has_triton():
                 tl.store(scales + r, tl.where(r < 7, scale_byte, 0).to(tl.uint8))
 
                 # RoPE on dims 448..511 (no norm), rounded to bf16
-                pe = tl.load(kv_row + 448 + tl.arange(0, 64)).to(tl.float32)
                 bits = _to_bf16(_rope_pairs(pe, cs_row, SOFT_ROUNDING), SOFT_ROUNDING).to(tl.uint16, bitcast=True)
                 if ROPE_U16:  # the row's bf16 bytes are 2-aligned: 64 two-byte (vector) stores
                     tl.store((data + 448).to(tl.pointer_type(tl.uint16)) + tl.arange(0, 64), bits)
@@ -167,6 +168,13 @@ if has_triton():
                     b = tl.arange(0, 64)
                     tl.store(data + 448 + 2 * b, (bits & 0xFF).to(tl.uint8))
                     tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
+        elif (col - 1) * BLOCK_H >= H:
+            # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
+            # none of the norm and RoPE work on zeros that the masked path below would do
+            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            d = tl.arange(0, 512)
+            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
+            tl.store(out_rows + d[None, :], tl.zeros([BLOCK_H, 512], dtype=tl.bfloat16), mask=(heads < HP)[:, None])
         else:
             heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
             real = heads < H

@@ -109,47 +109,87 @@ if has_triton():
 
     @triton.jit
     def _weighted(x, rstd, w_ptr, dims, HAS_NORM: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
-        """HF Qwen3RMSNorm's last two steps on fp32 ``x [BLOCK_H, N]`` (dims ``dims`` of a
-        head): round ``x * rstd`` to bf16, then times the bf16 weight (exact in fp32: two
-        8-bit significands), rounded again. Without the norm, ``x`` as is."""
+        """HF Qwen3RMSNorm's last two steps on fp32 ``x [BLOCK_H, N]`` (dims ``dims [1, N]``
+        of a head): round ``x * rstd`` to bf16, then times the bf16 weight (exact in fp32:
+        two 8-bit significands), rounded again. Without the norm, ``x`` as is."""
         if HAS_NORM:
-            w = tl.load(w_ptr + dims).to(tl.float32)[None, :]
+            w = tl.load(w_ptr + dims).to(tl.float32)
             x = _to_bf16(_to_bf16(x * rstd, SOFT_ROUNDING).to(tl.float32) * w, SOFT_ROUNDING).to(tl.float32)
         return x
 
     @triton.jit
-    def _norm_rope_heads(
-        head_ptr,  # [BLOCK_H] pointers to the first of each head's D bf16 values
+    def _store_values(
+        ptrs,  # destination elements (uint8 when QUANT_FP8, else bf16)
+        values,  # bf16, or fp32 (rounded to bf16 here: the model's bf16 result)
+        mask,
+        scale_ptr,  # [1] fp32 kv_scale (unread unless QUANT_FP8)
+        QUANT_FP8: tl.constexpr,  # store e4m3fn codes of bf16(values) / kv_scale
+        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+    ):
+        """Store values as bf16, or as the fp8 cache codes of their bf16 rounding."""
+        if values.dtype == tl.float32:
+            values = _to_bf16(values, SOFT_ROUNDING)
+        if QUANT_FP8:
+            scale = tl.load(scale_ptr)
+            # a true, correctly rounded division (vLLM's scaled_convert), not x * (1/scale)
+            scaled = tl.div_rn(values.to(tl.float32), scale)
+            tl.store(ptrs, _to_e4m3_bits(_clamp_e4m3(scaled), SOFT_ROUNDING), mask=mask)
+        else:
+            tl.store(ptrs, values, mask=mask)
+
+    @triton.jit
+    def _norm_rope_store_heads(
+        src,  # [BLOCK_H] pointers to the first of each head's D bf16 values
+        dst,  # [BLOCK_H] pointers to each head's first destination element
         head_mask,  # [BLOCK_H] which of them are real heads
+        store_ok,  # whether to store at all (a k row whose slot is skipped: loads, no store)
         w_ptr,  # [D] bf16 norm weight (unread without HAS_NORM)
         cs_row,  # this token's row of cos_sin_cache
         eps,  # RMSNorm epsilon
+        scale_ptr,  # [1] fp32 kv_scale (unread unless QUANT_FP8)
         HEAD_DIM: tl.constexpr,  # D
         ROT_DIM: tl.constexpr,  # R: dims [0, R) are rotated
         ROT_PAD: tl.constexpr,  # R rounded up to a power of two (register tiles need one)
         IS_NEOX: tl.constexpr,  # pairs (i, i + R/2) if true, else (2i, 2i + 1)
         HAS_NORM: tl.constexpr,  # apply the weighted RMSNorm first
         FULL_COS_SIN: tl.constexpr,  # cs_row holds R cos then R sin (one per dim), else R/2 and R/2
-        BLOCK_H: tl.constexpr,  # heads (rows of head_ptr)
+        QUANT_FP8: tl.constexpr,  # store fp8 cache codes (k), else bf16 (q_out, a bf16 cache)
+        BLOCK_H: tl.constexpr,  # heads (rows of src and dst)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
-        """(normed heads [BLOCK_H, D] bf16, of which dims [R, D) are final; rotated dims
-        [0, R) [BLOCK_H, ROT_PAD] bf16, lanes from R on unused). The caller stores both: two
-        contiguous stores, the second masked to R."""
+        """Norm and rotate BLOCK_H heads and store them: rotated dims [0, R), then (partial
+        rotary) the normed dims [R, D) as they are.
+
+        A NeoX pair's two values are loaded and stored where they lie (the rotated dims'
+        two halves), not split off a loaded row with a permute. That form was no slower
+        and no faster on the H200 (Qwen3-8B T=16384: 121.1 us against 120.8; ncu saw L1/TEX
+        88-90% busy with bf16 caches and 96-97% with fp8 in both, so the permute is not
+        what loads L1); it is kept as the simpler code. Stores take ``store_ok`` so that a
+        k program need not branch on its slot before loading."""
         HALF: tl.constexpr = ROT_DIM // 2
-        d = tl.arange(0, HEAD_DIM)
-        x = tl.load(head_ptr[:, None] + d[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        head_mask = head_mask[:, None]
+        # the store mask; loads use head_mask alone (a where, not an &: the CPU
+        # interpreter's & of a loaded scalar's comparison gives no boolean mask)
+        keep = tl.where(store_ok, head_mask, False)
+        src = src[:, None]
+        dst = dst[:, None]
         rstd = 1.0
-        if HAS_NORM:
-            mean_sq = tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM)  # D is a power of 2: exact scaling
-            # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
-            rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
+        if ROT_PAD != ROT_DIM or ROT_DIM < HEAD_DIM or not IS_NEOX:
+            x = tl.load(src + d, mask=head_mask, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                mean_sq = tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM)  # D is a power of 2: exact scaling
+                # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
+                rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
+            if ROT_DIM < HEAD_DIM:
+                _store_values(dst + d, _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING),
+                              keep & (d >= ROT_DIM), scale_ptr, QUANT_FP8, SOFT_ROUNDING)
         if ROT_PAD != ROT_DIM:
             # a rotary dim that is no power of two (R = 44, 96 of D = 128): each lane j < R
             # reads its pair partner and its cos/sin column itself, since pairs cannot be
             # split off a padded tile in registers. Lane j of NeoX pairs with j +- R/2, of
             # GPT-J with j ^ 1; both use column j % (R/2) resp. j // 2. Same products, same
-            # roundings as the split below.
+            # roundings as the paths below.
             j = tl.arange(0, ROT_PAD)
             if IS_NEOX:
                 first = j < HALF
@@ -160,11 +200,10 @@ if has_triton():
                 partner = j ^ 1
                 column = j // 2
             in_rot = j < ROT_DIM
-            xj = tl.load(head_ptr[:, None] + j[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
-            xp = tl.load(head_ptr[:, None] + partner[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
-            xj = _weighted(xj, rstd, w_ptr, j, HAS_NORM, SOFT_ROUNDING)
-            xp = _weighted(xp, rstd, w_ptr, partner, HAS_NORM, SOFT_ROUNDING)
-            x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
+            xj = tl.load(src + j[None, :], mask=head_mask, other=0.0).to(tl.float32)
+            xp = tl.load(src + partner[None, :], mask=head_mask, other=0.0).to(tl.float32)
+            xj = _weighted(xj, rstd, w_ptr, j[None, :], HAS_NORM, SOFT_ROUNDING)
+            xp = _weighted(xp, rstd, w_ptr, partner[None, :], HAS_NORM, SOFT_ROUNDING)
             if FULL_COS_SIN:  # lane j's own entry of the R-wide cos and sin
                 cos = tl.load(cs_row + j, mask=in_rot, other=0.0)[None, :]
                 sin = tl.load(cs_row + ROT_DIM + j, mask=in_rot, other=0.0)[None, :]
@@ -174,35 +213,34 @@ if has_triton():
             # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
             rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
                            _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
+            _store_values(dst + j[None, :], rot, keep & in_rot[None, :], scale_ptr, QUANT_FP8, SOFT_ROUNDING)
         else:
-            if ROT_DIM == HEAD_DIM:
-                x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
-                xr = x
-            else:
-                # partial rotary: the R rotated dims read again on their own (an L1 hit), so
-                # that the rotation is R dims of register work, not masked work on D
-                r = tl.arange(0, ROT_DIM)
-                xr = tl.load(head_ptr[:, None] + r[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
-                x = _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING)
-                xr = _weighted(xr, rstd, w_ptr, r, HAS_NORM, SOFT_ROUNDING)
-            # split the pairs off in registers: (i, i + R/2) for NeoX, (2i, 2i + 1) for GPT-J
-            if IS_NEOX:
-                pairs = tl.permute(tl.reshape(xr, [BLOCK_H, 2, HALF]), (0, 2, 1))
-            else:
-                pairs = tl.reshape(xr, [BLOCK_H, HALF, 2])
-            a, b = tl.split(pairs)
             i = tl.arange(0, HALF)
+            if IS_NEOX:
+                # the pairs (i, i + R/2) are the two halves of the rotated dims: two
+                # contiguous loads (L1 hits after the row's load where there is one)
+                ia = i[None, :]
+                ib = ia + HALF
+                a = tl.load(src + ia, mask=head_mask, other=0.0).to(tl.float32)
+                b = tl.load(src + ib, mask=head_mask, other=0.0).to(tl.float32)
+                if HAS_NORM and ROT_DIM == HEAD_DIM:  # the halves are the whole row
+                    mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) * (1.0 / HEAD_DIM)
+                    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
+            else:
+                # GPT-J pairs (2i, 2i + 1) are neighbours: split off the row in registers
+                # (a thread holds both of a pair, so no value changes lanes)
+                ia = 2 * i[None, :]
+                ib = ia + 1
+                r = tl.arange(0, ROT_DIM)[None, :]
+                xr = x if ROT_DIM == HEAD_DIM else tl.load(src + r, mask=head_mask, other=0.0).to(tl.float32)
+                a, b = tl.split(tl.reshape(xr, [BLOCK_H, HALF, 2]))
+            a = _weighted(a, rstd, w_ptr, ia, HAS_NORM, SOFT_ROUNDING)
+            b = _weighted(b, rstd, w_ptr, ib, HAS_NORM, SOFT_ROUNDING)
             if FULL_COS_SIN:  # a and b each read their own dim's entry of the R-wide cos and sin
-                if IS_NEOX:
-                    ia = i
-                    ib = i + HALF
-                else:
-                    ia = 2 * i
-                    ib = 2 * i + 1
-                cos_a = tl.load(cs_row + ia)[None, :]
-                sin_a = tl.load(cs_row + ROT_DIM + ia)[None, :]
-                cos_b = tl.load(cs_row + ib)[None, :]
-                sin_b = tl.load(cs_row + ROT_DIM + ib)[None, :]
+                cos_a = tl.load(cs_row + ia)
+                sin_a = tl.load(cs_row + ROT_DIM + ia)
+                cos_b = tl.load(cs_row + ib)
+                sin_b = tl.load(cs_row + ROT_DIM + ib)
             else:
                 cos_a = tl.load(cs_row + i)[None, :]
                 sin_a = tl.load(cs_row + HALF + i)[None, :]
@@ -211,28 +249,13 @@ if has_triton():
             # a' = a*cos - b*sin, b' = b*cos + a*sin, each product rounded (never an FMA)
             a_rot = _mul_rn(a, cos_a, SOFT_ROUNDING) - _mul_rn(b, sin_a, SOFT_ROUNDING)
             b_rot = _mul_rn(b, cos_b, SOFT_ROUNDING) + _mul_rn(a, sin_b, SOFT_ROUNDING)
-            rot = tl.join(a_rot, b_rot)  # [BLOCK_H, HALF, 2]
             if IS_NEOX:
-                rot = tl.permute(rot, (0, 2, 1))
-            rot = tl.reshape(rot, [BLOCK_H, ROT_DIM])
-        return _to_bf16(x, SOFT_ROUNDING), _to_bf16(rot, SOFT_ROUNDING)
-
-    @triton.jit
-    def _store_cache_rows(
-        ptrs,  # [BLOCK_H, D] destination elements (uint8 when CACHE_FP8, else bf16)
-        values,  # [BLOCK_H, D] bf16
-        mask,  # [BLOCK_H, D]
-        scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
-        CACHE_FP8: tl.constexpr,  # quantise to e4m3fn codes
-        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
-    ):
-        if CACHE_FP8:
-            scale = tl.load(scale_ptr)
-            # a true, correctly rounded division (vLLM's scaled_convert), not x * (1/scale)
-            scaled = tl.div_rn(values.to(tl.float32), scale)
-            tl.store(ptrs, _to_e4m3_bits(_clamp_e4m3(scaled), SOFT_ROUNDING), mask=mask)
-        else:
-            tl.store(ptrs, values, mask=mask)
+                _store_values(dst + ia, a_rot, keep, scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+                _store_values(dst + ib, b_rot, keep, scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+            else:
+                rot = tl.reshape(tl.join(a_rot, b_rot), [BLOCK_H, ROT_DIM])
+                r = tl.arange(0, ROT_DIM)[None, :]
+                _store_values(dst + r, rot, keep, scale_ptr, QUANT_FP8, SOFT_ROUNDING)
 
     @triton.jit
     def _gqa_qknorm_rope_kv_insert_kernel(
@@ -284,7 +307,7 @@ if has_triton():
         # read one token's qkv row front to back (q, k and v are three base pointers:
         # column ranges of one fused qkv, or separate projections); each column handles
         # BLOCK_H heads of one kind. q and k columns share the norm and rotation code
-        # (_norm_rope_heads), v columns only copy or quantise. (T is not capped at 65535
+        # (_norm_rope_store_heads), v columns only copy or quantise. (T is not capped at 65535
         # on a 1-D grid.)
         pid = tl.program_id(0).to(tl.int64)
         n_cols = Q_COLS + 2 * KV_COLS
@@ -299,42 +322,34 @@ if has_triton():
 
         if col < Q_COLS:
             heads = col * BLOCK_H + hb
-            real = heads < Hq
-            normed, rot = _norm_rope_heads(
-                q_ptr + t * stride_qt + heads * HEAD_DIM, real, q_w_ptr, cs_row, eps,
-                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, FULL_COS_SIN, BLOCK_H, SOFT_ROUNDING,
+            _norm_rope_store_heads(
+                q_ptr + t * stride_qt + heads * HEAD_DIM, q_out_ptr + t * stride_ot + heads * stride_oh, heads < Hq,
+                True, q_w_ptr, cs_row, eps, scale_ptr,
+                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, FULL_COS_SIN, False, BLOCK_H, SOFT_ROUNDING,
             )
-            dst = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
-            r = tl.arange(0, ROT_PAD)
-            tl.store(dst + r[None, :], rot, mask=real[:, None] & (r < ROT_DIM)[None, :])
-            if ROT_DIM < HEAD_DIM:
-                tl.store(dst + d[None, :], normed, mask=real[:, None] & (d >= ROT_DIM)[None, :])
         else:
+            # The slot only addresses the stores: its load is issued beside the row's,
+            # not before it (no branch on it), so a k or v program waits on one round
+            # trip to memory, not two; a skipped slot's program loads and stores nothing.
             slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
-            if (slot >= 0) & (slot < n_slots):
-                blk = slot // block_size
-                slot_row = slot % block_size
-                if col < Q_COLS + KV_COLS:
-                    heads = (col - Q_COLS) * BLOCK_H + hb
-                    real = heads < Hkv
-                    normed, rot = _norm_rope_heads(
-                        k_ptr + t * stride_kt + heads * HEAD_DIM, real, k_w_ptr, cs_row, eps,
-                        HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, FULL_COS_SIN, BLOCK_H, SOFT_ROUNDING,
-                    )
-                    # (k_rows, v_dst: one name per branch; triton wants a name's type equal in both)
-                    k_rows = k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads[:, None] * stride_kh
-                    r = tl.arange(0, ROT_PAD)
-                    _store_cache_rows(k_rows + r[None, :], rot, real[:, None] & (r < ROT_DIM)[None, :], scale_ptr,
-                                      CACHE_FP8, SOFT_ROUNDING)
-                    if ROT_DIM < HEAD_DIM:
-                        _store_cache_rows(k_rows + d[None, :], normed, real[:, None] & (d >= ROT_DIM)[None, :],
-                                          scale_ptr, CACHE_FP8, SOFT_ROUNDING)
-                else:
-                    heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
-                    real = heads < Hkv
-                    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * HEAD_DIM + d[None, :], mask=real[:, None])
-                    v_dst = v_cache_ptr + blk * stride_vb + slot_row * stride_vr + heads[:, None] * stride_vh + d[None, :]
-                    _store_cache_rows(v_dst, v, real[:, None], scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+            insert = (slot >= 0) & (slot < n_slots)
+            slot = tl.where(insert, slot, 0)
+            blk = slot // block_size
+            slot_row = slot % block_size
+            if col < Q_COLS + KV_COLS:
+                heads = (col - Q_COLS) * BLOCK_H + hb
+                _norm_rope_store_heads(
+                    k_ptr + t * stride_kt + heads * HEAD_DIM,
+                    k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads * stride_kh, heads < Hkv,
+                    insert, k_w_ptr, cs_row, eps, scale_ptr,
+                    HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, FULL_COS_SIN, CACHE_FP8, BLOCK_H, SOFT_ROUNDING,
+                )
+            else:
+                heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
+                real = heads < Hkv
+                v = tl.load(v_ptr + t * stride_vt + heads[:, None] * HEAD_DIM + d[None, :], mask=real[:, None])
+                v_dst = v_cache_ptr + blk * stride_vb + slot_row * stride_vr + heads[:, None] * stride_vh + d[None, :]
+                _store_values(v_dst, v, tl.where(insert, real[:, None], False), scale_ptr, CACHE_FP8, SOFT_ROUNDING)
 
 
 def _launch_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from prepfuse._compat import has_triton
+from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops import (
     GQA_QKNORM_ROPE_KV_INSERT,
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
@@ -31,6 +31,8 @@ from tests.ops.test_gqa_qknorm_rope_kv_insert import hf_rotate_half
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
 needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed")
+needs_interpreter = pytest.mark.skipif(not triton_interpret_mode(), reason="the CPU interpreter's run; on CUDA, "
+                                       "test_cuda_kernel_matches_the_reference covers the kernel")
 IMPLS = [
     pytest.param(gqa_qknorm_rope_kv_insert_reference, id="reference"),
     pytest.param(gqa_qknorm_rope_kv_insert_triton, id="triton", marks=needs_triton),
@@ -57,7 +59,7 @@ def inputs_on(device, head_dim, rotary_dim, is_neox, cache_dtype=torch.bfloat16,
 def test_duplicated_full_table_writes_the_half_tables_bytes(impl, head_dim, rotary_dim, is_neox):
     """The half table's values spread over the dims each one rotates (NeoX ``cat((c, c))``,
     GPT-J ``repeat_interleave``): the same math, so the same bytes in q_out and both caches."""
-    inputs, seed = inputs_on("cpu", head_dim, rotary_dim, is_neox)
+    inputs, seed = inputs_on(DEVICE, head_dim, rotary_dim, is_neox)
     half, full = run(impl, inputs), run(impl, with_full_cos_sin(inputs))
     assert compare_gqa(half, full).exact(), f"seed={seed}: {compare_gqa(half, full)}"
 
@@ -98,7 +100,7 @@ def kernel_against_reference(device, head_dim, rotary_dim, is_neox, cache_dtype,
     assert compare_gqa(actual, separate).exact(), f"seed={seed}: separate op {compare_gqa(actual, separate)}"
 
 
-@needs_triton
+@needs_interpreter
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("head_dim,rotary_dim", ROTARY)
