@@ -27,6 +27,9 @@ spellings, by engine:
 - **nano-vllm**: ``RMSNorm`` in place (``x.float()``, ``x.mul_(rsqrt(var + eps))``,
   ``x.to(dtype).mul_(weight)``), the rotation in fp32 on ``chunk(x.float(), 2)`` with a
   ``[P, 1, D]`` fp32 table ``cos_sin_cache[positions].chunk(2, -1)``, ``cat(...).to(dtype)``.
+  Its ``store_kvcache`` kernel addresses the paged cache by slot alone (row ``slot * D`` of
+  ``[NB, bs, Hkv, D]``); the ``slot_view`` case writes that as PyTorch does,
+  ``k_cache.view(-1, Hkv, D)[slots] = k``.
 
 Each case says how many fused calls it should give and, where the passes cannot fuse it
 yet, why (``expected_reason``); a case of several layers shares positions and slots.
@@ -61,6 +64,7 @@ class EngineCase:
     expected_fused: int = 1  # fused calls per layer
     expected_reason: str = ""  # a fragment of the near miss, where nothing fuses yet
     pattern: str = ""  # the report's pattern name of each fused call
+    slot_view: bool = False  # write the paged cache through its flat slot view, cache.view(-1, Hkv, D)[slots]
 
     def __post_init__(self) -> None:
         if self.engine not in _ENGINES:
@@ -101,6 +105,8 @@ ENGINE_CASES: tuple[EngineCase, ...] = (
     EngineCase("sglang-llama-fp8-token-pool", "sglang", qk_norm=False, cache_dtype=torch.float8_e4m3fn, pattern=_BF16),
     EngineCase("gpt-fast-llama", "gpt-fast", qk_norm=False, is_neox=False, pattern="gqa_rope_kv"),
     EngineCase("nano-vllm-qwen3", "nano-vllm", table_dtype=torch.float32, pattern="gqa_qknorm_rope_kv"),
+    EngineCase("nano-vllm-qwen3-slot-view", "nano-vllm", table_dtype=torch.float32, pattern="gqa_qknorm_rope_kv",
+               slot_view=True),
     # a page table maps each position's logical page to a block: the pass computes the op's
     # slot per token in front of the call (page_table[pos // bs] * bs + pos % bs)
     EngineCase("flashinfer-qwen3-page-table", "flashinfer", pattern=_QK_BF16),
@@ -247,6 +253,10 @@ class _EngineLayer(nn.Module):
         if fp8:  # vLLM's scaled_convert: a true division, saturating
             k = (k.float() / kv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
             v = (v.float() / kv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        if self.case.slot_view:  # nano-vllm's store_kvcache: slot s is row s of the merged blocks
+            k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+            v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+            return
         k_cache[slots // block_size, slots % block_size] = k
         v_cache[slots // block_size, slots % block_size] = v
 

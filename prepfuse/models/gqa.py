@@ -24,6 +24,11 @@ rope        ``hf_bf16``: HF ``q * cos + rotate_half(q) * sin`` with cos/sin cast
 rotary_dim  ``None`` (all of D) or ``R < D``: rotate ``x[..., :R]``, ``cat`` the rest back
 cache       bf16, or fp8 e4m3 ``(x.float() / kv_scale).clamp(-448, 448).to(e4m3)``
             with ``kv_scale`` a device fp32 tensor ``[1]``
+layout      ``slots_heads`` (the paged ``[NB, bs, Hkv, D]`` above); ``heads_slots``
+            ``[NB, Hkv, bs, D]``; ``flat``: a token pool ``[N, Hkv, D]``, ``cache[slot]``;
+            ``slot_view``: the paged cache through its flat view,
+            ``cache.view(-1, Hkv, D)[slot]`` (nano-vllm's ``store_kvcache`` addressing);
+            ``sequence`` / ``sequence_index_copy``: one sequence's ``[1, Hkv, S, D]``
 ==========  ============================================================================
 
 Against the op. Norm: the ``hf`` norm is the op's, step for step (same bits on the CPU:
@@ -59,7 +64,7 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS, unchecked
 _NORMS = ("hf", "none", "weight_in_fp32")
 _SPLITS = ("split", "slice", "separate")
 _ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_reversed")
-_CACHE_LAYOUTS = ("slots_heads", "heads_slots", "flat", "sequence", "sequence_index_copy", "next_row")
+_CACHE_LAYOUTS = ("slots_heads", "heads_slots", "flat", "slot_view", "sequence", "sequence_index_copy", "next_row")
 _FP8_SCALINGS = ("div", "mul_reciprocal")
 
 
@@ -76,7 +81,7 @@ class GqaSpelling:
     dtype: torch.dtype = torch.bfloat16  # look-alike: float16
     k_eps: float | None = None  # look-alike: a k norm eps other than q's
     cache_layout: str = "slots_heads"  # "heads_slots": [NB, Hkv, bs, D]; "flat": [NB*bs, Hkv, D] written
-    # cache[slot] (a token pool); "sequence" / "sequence_index_copy": [1, Hkv, NB*bs, D] written
+    # cache[slot] (a token pool); "slot_view": [NB, bs, Hkv, D] written cache.view(-1, Hkv, D)[slot]; "sequence" / "sequence_index_copy": [1, Hkv, NB*bs, D] written
     # cache[:, :, slot] / index_copy_ (a slot is a position); "next_row": (slot + 1) % bs, which
     # the pass fuses as a (block, row) write and a recogniser blind to whose slots a row index
     # reads would misread (the validation tests' planted bug)
@@ -119,6 +124,9 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
                 cache_dtype=torch.float8_e4m3fn),
     # a flat token pool [N, Hkv, D] written k_buffer[loc] = k (SGLang's MHATokenToKVPool)
     GqaSpelling("qwen3-hf_fp32-token-pool", rope="hf_fp32", cache_layout="flat"),
+    # the paged cache written by slot through its flat view, cache.view(-1, Hkv, D)[slot] = k
+    GqaSpelling("llama-hf_fp32-slot-view-fp8", norm="none", rope="hf_fp32", cache_layout="slot_view",
+                cache_dtype=torch.float8_e4m3fn),
     # one sequence's cache [1, Hkv, S, D] written by position: gpt-fast, Hugging Face's StaticCache
     GqaSpelling("qwen3-hf-sequence-cache", cache_layout="sequence"),
     GqaSpelling("llama-hf_fp32-static-cache", norm="none", rope="hf_fp32", cache_layout="sequence_index_copy"),
@@ -232,6 +240,8 @@ def insert(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, 
         cache[slot_mapping // block_size, slot_mapping % block_size] = rows[:n]
     elif spelling.cache_layout == "flat":  # a token pool [N, Hkv, D] (SGLang's k_buffer[loc] = k)
         cache[slot_mapping] = rows[:n]
+    elif spelling.cache_layout == "slot_view":  # [NB, bs, Hkv, D] by slot alone, through its flat view
+        cache.view(-1, *cache.shape[2:])[slot_mapping] = rows[:n]
     elif spelling.cache_layout == "sequence":  # one sequence's [1, Hkv, S, D] (gpt-fast's KVCache.update)
         cache[:, :, slot_mapping] = rows[:n].transpose(0, 1).unsqueeze(0)
     elif spelling.cache_layout == "sequence_index_copy":  # the same, as Hugging Face's StaticCache writes it

@@ -58,14 +58,16 @@ def model_qkv(qkv: torch.Tensor, spelling: GqaSpelling, head_dim: int):
 
 def run_model(inputs, q_norm, k_norm, spelling):
     """The spelling's model code on fresh outputs; a heads-first spelling writes a
-    ``[NB, Hkv, bs, D]`` view of the op's ``[NB, bs, Hkv, D]`` caches and a token-pool one a
-    flat copy, copied back, so both compare as is."""
+    ``[NB, Hkv, bs, D]`` view of the op's ``[NB, bs, Hkv, D]`` caches, and a token-pool or
+    slot-view one a flat or contiguous copy, copied back, so all compare as is."""
     run = inputs.fresh_outputs()
     caches = (run.k_cache, run.v_cache)
     if spelling.cache_layout == "heads_slots":
         caches = tuple(c.permute(0, 2, 1, 3) for c in caches)
     if spelling.cache_layout == "flat":  # a token pool: the blocks' rows one after the other
         caches = tuple(c.flatten(0, 1) for c in caches)  # a copy (the op's caches interleave k and v)
+    if spelling.cache_layout == "slot_view":  # viewed flat by the model: needs blocks and rows mergeable
+        caches = tuple(c.contiguous() for c in caches)  # a copy, for the same reason
     if spelling.cache_layout.startswith("sequence"):  # one sequence's [1, Hkv, S, D]: slot = position
         caches = tuple(c.flatten(0, 1).transpose(0, 1).unsqueeze(0).contiguous() for c in caches)
     q = gqa_prep(model_qkv(run.qkv, spelling, run.head_dim), q_norm, k_norm, *caches,
@@ -73,6 +75,8 @@ def run_model(inputs, q_norm, k_norm, spelling):
     for cache, written in zip((run.k_cache, run.v_cache), caches):
         if spelling.cache_layout == "flat":
             cache.copy_(written.unflatten(0, cache.shape[:2]))
+        elif spelling.cache_layout == "slot_view":
+            cache.copy_(written)
         elif spelling.cache_layout.startswith("sequence"):
             cache.copy_(written[0].transpose(0, 1).unflatten(0, cache.shape[:2]))
     return q, run

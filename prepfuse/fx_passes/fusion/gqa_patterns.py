@@ -30,8 +30,8 @@ from prepfuse.fx_passes.matching.layouts import (
     Axis, Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
 )
 from prepfuse.fx_passes.matching.recognizers import (
-    CONVERTS, BlockRows, NoMatch, aten, bf16_columns, block_rows, clamp_bounds, columns, convert_source, describe,
-    expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, shape, val,
+    CONVERTS, RESHAPES, BlockRows, NoMatch, aten, bf16_columns, block_rows, clamp_bounds, columns, convert_source, describe,
+    expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, scatter_back, shape, val,
     view_chain, weighted_rms_norm,
 )
 from prepfuse.fx_passes.matching.validation import read_as_rounded
@@ -66,7 +66,7 @@ class Heads:
 class CacheWrite:
     """``cache[slots // bs, slots % bs] = rows`` (rows maybe fp8 of ``x / kv_scale``)."""
 
-    put: torch.fx.Node  # the index_put: its users read the written cache
+    put: torch.fx.Node  # the index_put, or its view back to a paged cache: its users read the written cache
     cache: torch.fx.Node  # the cache before the write, [NB, bs, Hkv, D]
     slots: torch.fx.Node | BlockRows  # int64 [n]; or a page table's (block, row) indices
     rows: torch.fx.Node  # bf16 [n, Hkv, D] or [T, Hkv, D] (first n inserted), before quantisation
@@ -328,6 +328,25 @@ def slot_nodes(slots) -> tuple[torch.fx.Node, ...]:
     return slots.nodes() if isinstance(slots, BlockRows) else (slots,)
 
 
+def paged_cache_of_slot_view(cache) -> torch.fx.Node | None:
+    """The paged cache ``[NB, bs, Hkv, D]`` of which ``cache`` is the flat slot view
+    ``[NB * bs, Hkv, D]`` (``k_cache.view(-1, Hkv, D)``: blocks and their rows merged, so slot
+    ``s`` is row ``s % bs`` of block ``s // bs``), or None. Only sizes the graph knows as
+    numbers are compared, so no guard is added."""
+    if not is_op(cache, *RESHAPES):
+        return None
+    base = cache.args[0]
+    bv, cv = val(base), val(cache)
+    if not isinstance(bv, torch.Tensor) or bv.dim() != 4:
+        return None
+    sizes, strides = tuple(bv.shape), tuple(bv.stride())
+    if not all(isinstance(n, int) for n in (*sizes, *strides, *cv.shape, *cv.stride())):
+        return None
+    merged = sizes[0] * sizes[1] == cv.shape[0] and sizes[2:] == tuple(cv.shape[1:])
+    same_rows = strides[0] == sizes[1] * strides[1] and strides[1:] == tuple(cv.stride())
+    return base if merged and same_rows else None
+
+
 def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     """Pattern (``cache [NB, bs, Hkv, D]``; or heads first ``[NB, Hkv, bs, D]`` written as
     ``cache[slots // bs, :, slots % bs]``; or a flat token pool ``[N, Hkv, D]`` written
@@ -364,6 +383,7 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
                f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
         return CacheWrite(put, cache, slots, values, scale, layout=layout)
+    written = put
     if cv.dim() == 3:  # cache[loc] = rows: a flat [N, Hkv, D] token pool
         layout = "flat"
         expect(len(indices) == 1 and isinstance(indices[0], torch.fx.Node),
@@ -372,6 +392,12 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         sv = val(slots)
         expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: slots are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
         expect(tuple(shape(values)[1:]) == tuple(cv.shape[1:]), f"write: rows {shape(values)} do not fill [Hkv, D] of the pool")
+        paged = paged_cache_of_slot_view(cache)
+        if paged is not None:
+            # k_cache.view(-1, Hkv, D)[slots] = rows: slot s is row s % bs of block s // bs of
+            # the paged cache under the view, so the op writes that cache at the same slots,
+            # and the view's scatter back (the paged cache after the write) is what readers read
+            cache, layout, written = paged, "paged", scatter_back(put, [cache])
     elif len(indices) == 3 and indices[1] is None and indices[0] is not None:  # cache[s // bs, :, s % bs] = rows
         layout = "heads_first"
         slots = paged_slots([indices[0], indices[2]], cv.shape[2])
@@ -403,6 +429,6 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
            f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
     while is_op(values, *CONVERTS) and val(values.args[0]).dtype == torch.bfloat16:
         values = values.args[0]  # a no-op cast kept by the graph
-    return CacheWrite(put, cache, slots, first_rows_of(values, slots_n), scale,
+    return CacheWrite(written, cache, slots, first_rows_of(values, slots_n), scale,
                       rows_per_slot_at_run_time=at_run_time and first_rows_of(values, slots_n) is values,
                       layout=layout)
