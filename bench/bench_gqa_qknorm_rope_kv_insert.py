@@ -46,19 +46,31 @@ BLOCK_SIZE = 16
 SWEEP_BLOCK_H = (1, 2, 4, 8)
 SWEEP_NUM_WARPS = (1, 2, 4)
 FP8 = torch.float8_e4m3fn
-# name -> (Hq, Hkv, D, rotary dim, NeoX, norm, cache dtype[, cos/sin form]); the form
+# name -> (Hq, Hkv, D, rotary dim, NeoX, norm, cache dtype[, operand form]); the form
 # "full" reads a [P, 2R] full-width table (full_cos_sin=True, Hugging Face's cos/sin
-# passed in), the default "half" the [P, R] table
+# passed in) instead of the [P, R] half table; "heads-first" and "token-pool" write caches
+# laid out [NB, Hkv, bs, D] and [N, Hkv, D] (prepfuse.testing.with_cache_layout), as the
+# pass emits the op for heads-first paged caches and SGLang's token pool
 MODELS = {
     "qwen3-8b": (32, 8, 128, 128, True, True, torch.bfloat16),
     "qwen3-8b-fp8": (32, 8, 128, 128, True, True, FP8),
     "llama3-8b": (32, 8, 128, 128, True, False, torch.bfloat16),
     "qwen3-8b-full-cos-sin": (32, 8, 128, 128, True, True, torch.bfloat16, "full"),
+    "qwen3-8b-heads-first": (32, 8, 128, 128, True, True, torch.bfloat16, "heads-first"),
+    "qwen3-8b-token-pool": (32, 8, 128, 128, True, True, torch.bfloat16, "token-pool"),
 }
 
 
+FORM_NOTES = {"full": ", full-width cos/sin (full_cos_sin)", "heads-first": ", heads-first [NB, Hkv, bs, D] caches",
+              "token-pool": ", token-pool [N, Hkv, D] caches"}
+
+
+def operand_form(model: tuple) -> str:
+    return model[7] if len(model) > 7 else "half"
+
+
 def full_cos_sin(model: tuple) -> bool:
-    return len(model) > 7 and model[7] == "full"
+    return operand_form(model) == "full"
 
 
 def gqa_bytes_moved(num_tokens: int, model: tuple) -> int:
@@ -72,13 +84,16 @@ def gqa_bytes_moved(num_tokens: int, model: tuple) -> int:
 
 
 def make_inputs(num_tokens: int, model: tuple, *, skip_fraction: float):
-    from prepfuse.testing import make_gqa_inputs, seeded_generator, with_full_cos_sin
+    from prepfuse.testing import make_gqa_inputs, seeded_generator, with_cache_layout, with_full_cos_sin
 
     hq, hkv, d, rot, neox, norm, dtype = model[:7]
     inputs = make_gqa_inputs(num_tokens, hq, hkv, d, BLOCK_SIZE, harness.DEVICE, rotary_dim=rot, is_neox=neox,
                              norm=norm, cache_dtype=dtype, skip_fraction=skip_fraction)
-    # full width with every entry its own value: the kernel reads all 2R of them
-    return with_full_cos_sin(inputs, seeded_generator()[0]) if full_cos_sin(model) else inputs
+    if full_cos_sin(model):  # full width with every entry its own value: the kernel reads all 2R of them
+        return with_full_cos_sin(inputs, seeded_generator()[0])
+    if operand_form(model) != "half":
+        return with_cache_layout(inputs, operand_form(model))
+    return inputs
 
 
 def gqa_within_bound(cmp, norm: bool, cache_fp8: bool) -> bool:
@@ -252,7 +267,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         "- **Models:** " + "; ".join(
             f"`{k}`: Hq {v[0]}, Hkv {v[1]}, D {v[2]}, rotary {v[3]}, {'NeoX' if v[4] == 'True' else 'GPT-J'}, "
             f"{'q/k norm' if v[5] == 'True' else 'no norm'}, {v[6].replace('torch.', '')} cache"
-            f"{', full-width cos/sin (full_cos_sin)' if v[7:] == ['full'] else ''}"
+            f"{FORM_NOTES.get(v[7] if len(v) > 7 else 'half', '')}"
             for k, v in data["models"].items()),
         "",
         "| model | T | fused us | GB/s | % copy BW | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",

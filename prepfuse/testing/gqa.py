@@ -12,7 +12,7 @@ from prepfuse.testing.common import (
     seeded_generator,
 )
 
-__all__ = ["GqaInputs", "make_gqa_inputs", "with_full_cos_sin", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
+__all__ = ["GqaInputs", "make_gqa_inputs", "CACHE_LAYOUTS", "with_cache_layout", "with_full_cos_sin", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
 
 
 @dataclass
@@ -147,6 +147,30 @@ def make_gqa_inputs(
         eps=eps,
     )
     return inputs.fresh_outputs()
+
+
+CACHE_LAYOUTS = ("paged", "heads-first", "token-pool")
+
+
+def with_cache_layout(inputs: GqaInputs, layout: str) -> GqaInputs:
+    """The same call with caches in ``layout``, as the pass writes them through views
+    (``fuse_gqa_prep``): ``"heads-first"``, a ``[NB, Hkv, bs, D]`` cache as its
+    ``[NB, bs, Hkv, D]`` permutation; ``"token-pool"``, a flat ``[NB * bs, Hkv, D]`` pool as
+    ``[NB * bs, 1, Hkv, D]`` (block size 1, slot s row s); ``"paged"``, as they are. Slots
+    address the same capacity in every layout; the caches come poisoned."""
+    if layout not in CACHE_LAYOUTS:
+        raise ValueError(f"layout: must be one of {CACHE_LAYOUTS}, got {layout!r}")
+    num_blocks, block_size, heads, head_dim = inputs.k_cache.shape
+    if layout == "paged":
+        return inputs
+
+    def cache():
+        like = dict(dtype=inputs.k_cache.dtype, device=inputs.k_cache.device)
+        if layout == "heads-first":
+            return torch.empty(num_blocks, heads, block_size, head_dim, **like).permute(0, 2, 1, 3)
+        return torch.empty(num_blocks * block_size, heads, head_dim, **like).unsqueeze(1)
+
+    return replace(inputs, k_cache=cache(), v_cache=cache()).fresh_outputs()
 
 
 def with_full_cos_sin(inputs: GqaInputs, generator: torch.Generator | None = None) -> GqaInputs:

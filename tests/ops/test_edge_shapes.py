@@ -9,14 +9,13 @@ rotary dims that are no power of two (44, 96 of 128) and the smallest one (2).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from prepfuse._compat import has_triton
 from prepfuse.testing import (
     compare_dsv4, compare_dsv4_indexer, compare_gqa, make_dsv4_indexer_inputs, make_dsv4_inputs, seeded_gqa_inputs,
+    with_cache_layout,
 )
 from tests.ops.impls import IMPLS
 
@@ -104,18 +103,10 @@ def test_gqa_cache_layouts(layout, cache_dtype):
     ``[NB, Hkv, bs, D]`` as its ``[NB, bs, Hkv, D]`` permutation, and a flat token pool
     ``[N, Hkv, D]`` as ``[N, 1, Hkv, D]`` (block size 1): the kernel follows the strides, as
     the reference does."""
-    block = 16 if layout == "heads-first" else 1
-    inputs, seed = seeded_gqa_inputs(5, 4, 2, 64, block, DEVICE, cache_dtype=cache_dtype, rotary_dim=44)
-    num_blocks = inputs.k_cache.shape[0]
-
-    def cache():
-        if layout == "heads-first":
-            return torch.zeros(num_blocks, 2, block, 64, device=DEVICE).to(cache_dtype).permute(0, 2, 1, 3)
-        return torch.zeros(num_blocks, 2, 64, device=DEVICE).to(cache_dtype).unsqueeze(1)
-
-    caches = [cache(), cache()]
-    inputs = dataclasses.replace(inputs, k_cache=caches[0], v_cache=caches[1])
+    inputs, seed = seeded_gqa_inputs(5, 4, 2, 64, 16, DEVICE, cache_dtype=cache_dtype, rotary_dim=44)
+    inputs = with_cache_layout(inputs, layout)
+    assert not inputs.k_cache.is_contiguous() or inputs.k_cache.shape[1] == 1  # the layout is not the paged one
     expected, actual = both(*IMPLS["gqa"], inputs)
-    assert actual.k_cache.stride() == caches[0].stride()
+    assert actual.k_cache.stride() == inputs.k_cache.stride()
     comparison = compare_gqa(expected, actual)
     assert comparison.exact(), f"seed={seed}: {comparison}"
