@@ -70,6 +70,7 @@ class ClientCase:
     expected_reason: str = ""  # a fragment of the near miss, where nothing fuses yet
     pattern: str = ""  # the report's pattern name of each fused call
     config: tuple = ()  # extra config items
+    config_prefix: str = ""  # <config_prefix>Config when it is not <prefix>Config (Gemma-3's Gemma3TextConfig)
     cache: str = "paged"  # "paged": [NB, bs, Hkv, D] by slot; "static": [1, Hkv, max_len, D] by position
 
     @property
@@ -90,6 +91,11 @@ CLIENT_CASES: tuple[ClientCase, ...] = (
                pattern="gqa_qknorm_rope_kv+separate+bf16_rope+full_cos_sin"),
     ClientCase("hf-llama-cos-sin-inputs", "llama", "Llama", rotary="inputs",
                pattern="gqa_rope_kv+separate+bf16_rope+full_cos_sin"),
+    # another norm: Gemma3RMSNorm, (x * (1 + w)).to(bf16) in fp32 (the op's fp32-weight form);
+    # one sliding-window and one global layer, each with its own rotary table (layer types)
+    ClientCase("hf-gemma3", "gemma3", "Gemma3", config_prefix="Gemma3Text",
+               config=(("layer_types", ("sliding_attention", "full_attention")), ("sliding_window", 64)),
+               pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
 )
 
 
@@ -106,10 +112,21 @@ class _EngineLayers(nn.Module):
         self.case, self.block_size = case, block_size
 
     def forward(self, x, position_ids, slot_mapping, caches, cos_sin=None):
-        cos_sin = self.rotary(x, position_ids) if cos_sin is None else cos_sin
+        # per layer type (Gemma-3: sliding and global layers rotate with their own bases), as
+        # the model's decoder computes them: once per type, each layer reading its type's
+        # (a rotary module with layer_types takes the type; the others' layers may name one too)
+        per_type = hasattr(self.rotary, "layer_types")
+        types = {layer.layer_type if per_type else None for layer in self.layers}
+        if cos_sin is not None:
+            tables = dict.fromkeys(types, cos_sin)
+        elif not per_type:
+            tables = {None: self.rotary(x, position_ids)}
+        else:
+            tables = {t: self.rotary(x, position_ids, t) for t in sorted(types)}
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
-            out, _ = layer(x, cos_sin, None, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
-                           block_size=None if self.case.cache == "static" else self.block_size)
+            block_size = None if self.case.cache == "static" else self.block_size
+            out, _ = layer(x, tables[layer.layer_type if per_type else None], None, k_cache=k_cache, v_cache=v_cache,
+                           slot_mapping=slot_mapping, block_size=block_size)
             x = x + out
         return x
 
@@ -121,9 +138,12 @@ def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, he
     (bf16 weights and activations, slots all valid and distinct), the caches in ``args[3]``."""
     register_engine_attention()
     module = importlib.import_module(f"transformers.models.{case.family}.modeling_{case.family}")
-    config = getattr(module, f"{case.prefix}Config")(
+    extra = {k: list(v) if isinstance(v, tuple) else v for k, v in case.config}  # (tuples keep the case hashable)
+    if "layer_types" in extra:  # one per layer, the case's pattern repeated
+        extra["layer_types"] = [extra["layer_types"][i % len(extra["layer_types"])] for i in range(num_layers)]
+    config = getattr(module, f"{case.config_prefix or case.prefix}Config")(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=64, num_hidden_layers=num_layers, max_position_embeddings=4096, **dict(case.config))
+        intermediate_size=64, num_hidden_layers=num_layers, max_position_embeddings=4096, **extra)
     config._attn_implementation = ENGINE_ATTENTION
     with torch.random.fork_rng(devices=[]):  # fresh random weights and inputs; the global RNG is left alone
         if seed is None:
@@ -131,10 +151,10 @@ def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, he
         else:
             torch.manual_seed(seed)
         model = _EngineLayers(case, config, num_layers, block_size).to(torch.bfloat16)
-        for layer in model.layers:  # HF inits norm weights to ones: make them say something
+        for layer in model.layers:  # HF inits norm weights to ones (Gemma: zeros): make them say something
             for norm in ("q_norm", "k_norm"):
                 if hasattr(layer, norm):
-                    getattr(layer, norm).weight.data.uniform_(0.5, 1.5)
+                    getattr(layer, norm).weight.data.uniform_(0.5, 1.5)  # Gemma applies 1 + w: 1.5 to 2.5
         x = torch.randn(1, num_tokens, hidden).to(torch.bfloat16)
         num_blocks = num_blocks or -(-(num_tokens + 16) // block_size)
         slots = torch.randperm(num_blocks * block_size)[:num_tokens]

@@ -11,7 +11,10 @@ A spelling is a row of a table (:class:`GqaSpelling`), not a copied class:
 axis        choices
 ==========  ============================================================================
 norm        ``hf``: ``Qwen3RMSNorm`` (``weight * (x.float() * rsqrt(x.float().pow(2).mean(
-            -1, keepdim=True) + eps)).to(bf16)``); ``none``: Llama, no q/k norm
+            -1, keepdim=True) + eps)).to(bf16)``); ``none``: Llama, no q/k norm;
+            ``gemma``: ``Gemma3RMSNorm``, ``(normed * (1.0 + weight.float())).to(bf16)``;
+            ``weight_in_fp32``: ``(weight.float() * normed).to(bf16)`` (both: the op's
+            fp32-weight form, one rounding after the weight)
 split       ``split``: ``qkv.split([Hq*D, Hkv*D, Hkv*D], -1)``; ``slice``: ``qkv[:, :Hq*D]`` ..;
             ``separate``: no fused qkv, three projections (HF's ``q_proj``, ``k_proj``,
             ``v_proj``): ``qkv`` is the tuple ``(q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*D])``
@@ -40,8 +43,8 @@ they differ on about 40% of the rotated values, by at most about ``2^-7 * (|a| +
 much (the op is the more accurate). fp8: identical to the op's quantisation of the bf16 rows.
 
 :data:`GQA_LOOKALIKES` look the same and compute something else (eps differing between q
-and k norm, a rotation by minus the angle, the weight multiplied before the bf16 rounding,
-each row written one row further into its block, a multiply by ``1/kv_scale``, fp16); the
+and k norm, a rotation by minus the angle, each row written one row further into its
+block, a multiply by ``1/kv_scale``, fp16); the
 pass must leave them alone.
 
 Negative slots. The op skips a row whose slot is negative. Eager index assignment cannot
@@ -61,7 +64,7 @@ from torch import nn
 
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS, unchecked_reference
 
-_NORMS = ("hf", "none", "weight_in_fp32")
+_NORMS = ("hf", "none", "weight_in_fp32", "gemma")
 _SPLITS = ("split", "slice", "separate")
 _ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_reversed")
 _CACHE_LAYOUTS = ("slots_heads", "heads_slots", "flat", "slot_view", "sequence", "sequence_index_copy", "next_row")
@@ -124,6 +127,10 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
                 cache_dtype=torch.float8_e4m3fn),
     # a flat token pool [N, Hkv, D] written k_buffer[loc] = k (SGLang's MHATokenToKVPool)
     GqaSpelling("qwen3-hf_fp32-token-pool", rope="hf_fp32", cache_layout="flat"),
+    # norm weights applied in fp32 before one rounding: Gemma-3's (x * (1 + w)).to(bf16), and
+    # (w.float() * x).to(bf16); the op's fp32-weight form
+    GqaSpelling("gemma3-hf", norm="gemma"),
+    GqaSpelling("qwen3-hf-weight-in-fp32", norm="weight_in_fp32"),
     # the paged cache written by slot through its flat view, cache.view(-1, Hkv, D)[slot] = k
     GqaSpelling("llama-hf_fp32-slot-view-fp8", norm="none", rope="hf_fp32", cache_layout="slot_view",
                 cache_dtype=torch.float8_e4m3fn),
@@ -137,7 +144,6 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
 GQA_LOOKALIKES: tuple[GqaSpelling, ...] = (
     GqaSpelling("k_norm_eps_differs", rope="hf_fp32", k_eps=1e-5),
     GqaSpelling("rotate_half_reversed", rope="hf_reversed"),
-    GqaSpelling("weight_in_fp32", norm="weight_in_fp32", rope="hf_fp32"),
     GqaSpelling("cache_row_offset_by_one", cache_layout="next_row"),
     GqaSpelling("fp8_mul_reciprocal", rope="hf_fp32", cache_dtype=torch.float8_e4m3fn, fp8_scaling="mul_reciprocal"),
     GqaSpelling("float16", dtype=torch.float16, cache_dtype=torch.float16),
@@ -149,7 +155,10 @@ GQA_LOOKALIKES: tuple[GqaSpelling, ...] = (
 # --------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     """Hugging Face's ``Qwen3RMSNorm`` (= ``LlamaRMSNorm``): normalise in fp32, round to the
-    input dtype, then multiply by the weight in that dtype."""
+    input dtype, then multiply by the weight in that dtype. ``norm="weight_in_fp32"``:
+    ``(weight.float() * normed).to(dtype)``, one rounding after the weight;
+    ``norm="gemma"``: ``Gemma3RMSNorm``, ``(normed * (1.0 + weight.float())).to(dtype)``
+    with a weight near 0."""
 
     def __init__(self, weight: torch.Tensor, eps: float, norm: str = "hf") -> None:
         super().__init__()
@@ -161,9 +170,20 @@ class RMSNorm(nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        if self.norm == "weight_in_fp32":  # look-alike: one rounding after the weight
+        if self.norm == "weight_in_fp32":  # one rounding after the weight
             return (self.weight.float() * hidden_states).to(input_dtype)
+        if self.norm == "gemma":  # Gemma3RMSNorm: (x * w).to(dtype), w = 1 + weight, in fp32
+            return (hidden_states * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * hidden_states.to(input_dtype)
+
+    def op_weight(self) -> torch.Tensor:
+        """The norm weight the GQA ops take for this norm: the bf16 weight (applied after the
+        rounding), or the fp32 one applied before it (``weight.float()``, ``1 + weight``)."""
+        if self.norm == "weight_in_fp32":
+            return self.weight.data.float()
+        if self.norm == "gemma":
+            return 1.0 + self.weight.data.float()
+        return self.weight.data
 
 
 def split_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, spelling: GqaSpelling):
@@ -290,7 +310,8 @@ def make_norms(head_dim: int, eps: float, spelling: GqaSpelling, generator: torc
         return None, None
     norms = []
     for norm_eps in (eps, eps if spelling.k_eps is None else spelling.k_eps):
-        weight = (1 + 0.3 * torch.randn(head_dim, generator=generator)).to(spelling.dtype)
+        weight = 0.3 * torch.randn(head_dim, generator=generator)
+        weight = (weight if spelling.norm == "gemma" else 1 + weight).to(spelling.dtype)  # gemma: 1 + w is applied
         norms.append(RMSNorm(weight, norm_eps, spelling.norm))
     return tuple(norms)
 

@@ -14,8 +14,9 @@ of it with ``full_cos_sin``)::
 
     qkv            [T, (Hq+2*Hkv)*D]    bf16   q heads, then k heads, then v heads; any
                                                token stride, last dim dense
-    q_norm_weight  [D] or None          bf16   per-head RMSNorm weight of q (Qwen3);
-    k_norm_weight  [D] or None          bf16   both None (Llama: no norm) or both given
+    q_norm_weight  [D] or None          bf16   per-head RMSNorm weight of q (Qwen3), or fp32
+                                               (a weight applied in fp32: Gemma-3's 1 + w);
+    k_norm_weight  [D] or None          same   both None (Llama: no norm) or both given
     q_out          [T, Hq, D]           bf16   written: normed and roped q
     k_cache        [NB, BS, Hkv, D]     bf16 or float8_e4m3fn   written at inserted slots
     v_cache        [NB, BS, Hkv, D]     same shape and dtype as k_cache
@@ -31,9 +32,11 @@ of it with ``full_cos_sin``)::
 
 Q and K path, per token and head (x: one head's D values, as fp32)::
 
-    if weights given (Hugging Face Qwen3RMSNorm, step for step):
+    if bf16 weights given (Hugging Face Qwen3RMSNorm, step for step):
         n = bf16(x * rstd),  rstd = 1/sqrt(mean(x^2) + eps) in fp32
         x = bf16(w * n)                     (one rounding: a bf16 product is exact in fp32)
+    if fp32 weights given (Gemma3RMSNorm, with w = 1 + its weight, made by the caller):
+        x = bf16((x * rstd) * w)            (both products in fp32, one rounding)
     RoPE on dims [0, R) (partial when R < D; dims [R, D) pass through), in fp32:
         is_neox: pairs (i, i + R/2)     GPT-J: pairs (2i, 2i + 1)     i in [0, R/2)
         a' = a*cos[i] - b*sin[i],  b' = b*cos[i] + a*sin[i]     (each product rounded)
@@ -89,6 +92,8 @@ from prepfuse.ops._math import rope_gptj, rope_neox
 HEAD_DIMS = (64, 128, 256)
 FP8_MAX = 448.0
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+# bf16: applied to the bf16-rounded normed value (Qwen3); fp32: in fp32 before one rounding (Gemma-3)
+NORM_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
 SCHEMA = (
     "gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, "
@@ -108,13 +113,17 @@ if has_triton():
     from prepfuse.ops._triton_helpers import _clamp_e4m3, _mul_rn, _to_bf16, _to_e4m3_bits
 
     @triton.jit
-    def _weighted(x, rstd, w_ptr, dims, HAS_NORM: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
+    def _weighted(x, rstd, w_ptr, dims, HAS_NORM: tl.constexpr, W_FP32: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
         """HF Qwen3RMSNorm's last two steps on fp32 ``x [BLOCK_H, N]`` (dims ``dims [1, N]``
         of a head): round ``x * rstd`` to bf16, then times the bf16 weight (exact in fp32:
-        two 8-bit significands), rounded again. Without the norm, ``x`` as is."""
+        two 8-bit significands), rounded again. With an fp32 weight (Gemma-3's ``1 + w``):
+        ``(x * rstd) * w`` in fp32, rounded once. Without the norm, ``x`` as is."""
         if HAS_NORM:
             w = tl.load(w_ptr + dims).to(tl.float32)
-            x = _to_bf16(_to_bf16(x * rstd, SOFT_ROUNDING).to(tl.float32) * w, SOFT_ROUNDING).to(tl.float32)
+            if W_FP32:
+                x = _to_bf16((x * rstd) * w, SOFT_ROUNDING).to(tl.float32)
+            else:
+                x = _to_bf16(_to_bf16(x * rstd, SOFT_ROUNDING).to(tl.float32) * w, SOFT_ROUNDING).to(tl.float32)
         return x
 
     @triton.jit
@@ -152,6 +161,7 @@ if has_triton():
         ROT_PAD: tl.constexpr,  # R rounded up to a power of two (register tiles need one)
         IS_NEOX: tl.constexpr,  # pairs (i, i + R/2) if true, else (2i, 2i + 1)
         HAS_NORM: tl.constexpr,  # apply the weighted RMSNorm first
+        W_FP32: tl.constexpr,  # the norm weight is fp32, applied in fp32 before one rounding
         FULL_COS_SIN: tl.constexpr,  # cs_row holds R cos then R sin (one per dim), else R/2 and R/2
         QUANT_FP8: tl.constexpr,  # store fp8 cache codes (k), else bf16 (q_out, a bf16 cache)
         BLOCK_H: tl.constexpr,  # heads (rows of src and dst)
@@ -182,7 +192,7 @@ if has_triton():
                 # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
                 rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
             if ROT_DIM < HEAD_DIM:
-                _store_values(dst + d, _weighted(x, rstd, w_ptr, d, HAS_NORM, SOFT_ROUNDING),
+                _store_values(dst + d, _weighted(x, rstd, w_ptr, d, HAS_NORM, W_FP32, SOFT_ROUNDING),
                               keep & (d >= ROT_DIM), scale_ptr, QUANT_FP8, SOFT_ROUNDING)
         if ROT_PAD != ROT_DIM:
             # a rotary dim that is no power of two (R = 44, 96 of D = 128): each lane j < R
@@ -202,8 +212,8 @@ if has_triton():
             in_rot = j < ROT_DIM
             xj = tl.load(src + j[None, :], mask=head_mask, other=0.0).to(tl.float32)
             xp = tl.load(src + partner[None, :], mask=head_mask, other=0.0).to(tl.float32)
-            xj = _weighted(xj, rstd, w_ptr, j[None, :], HAS_NORM, SOFT_ROUNDING)
-            xp = _weighted(xp, rstd, w_ptr, partner[None, :], HAS_NORM, SOFT_ROUNDING)
+            xj = _weighted(xj, rstd, w_ptr, j[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
+            xp = _weighted(xp, rstd, w_ptr, partner[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
             if FULL_COS_SIN:  # lane j's own entry of the R-wide cos and sin
                 cos = tl.load(cs_row + j, mask=in_rot, other=0.0)[None, :]
                 sin = tl.load(cs_row + ROT_DIM + j, mask=in_rot, other=0.0)[None, :]
@@ -234,8 +244,8 @@ if has_triton():
                 r = tl.arange(0, ROT_DIM)[None, :]
                 xr = x if ROT_DIM == HEAD_DIM else tl.load(src + r, mask=head_mask, other=0.0).to(tl.float32)
                 a, b = tl.split(tl.reshape(xr, [BLOCK_H, HALF, 2]))
-            a = _weighted(a, rstd, w_ptr, ia, HAS_NORM, SOFT_ROUNDING)
-            b = _weighted(b, rstd, w_ptr, ib, HAS_NORM, SOFT_ROUNDING)
+            a = _weighted(a, rstd, w_ptr, ia, HAS_NORM, W_FP32, SOFT_ROUNDING)
+            b = _weighted(b, rstd, w_ptr, ib, HAS_NORM, W_FP32, SOFT_ROUNDING)
             if FULL_COS_SIN:  # a and b each read their own dim's entry of the R-wide cos and sin
                 cos_a = tl.load(cs_row + ia)
                 sin_a = tl.load(cs_row + ROT_DIM + ia)
@@ -295,6 +305,7 @@ if has_triton():
         ROT_PAD: tl.constexpr,  # R rounded up to a power of two
         IS_NEOX: tl.constexpr,  # rotate-half pairs, else GPT-J interleaved pairs
         HAS_NORM: tl.constexpr,  # weighted RMSNorm on q and k
+        W_FP32: tl.constexpr,  # the norm weights are fp32 (applied in fp32, one rounding)
         FULL_COS_SIN: tl.constexpr,  # cos_sin rows are R cos then R sin, else R/2 and R/2
         CACHE_FP8: tl.constexpr,  # caches hold e4m3fn codes scaled by kv_scale
         BLOCK_H: tl.constexpr,  # heads per program
@@ -325,7 +336,7 @@ if has_triton():
             _norm_rope_store_heads(
                 q_ptr + t * stride_qt + heads * HEAD_DIM, q_out_ptr + t * stride_ot + heads * stride_oh, heads < Hq,
                 True, q_w_ptr, cs_row, eps, scale_ptr,
-                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, FULL_COS_SIN, False, BLOCK_H, SOFT_ROUNDING,
+                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, False, BLOCK_H, SOFT_ROUNDING,
             )
         else:
             # The slot only addresses the stores: its load is issued beside the row's,
@@ -342,7 +353,8 @@ if has_triton():
                     k_ptr + t * stride_kt + heads * HEAD_DIM,
                     k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads * stride_kh, heads < Hkv,
                     insert, k_w_ptr, cs_row, eps, scale_ptr,
-                    HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, FULL_COS_SIN, CACHE_FP8, BLOCK_H, SOFT_ROUNDING,
+                    HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, BLOCK_H,
+                    SOFT_ROUNDING,
                 )
             else:
                 heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
@@ -416,6 +428,7 @@ def launch_gqa_kernel(
         ROT_PAD=triton.next_power_of_2(rot_dim),
         IS_NEOX=bool(is_neox),
         HAS_NORM=has_norm,
+        W_FP32=has_norm and q_norm_weight.dtype == torch.float32,
         FULL_COS_SIN=bool(full_cos_sin),
         CACHE_FP8=fp8,
         BLOCK_H=block_h,
@@ -430,12 +443,15 @@ def launch_gqa_kernel(
 # Reference implementation: plain PyTorch, any device, Hugging Face's steps
 # --------------------------------------------------------------------------------------
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3RMSNorm over the last dim of bf16 ``x``: ``weight * bf16(x * rstd)``, bf16."""
+    """Qwen3RMSNorm over the last dim of bf16 ``x``: ``weight * bf16(x * rstd)``, bf16; with
+    an fp32 weight (Gemma3RMSNorm's ``1 + w``), ``bf16((x * rstd) * weight)`` in fp32."""
     h = x.float()
     variance = h.square().mean(dim=-1, keepdim=True)
     # correctly rounded fp32 1/sqrt: the sqrt through fp64 (torch's vectorised CPU fp32
     # sqrt is 1 ulp off for some inputs), then an IEEE reciprocal
     rstd = (variance + eps).double().sqrt().float().reciprocal()
+    if weight.dtype == torch.float32:
+        return ((h * rstd) * weight).to(torch.bfloat16)
     return weight * (h * rstd).to(torch.bfloat16)
 
 
@@ -589,8 +605,12 @@ def check_prep_args(
         missing = "q_norm_weight" if q_norm_weight is None else "k_norm_weight"
         raise ValueError(f"{missing}: is None while the other norm weight is given; pass both or neither")
     if q_norm_weight is not None:
+        dtype = getattr(q_norm_weight, "dtype", None)
+        if dtype not in NORM_WEIGHT_DTYPES:
+            raise ValueError(f"q_norm_weight: expected dtype torch.bfloat16 or torch.float32, "
+                             f"got {dtype if dtype is not None else type(q_norm_weight).__name__}")
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-            check_tensor(name, w, dtype=torch.bfloat16, ndim=1, device=device)
+            check_tensor(name, w, dtype=q_norm_weight.dtype, ndim=1, device=device)
             check_size(name, w, 0, head_dim, "the head size D")
             check_unit_last_stride(name, w)
     check_tensor("q_out", q_out, dtype=torch.bfloat16, ndim=3, device=device)

@@ -12,7 +12,9 @@ from prepfuse.testing.common import (
     seeded_generator,
 )
 
-__all__ = ["GqaInputs", "make_gqa_inputs", "CACHE_LAYOUTS", "with_cache_layout", "with_full_cos_sin", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa", "bf16_rope_pair_bound"]
+__all__ = ["GqaInputs", "make_gqa_inputs", "CACHE_LAYOUTS", "with_cache_layout", "with_fp32_norm_weights",
+           "with_full_cos_sin", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa",
+           "bf16_rope_pair_bound"]
 
 
 @dataclass
@@ -147,6 +149,21 @@ def make_gqa_inputs(
         eps=eps,
     )
     return inputs.fresh_outputs()
+
+
+def with_fp32_norm_weights(inputs: GqaInputs, generator: torch.Generator | None = None):
+    """``(inputs, (w_q, w_k))``: the same call with fp32 norm weights ``1 + w`` for
+    Gemma-3-like bf16 weights ``w`` near 0 (``Gemma3RMSNorm`` multiplies by
+    ``1.0 + weight.float()`` in fp32, then rounds once), and the two bf16 ``w`` a Hugging
+    Face module would hold. Needs inputs with a norm."""
+    if inputs.q_norm_weight is None:
+        raise ValueError("inputs: have no norm weights (made with norm=False)")
+    generator = fresh_generator(generator)
+    head_dim = inputs.q_norm_weight.shape[0]
+    gemma = [(0.3 * torch.randn(head_dim, generator=generator)).to(torch.bfloat16).to(inputs.q_norm_weight.device)
+             for _ in range(2)]
+    fp32 = [1.0 + w.float() for w in gemma]
+    return replace(inputs, q_norm_weight=fp32[0], k_norm_weight=fp32[1]), tuple(gemma)
 
 
 CACHE_LAYOUTS = ("paged", "heads-first", "token-pool")

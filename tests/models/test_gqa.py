@@ -44,7 +44,7 @@ def inputs_for(spelling: GqaSpelling, num_tokens: int, head_dim: int, **kwargs):
                              skip_fraction=0.0, **kwargs)
     q_norm, k_norm = make_norms(head_dim, EPS, spelling, torch.Generator().manual_seed(3))
     if q_norm is not None:
-        inputs = dataclasses.replace(inputs, q_norm_weight=q_norm.weight.data, k_norm_weight=k_norm.weight.data)
+        inputs = dataclasses.replace(inputs, q_norm_weight=q_norm.op_weight(), k_norm_weight=k_norm.op_weight())
     return inputs, q_norm, k_norm
 
 

@@ -19,13 +19,13 @@ import torch
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops import (
     GQA_QKNORM_ROPE_KV_INSERT,
-    GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
     gqa_qknorm_rope_kv_insert_reference,
     gqa_qknorm_rope_kv_insert_triton,
 )
 from prepfuse.testing import (
-    GqaInputs, call_with_fake_tensors, compare_gqa, seeded_generator, seeded_gqa_inputs, with_full_cos_sin,
+    call_with_fake_tensors, compare_gqa, seeded_generator, seeded_gqa_inputs, with_full_cos_sin,
 )
+from tests.ops.gqa_parity import assert_kernel_matches_reference, run
 from tests.ops.test_gqa_qknorm_rope_kv_insert import hf_rotate_half
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,11 +41,6 @@ IMPLS = [
 # path for rotary dims that are no power of two)
 ROTARY = [(64, 64), (128, 32), (128, 44)]
 
-
-def run(impl, inputs: GqaInputs, *, separate: bool = False) -> GqaInputs:
-    out = inputs.fresh_outputs()
-    impl(*(out.separate_args() if separate else out.args()))
-    return out
 
 
 def inputs_on(device, head_dim, rotary_dim, is_neox, cache_dtype=torch.bfloat16, num_tokens=9):
@@ -94,10 +89,7 @@ def kernel_against_reference(device, head_dim, rotary_dim, is_neox, cache_dtype,
     inputs, seed = inputs_on(device, head_dim, rotary_dim, is_neox, cache_dtype, num_tokens)
     inputs = with_full_cos_sin(inputs, seeded_generator()[0])
     kernel = gqa_qknorm_rope_kv_insert_triton if device == "cpu" else GQA_QKNORM_ROPE_KV_INSERT
-    expected, actual = run(gqa_qknorm_rope_kv_insert_reference, inputs), run(kernel, inputs)
-    assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
-    separate = run(GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, inputs, separate=True)
-    assert compare_gqa(actual, separate).exact(), f"seed={seed}: separate op {compare_gqa(actual, separate)}"
+    assert_kernel_matches_reference(kernel, inputs, seed)
 
 
 @needs_interpreter

@@ -527,7 +527,9 @@ BAD_INPUTS = [
     ("num_kv_heads-negative", "num_kv_heads", lambda a: {"num_kv_heads": -1}),
     ("q_norm_weight-missing", "q_norm_weight", lambda a: {"q_norm_weight": None}),
     ("k_norm_weight-missing", "k_norm_weight", lambda a: {"k_norm_weight": None}),
-    ("q_norm_weight-dtype", "q_norm_weight", lambda a: {"q_norm_weight": a["q_norm_weight"].float()}),
+    ("q_norm_weight-dtype", "q_norm_weight", lambda a: {"q_norm_weight": a["q_norm_weight"].half()}),
+    # fp32 weights are a mode of their own (Gemma-3), for both or neither
+    ("k_norm_weight-dtype-differs", "k_norm_weight", lambda a: {"q_norm_weight": a["q_norm_weight"].float()}),
     ("k_norm_weight-shape", "k_norm_weight", lambda a: {"k_norm_weight": a["k_norm_weight"][:32].contiguous()}),
     ("q_out-dtype", "q_out", lambda a: {"q_out": a["q_out"].float()}),
     ("q_out-tokens", "q_out", lambda a: {"q_out": a["q_out"][:-1]}),

@@ -306,6 +306,10 @@ def _same_settings(q: Heads, k: Heads) -> Heads:
            f"{'NeoX' if k.is_neox else 'GPT-J'} over {k.rotary_dim}; the op rotates both alike")
     expect(q.cos_sin.key() == k.cos_sin.key(), "rope: q and k read different positions or tables")
     expect((q.norm_weight is None) == (k.norm_weight is None), "norm: only one of q and k is normed")
+    if q.norm_weight is not None:
+        qd, kd = val(q.norm_weight).dtype, val(k.norm_weight).dtype
+        expect(qd == kd, f"norm: q's weight is {qd}, k's {kd}; the op applies both alike (bf16 weights after "
+                         "rounding, fp32 weights before it)")
     expect(q.eps == k.eps, f"norm: q eps {q.eps} and k eps {k.eps} differ; the op takes one eps")
     return q
 

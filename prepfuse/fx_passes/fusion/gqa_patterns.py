@@ -199,8 +199,8 @@ def match_heads(prepared: torch.fx.Node) -> Heads:
     if is_op(normed, aten.mul.Tensor, *CONVERTS):  # normed heads (Qwen3)
         heads, weight, eps = weighted_rms_norm(normed)
         wv = val(weight)
-        expect(wv.dtype == torch.bfloat16 and wv.shape == (head_dim,) and wv.stride(0) == 1,
-               f"norm: weight is {wv.dtype} {tuple(wv.shape)}, the op reads a dense bfloat16 [{head_dim}]")
+        expect(wv.dtype in (torch.bfloat16, torch.float32) and wv.shape == (head_dim,) and wv.stride(0) == 1,
+               f"norm: weight is {wv.dtype} {tuple(wv.shape)}, the op reads a dense bfloat16 or float32 [{head_dim}]")
         qkv, first, num_heads, hd, layout = heads_view(heads)
         layout = apply_views(layout, after_norm)
         expect(layout is not None, f"heads: the normed heads are moved by a view that mixes their values ({describe(h)})")

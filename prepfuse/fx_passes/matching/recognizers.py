@@ -586,15 +586,26 @@ def rope_neox(out) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.d
 
 
 def weighted_rms_norm(out) -> tuple[torch.fx.Node, torch.fx.Node, float]:
-    """(x, weight, eps) for Hugging Face's ``Qwen3RMSNorm`` / ``LlamaRMSNorm`` of bf16 ``x``:
-    ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(bf16)``
-    -- the normalised value is rounded *before* the weight multiply. A weight applied in
-    fp32 before one rounding (``F.rms_norm`` with a weight, some ports) rounds differently."""
+    """(x, weight, eps) for a weighted RMSNorm of bf16 ``x``, in either of its two roundings:
+
+    - Hugging Face's ``Qwen3RMSNorm`` / ``LlamaRMSNorm``: ``weight * (x.float() * rsqrt(
+      x.float().pow(2).mean(-1, keepdim=True) + eps)).to(bf16)``, the normalised value
+      rounded *before* the bf16 weight multiplies it;
+    - a weight applied in fp32 before one rounding, ``(normed * w).to(bf16)`` with ``w`` an
+      fp32 ``[D]`` the graph computes (``Gemma3RMSNorm``'s ``1.0 + weight.float()``, a
+      ``weight.float() *`` port): ``weight`` is then that fp32 node, whatever made it, and
+      the op applies it in fp32 (its fp32-weight form)."""
     if is_op(out, *CONVERTS) and is_op(out.args[0], aten.mul.Tensor):
         inner = out.args[0]
-        w, _ = split_operands(inner, lambda n: isinstance(n, torch.fx.Node) and len(shape(n)) == 1)
-        expect(w is None, "norm: the weight multiplies in fp32 before the rounding to bf16; "
-                          "Qwen3RMSNorm rounds the normalised value first, then multiplies")
+        w, normed = split_operands(inner, lambda n: isinstance(n, torch.fx.Node) and len(shape(n)) == 1)
+        if w is not None:
+            expect(val(w).dtype == torch.float32,
+                   f"norm: a {val(w).dtype} weight multiplies the fp32 normalised value (type promotion); the op "
+                   "applies a bf16 weight after the rounding to bf16, an fp32 one before it")
+            xf, eps = rms_norm(normed)
+            x = convert_source(xf, torch.float32)
+            expect(x is not None, f"norm: the normalised {describe(xf)} is not an fp32 cast of the input")
+            return x, w, eps
     expect(is_op(out, aten.mul.Tensor), f"norm: {describe(out)} is not weight * normed")
     w, normed = split_operands(out, lambda n: isinstance(n, torch.fx.Node) and len(shape(n)) == 1)
     expect(w is not None, f"norm: {describe(out)} has no 1-d weight operand")

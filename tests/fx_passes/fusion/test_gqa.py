@@ -220,8 +220,11 @@ def test_spelling_fuses_into_one_call(name):
     pattern = ("gqa_qknorm_rope_kv" if spelling.has_norm else "gqa_rope_kv") + (
         "+separate" if spelling.split == "separate" else "")
     assert r.events("matched") == [pattern + ("+bf16_rope" if spelling.rope == "hf_bf16" else "")]
-    # nothing but the call: no stray node of the unfused math is left
-    assert [op for op in graph_ops(r.report.graph) if op != "placeholders"] == FUSED_OPS[1:]
+    # nothing but the call: no stray node of the unfused math is left, but the fp32 weights
+    # the graph computes for an fp32-weight norm, taken as the op's operands (q's, then k's)
+    weight_ops = {"gemma": ["prims.convert_element_type.default", "aten.add.Tensor"] * 2,
+                  "weight_in_fp32": ["prims.convert_element_type.default"] * 2}.get(spelling.norm, [])
+    assert [op for op in graph_ops(r.report.graph) if op != "placeholders"] == weight_ops + FUSED_OPS[1:]
 
 
 @pytest.mark.parametrize("name", list(SPELLINGS))
@@ -447,12 +450,25 @@ LOOKALIKE_CASES = [
     # (look-alike, declined candidates, words of the reason)
     ("k_norm_eps_differs", 1, "q eps 1e-06 and k eps 1e-05 differ"),
     ("rotate_half_reversed", 1, "no rotate_half(x) * sin term"),
-    # where Inductor drops the norm's .to(bf16) before RoPE's .float() (torch 2.11), RoPE reads the fp32 product
-    ("weight_in_fp32", 1, "not of the bf16 heads cast to fp32" if inductor_drops_narrowing_round_trips()
-     else "the weight multiplies in fp32 before the rounding"),
     ("fp8_mul_reciprocal", 2, "the op divides by kv_scale"),
     ("float16", 2, "the cache is torch.float16"),
 ]
+
+
+def test_bf16_weight_promoted_to_fp32_is_declined_by_name(monkeypatch):
+    """``(normed_fp32 * weight_bf16).to(bf16)``: type promotion multiplies in fp32 with no
+    ``.float()`` node for the op to read as its fp32 weight, so the pass declines, naming
+    it (the forms with an explicit fp32 weight fuse: ``gemma3-hf``, ``qwen3-hf-weight-in-fp32``)."""
+    def promoted(self, h):
+        dtype, h = h.dtype, h.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * self.weight).to(dtype)
+
+    monkeypatch.setattr(model.RMSNorm, "forward", promoted)
+    r = run(prep, make_case(SPELLINGS["qwen3-hf"]))
+    assert r.matched == 0
+    whys = [m.why for m in r.report.near_misses()]
+    assert any("weight multiplies the fp32 normalised value (type promotion)" in w for w in whys), whys
 
 
 def test_row_offset_write_fuses_as_block_and_row():
