@@ -267,7 +267,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         "- **Models:** " + "; ".join(
             f"`{k}`: Hq {v[0]}, Hkv {v[1]}, D {v[2]}, rotary {v[3]}, {'NeoX' if v[4] == 'True' else 'GPT-J'}, "
             f"{'q/k norm' if v[5] == 'True' else 'no norm'}, {v[6].replace('torch.', '')} cache"
-            f"{FORM_NOTES.get(v[7] if len(v) > 7 else 'half', '')}"
+            f"{FORM_NOTES.get(operand_form(v), '')}"
             for k, v in data["models"].items()),
         "",
         "| model | T | fused us | GB/s | % copy BW | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",

@@ -89,13 +89,16 @@ class GraphReport:
             return {}
         return {p.node: p.partition for p in self.placement.prepfuse_placements()}
 
+    def _of(self, kind: str, pattern: str | None) -> list[Rewrite]:
+        return [r for r in self.rewrites if r.kind == kind and pattern in (None, r.pattern, r.pass_name)]
+
     def matches(self, pattern: str | None = None) -> list[Rewrite]:
         """Matched rewrites, all or those of one pattern (or one pass, by its name)."""
-        return [r for r in self.rewrites if r.kind == "matched" and pattern in (None, r.pattern, r.pass_name)]
+        return self._of("matched", pattern)
 
     def near_misses(self, pattern: str | None = None) -> list[Rewrite]:
         """Declined candidates, all or those of one pattern (or one pass, by its name)."""
-        return [r for r in self.rewrites if r.kind == "declined" and pattern in (None, r.pattern, r.pass_name)]
+        return self._of("declined", pattern)
 
     def count(self, pattern: str) -> int:
         """How often ``pattern`` (or every pattern of the pass of that name) matched."""

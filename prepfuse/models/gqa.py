@@ -44,8 +44,7 @@ much (the op is the more accurate). fp8: identical to the op's quantisation of t
 
 :data:`GQA_LOOKALIKES` look the same and compute something else (eps differing between q
 and k norm, a rotation by minus the angle, each row written one row further into its
-block, a multiply by ``1/kv_scale``, fp16); the
-pass must leave them alone.
+block, a multiply by ``1/kv_scale``, fp16); the pass must leave them alone.
 
 Negative slots. The op skips a row whose slot is negative. Eager index assignment cannot
 skip it without a host sync, so these spellings assume every slot is valid: a negative
@@ -84,8 +83,8 @@ class GqaSpelling:
     dtype: torch.dtype = torch.bfloat16  # look-alike: float16
     k_eps: float | None = None  # look-alike: a k norm eps other than q's
     cache_layout: str = "slots_heads"  # "heads_slots": [NB, Hkv, bs, D]; "flat": [NB*bs, Hkv, D] written
-    # cache[slot] (a token pool); "slot_view": [NB, bs, Hkv, D] written cache.view(-1, Hkv, D)[slot]; "sequence" / "sequence_index_copy": [1, Hkv, NB*bs, D] written
-    # cache[:, :, slot] / index_copy_ (a slot is a position); "next_row": (slot + 1) % bs, which
+    # cache[slot] (a token pool); "slot_view": [NB, bs, Hkv, D] written cache.view(-1, Hkv, D)[slot];
+    # "sequence" / "sequence_index_copy": [1, Hkv, NB*bs, D] written cache[:, :, slot] / index_copy_ (a slot is a position); "next_row": (slot + 1) % bs, which
     # the pass fuses as a (block, row) write and a recogniser blind to whose slots a row index
     # reads would misread (the validation tests' planted bug)
     fp8_scaling: str = "div"  # look-alike: x * (1 / kv_scale)

@@ -15,24 +15,17 @@ import dataclasses
 import pytest
 import torch
 
-from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops import (
     GQA_QKNORM_ROPE_KV_INSERT,
     gqa_qknorm_rope_kv_insert_reference,
     gqa_qknorm_rope_kv_insert_triton,
 )
-from prepfuse.testing import (
-    call_with_fake_tensors, seeded_gqa_inputs, with_fp32_norm_weights,
-)
+from prepfuse.testing import call_with_fake_tensors, seeded_gqa_inputs, with_fp32_norm_weights
 from tests.ops.gqa_parity import assert_kernel_matches_reference, run
-from tests.ops.test_gqa_qknorm_rope_kv_insert import hf_apply_rope
+from tests.ops.test_gqa_qknorm_rope_kv_insert import bits, hf_apply_rope, needs_interpreter, needs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
-needs_interpreter = pytest.mark.skipif(
-    not has_triton() or not triton_interpret_mode(),
-    reason="the CPU interpreter's run; on CUDA, test_cuda_kernel_matches_the_reference covers the kernel")
-
 
 
 def gemma_inputs(device, head_dim=64, rotary_dim=None, is_neox=True, cache_dtype=torch.bfloat16, num_tokens=9,
@@ -41,10 +34,6 @@ def gemma_inputs(device, head_dim=64, rotary_dim=None, is_neox=True, cache_dtype
                                      cache_dtype=cache_dtype, exact_sum=exact_sum, skip_fraction=0.0)
     inputs, gemma = with_fp32_norm_weights(inputs)
     return inputs, gemma, seed
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)
 
 
 def test_reference_is_transformers_gemma3_rms_norm():
@@ -81,6 +70,7 @@ def kernel_against_reference(device, kernel, head_dim, rotary_dim, is_neox, cach
     assert_kernel_matches_reference(kernel, inputs, seed)
 
 
+@needs_triton
 @needs_interpreter
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])

@@ -16,7 +16,6 @@ import re
 import pytest
 import torch
 
-from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops import (
     GQA_QKNORM_ROPE_KV_INSERT,
     gqa_qknorm_rope_kv_insert_reference,
@@ -26,13 +25,10 @@ from prepfuse.testing import (
     call_with_fake_tensors, compare_gqa, seeded_generator, seeded_gqa_inputs, with_full_cos_sin,
 )
 from tests.ops.gqa_parity import assert_kernel_matches_reference, run
-from tests.ops.test_gqa_qknorm_rope_kv_insert import hf_rotate_half
+from tests.ops.test_gqa_qknorm_rope_kv_insert import hf_rotate_half, needs_interpreter, needs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
-needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed")
-needs_interpreter = pytest.mark.skipif(not triton_interpret_mode(), reason="the CPU interpreter's run; on CUDA, "
-                                       "test_cuda_kernel_matches_the_reference covers the kernel")
 IMPLS = [
     pytest.param(gqa_qknorm_rope_kv_insert_reference, id="reference"),
     pytest.param(gqa_qknorm_rope_kv_insert_triton, id="triton", marks=needs_triton),
@@ -92,6 +88,7 @@ def kernel_against_reference(device, head_dim, rotary_dim, is_neox, cache_dtype,
     assert_kernel_matches_reference(kernel, inputs, seed)
 
 
+@needs_triton
 @needs_interpreter
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])

@@ -595,22 +595,23 @@ def weighted_rms_norm(out) -> tuple[torch.fx.Node, torch.fx.Node, float]:
       fp32 ``[D]`` the graph computes (``Gemma3RMSNorm``'s ``1.0 + weight.float()``, a
       ``weight.float() *`` port): ``weight`` is then that fp32 node, whatever made it, and
       the op applies it in fp32 (its fp32-weight form)."""
-    if is_op(out, *CONVERTS) and is_op(out.args[0], aten.mul.Tensor):
-        inner = out.args[0]
-        w, normed = split_operands(inner, lambda n: isinstance(n, torch.fx.Node) and len(shape(n)) == 1)
+    def weight_and_normed(mul):
+        return split_operands(mul, lambda n: isinstance(n, torch.fx.Node) and len(shape(n)) == 1)
+
+    w = None
+    if is_op(out, *CONVERTS) and is_op(out.args[0], aten.mul.Tensor):  # weight in fp32, then one rounding
+        w, y = weight_and_normed(out.args[0])
         if w is not None:
             expect(val(w).dtype == torch.float32,
                    f"norm: a {val(w).dtype} weight multiplies the fp32 normalised value (type promotion); the op "
                    "applies a bf16 weight after the rounding to bf16, an fp32 one before it")
-            xf, eps = rms_norm(normed)
-            x = convert_source(xf, torch.float32)
-            expect(x is not None, f"norm: the normalised {describe(xf)} is not an fp32 cast of the input")
-            return x, w, eps
-    expect(is_op(out, aten.mul.Tensor), f"norm: {describe(out)} is not weight * normed")
-    w, normed = split_operands(out, lambda n: isinstance(n, torch.fx.Node) and len(shape(n)) == 1)
-    expect(w is not None, f"norm: {describe(out)} has no 1-d weight operand")
-    y = convert_source(normed, val(out).dtype)
-    expect(y is not None, f"norm: weight multiplies {describe(normed)}, not the normalised value rounded to {val(out).dtype}")
+    if w is None:  # the normalised value rounded, then the weight
+        expect(is_op(out, aten.mul.Tensor), f"norm: {describe(out)} is not weight * normed")
+        w, normed = weight_and_normed(out)
+        expect(w is not None, f"norm: {describe(out)} has no 1-d weight operand")
+        y = convert_source(normed, val(out).dtype)
+        expect(y is not None,
+               f"norm: weight multiplies {describe(normed)}, not the normalised value rounded to {val(out).dtype}")
     xf, eps = rms_norm(y)
     x = convert_source(xf, torch.float32)
     expect(x is not None, f"norm: the normalised {describe(xf)} is not an fp32 cast of the input")
