@@ -8,7 +8,9 @@ layer, block 16): the fused call count, a correctness gate (the written cache ro
 two backends within 2^-6 of each other per row: both multiply the model's bf16 values in
 fp32 and round once; Inductor's CUDA rsqrt is approximate), and the CUDA-graph replay median of one layer's forward (20
 back-to-back calls a graph; warm L2: the layer's weights, 50 MB in bf16, are what it reads
-at small T). Writes ``clients_<device>.json`` under ``--out-dir`` and the table to ``--docs``.
+at small T), and the kernels one call of each runs (torch.profiler: names and durations, in
+the JSON; their count in the table; the op's host-side index checks off, as in a graph). Writes ``clients_<device>.json`` under ``--out-dir`` and
+the table to ``--docs``.
 
     PYTHONPATH=. python bench/bench_clients.py --out-dir $OUT --docs $OUT/benchmarks_clients.md
 """
@@ -60,6 +62,10 @@ def run_case(case, tokens: int) -> dict:
             outs[name] = rows(own, slots, SIZES["block_size"])
             graphs = harness.capture_graphs(lambda _: compiled(x, positions, slots, own, *args[4:]), [None], warmup=3)
             row[f"{name}_us"] = harness.time_graphs(graphs, target_ms=200, min_replays=20, max_replays=200)["us_median"]
+            # one eager call's kernels (names, durations): which kernels a gap between the two is
+            # made of; without the op's host-side index checks, as inside the timed graphs
+            with harness.IndexChecksOff():
+                row[f"{name}_kernels"] = harness.kernel_durations(lambda: compiled(x, positions, slots, own, *args[4:]))
         if name == "prepfuse":
             row["fused"] = sum(r.matched_counts.get(PASS, 0) for r in backend.reports)
             row["declined"] = [r.why for r in backend.reports.near_misses(PASS)]
@@ -67,6 +73,20 @@ def run_case(case, tokens: int) -> dict:
     row["correct"] = row["gate_rel_diff"] <= GATE
     row["speedup"] = row["inductor_us"] / row["prepfuse_us"]
     return row
+
+
+def kernel_counts(row: dict) -> str:
+    """``prepfuse / inductor`` kernel counts of a row (``-`` for rows written before they were kept)."""
+    if "prepfuse_kernels" not in row:
+        return "-"
+    return f"{len(row['prepfuse_kernels'])} / {len(row['inductor_kernels'])}"
+
+
+def print_kernels(row: dict) -> None:
+    """The two backends' kernels side by side, for the log: where a small-T gap comes from."""
+    for name in ("prepfuse", "inductor"):
+        listed = ", ".join(f"{k[:40]} {us:.1f}" for k, us in row[f"{name}_kernels"])
+        print(f"    {name} kernels ({sum(us for _, us in row[f'{name}_kernels']):.1f} us): {listed}")
 
 
 def render(data: dict) -> str:
@@ -80,14 +100,15 @@ def render(data: dict) -> str:
         f"nano-vllm), one layer, hidden {SIZES['hidden']}, {SIZES['heads']} q heads, {SIZES['kv_heads']} kv heads, "
         f"head dim {SIZES['head_dim']}, block {SIZES['block_size']}. Times: CUDA-graph replay median of one "
         "layer's forward (20 calls a graph, warm L2), `backend=\"prepfuse\"` beside `backend=\"inductor\"`; the "
-        "gate: the written cache rows of the two within 2^-6 per row.",
+        "gate: the written cache rows of the two within 2^-6 per row; kernels: the GPU kernels, memsets and "
+        "memcpys one call runs (prepfuse / inductor).",
         "",
-        "| case | T | fused | prepfuse | inductor | speedup | gate (max row rel. diff) |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| case | T | fused | prepfuse | inductor | speedup | kernels | gate (max row rel. diff) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in data["rows"]:
         lines.append(f"| `{r['case']}` | {r['T']} | {r['fused']} | {r['prepfuse_us']:.1f} us | {r['inductor_us']:.1f} us | "
-                     f"{r['speedup']:.2f}x | {r['gate_rel_diff']:.2e} {'ok' if r['correct'] else '**FAIL**'} |")
+                     f"{r['speedup']:.2f}x | {kernel_counts(r)} | {r['gate_rel_diff']:.2e} {'ok' if r['correct'] else '**FAIL**'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -111,6 +132,8 @@ def main(argv=None) -> int:
             data["rows"].append(row)
             print(f"{case.name:28s} T={t:5d} fused {row['fused']} prepfuse {row['prepfuse_us']:8.1f} us "
                   f"inductor {row['inductor_us']:8.1f} us gate {row['gate_rel_diff']:.2e}", flush=True)
+            if t <= 64:
+                print_kernels(row)
             for why in row["declined"]:
                 print(f"    declined: {why[:300]}")
     args.out_dir.mkdir(parents=True, exist_ok=True)

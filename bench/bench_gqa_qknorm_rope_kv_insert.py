@@ -50,7 +50,9 @@ FP8 = torch.float8_e4m3fn
 # "full" reads a [P, 2R] full-width table (full_cos_sin=True, Hugging Face's cos/sin
 # passed in) instead of the [P, R] half table; "heads-first" and "token-pool" write caches
 # laid out [NB, Hkv, bs, D] and [N, Hkv, D] (prepfuse.testing.with_cache_layout), as the
-# pass emits the op for heads-first paged caches and SGLang's token pool
+# pass emits the op for heads-first paged caches and SGLang's token pool; "operands" reads
+# each token's bf16 cos and sin rows as two tensors with positions=None, as the pass hands
+# the op the values a Hugging Face rotary module computes (prepfuse.testing.with_cos_sin_operands)
 MODELS = {
     "qwen3-8b": (32, 8, 128, 128, True, True, torch.bfloat16),
     "qwen3-8b-fp8": (32, 8, 128, 128, True, True, FP8),
@@ -58,11 +60,13 @@ MODELS = {
     "qwen3-8b-full-cos-sin": (32, 8, 128, 128, True, True, torch.bfloat16, "full"),
     "qwen3-8b-heads-first": (32, 8, 128, 128, True, True, torch.bfloat16, "heads-first"),
     "qwen3-8b-token-pool": (32, 8, 128, 128, True, True, torch.bfloat16, "token-pool"),
+    "qwen3-8b-cos-sin-operands": (32, 8, 128, 128, True, True, torch.bfloat16, "operands"),
 }
 
 
 FORM_NOTES = {"full": ", full-width cos/sin (full_cos_sin)", "heads-first": ", heads-first [NB, Hkv, bs, D] caches",
-              "token-pool": ", token-pool [N, Hkv, D] caches"}
+              "token-pool": ", token-pool [N, Hkv, D] caches",
+              "operands": ", per-token bf16 cos and sin operands (positions=None)"}
 
 
 def operand_form(model: tuple) -> str:
@@ -78,19 +82,23 @@ def gqa_bytes_moved(num_tokens: int, model: tuple) -> int:
     cache rows written (every row inserted; the norm weights are negligible)."""
     hq, hkv, d, rot, _, _, dtype = model[:7]
     cache_elem = 1 if dtype == FP8 else 2
-    table_row = rot * (8 if full_cos_sin(model) else 4)
+    table_row = rot * {"full": 8, "operands": 2}.get(operand_form(model), 4)
     per_token = (hq + 2 * hkv) * d * 2 + table_row + hq * d * 2 + 2 * hkv * d * cache_elem
     return num_tokens * per_token
 
 
 def make_inputs(num_tokens: int, model: tuple, *, skip_fraction: float):
-    from prepfuse.testing import make_gqa_inputs, seeded_generator, with_cache_layout, with_full_cos_sin
+    from prepfuse.testing import (
+        make_gqa_inputs, seeded_generator, with_cache_layout, with_cos_sin_operands, with_full_cos_sin,
+    )
 
     hq, hkv, d, rot, neox, norm, dtype = model[:7]
     inputs = make_gqa_inputs(num_tokens, hq, hkv, d, BLOCK_SIZE, harness.DEVICE, rotary_dim=rot, is_neox=neox,
                              norm=norm, cache_dtype=dtype, skip_fraction=skip_fraction)
     if full_cos_sin(model):  # full width with every entry its own value: the kernel reads all 2R of them
         return with_full_cos_sin(inputs, seeded_generator()[0])
+    if operand_form(model) == "operands":
+        return with_cos_sin_operands(inputs, dtype=torch.bfloat16, per_token=True)[0]
     if operand_form(model) != "half":
         return with_cache_layout(inputs, operand_form(model))
     return inputs

@@ -254,6 +254,21 @@ def count_launches(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
 
 
+def kernel_durations(fn) -> list[tuple[str, float]]:
+    """``(name, us)`` of each GPU kernel, memset and memcpy that one call of ``fn`` ran, in
+    launch order (torch.profiler; synchronisation records dropped): what makes up a time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and not _SYNC_RECORD.match(e.name)),
+                    key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in events]
+
+
 # --------------------------------------------------------------------------------------
 # Result files
 # --------------------------------------------------------------------------------------

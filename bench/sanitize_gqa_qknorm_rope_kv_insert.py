@@ -5,44 +5,52 @@
 
 Shapes cover every head size, bf16 and fp8 caches, NeoX and GPT-J pairs, partial rotary
 dims that are (32) and are not (44, 96) powers of two, one kv head, a slot mapping
-shorter than T with skipped rows, and fp32 norm weights (Gemma-3's form, the kernel's
-W_FP32 path); a wrong result fails the run too.
+shorter than T with skipped rows, fp32 norm weights (Gemma-3's form, the kernel's
+W_FP32 path), and cos/sin as two tensors (bf16 per token with positions=None, or fp32 rows
+of a wider buffer); a wrong result fails the run too.
 """
 
 import torch
 
 import prepfuse  # noqa: F401
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, gqa_qknorm_rope_kv_insert_reference
-from prepfuse.testing import compare_gqa, seeded_gqa_inputs, with_fp32_norm_weights
+from prepfuse.testing import compare_gqa, seeded_gqa_inputs, with_cos_sin_operands, with_fp32_norm_weights
 
 FP8 = torch.float8_e4m3fn
-SHAPES = [  # (T, Hq, Hkv, D, rotary dim, NeoX, cache dtype, T', fp32 norm weights)
-    (1, 4, 1, 64, None, True, torch.bfloat16, 1, False),
-    (7, 8, 2, 128, 44, True, FP8, 5, False),
-    (33, 32, 8, 128, 96, False, torch.bfloat16, 30, False),
-    (64, 16, 4, 256, 32, True, FP8, 64, False),
-    (9, 40, 8, 128, None, False, FP8, 9, False),
-    (17, 8, 4, 256, None, True, torch.bfloat16, 17, True),
-    (5, 8, 2, 128, 44, False, FP8, 5, True),
+# (T, Hq, Hkv, D, rotary dim, NeoX, cache dtype, T', fp32 norm weights, cos/sin operands:
+# None for the table, else (dtype, per token, row padding))
+SHAPES = [
+    (1, 4, 1, 64, None, True, torch.bfloat16, 1, False, None),
+    (7, 8, 2, 128, 44, True, FP8, 5, False, None),
+    (33, 32, 8, 128, 96, False, torch.bfloat16, 30, False, None),
+    (64, 16, 4, 256, 32, True, FP8, 64, False, None),
+    (9, 40, 8, 128, None, False, FP8, 9, False, None),
+    (17, 8, 4, 256, None, True, torch.bfloat16, 17, True, None),
+    (5, 8, 2, 128, 44, False, FP8, 5, True, None),
+    (13, 8, 2, 128, None, True, torch.bfloat16, 13, False, (torch.bfloat16, True, 0)),
+    (6, 8, 2, 128, 44, False, FP8, 4, False, (torch.float32, False, 3)),
 ]
 
 
 def main() -> int:
     failures = 0
-    for tokens, hq, hkv, head_dim, rotary, neox, cache_dtype, inserted, fp32_weights in SHAPES:
+    for tokens, hq, hkv, head_dim, rotary, neox, cache_dtype, inserted, fp32_weights, operands in SHAPES:
         # exact-sum qkv: a random head's sum of squares can round differently in the
         # kernel's order and flip one bf16 q value (seen once in 5 runs at D=256)
         base, seed = seeded_gqa_inputs(tokens, hq, hkv, head_dim, 16, "cuda", rotary_dim=rotary, is_neox=neox,
                                        cache_dtype=cache_dtype, num_inserted=inserted)
         if fp32_weights:
             base, _ = with_fp32_norm_weights(base)
+        if operands is not None:
+            dtype, per_token, row_padding = operands
+            base, _ = with_cos_sin_operands(base, dtype=dtype, per_token=per_token, row_padding=row_padding)
         fused, ref = base.fresh_outputs(), base.fresh_outputs()
         GQA_QKNORM_ROPE_KV_INSERT(*fused.args())
         gqa_qknorm_rope_kv_insert_reference(*ref.args())
         torch.cuda.synchronize()
         comparison = compare_gqa(ref, fused)
         failures += not comparison.exact()
-        print(f"T={tokens} Hq={hq} Hkv={hkv} D={head_dim} R={rotary} neox={neox} {cache_dtype} T'={inserted} fp32 w={fp32_weights} seed={seed}: "
+        print(f"T={tokens} Hq={hq} Hkv={hkv} D={head_dim} R={rotary} neox={neox} {cache_dtype} T'={inserted} fp32 w={fp32_weights} cos/sin={operands} seed={seed}: "
               f"{'ok' if comparison.exact() else comparison}")
     return 1 if failures else 0
 

@@ -86,7 +86,7 @@ CLIENT_CASES: tuple[ClientCase, ...] = (
     # one sequence's static cache, written as transformers' StaticCache writes it (index_copy_)
     ClientCase("hf-qwen3-static-cache", "qwen3", "Qwen3", cache="static", pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
     # cos/sin made outside the compiled code: full-width values the graph cannot prove are
-    # two equal halves, read whole by the op (``full_cos_sin``: cat(cos, sin) [T, 2R])
+    # two equal halves, read whole by the op (``full_cos_sin``: cos and sin [T, R] each)
     ClientCase("hf-qwen3-cos-sin-inputs", "qwen3", "Qwen3", rotary="inputs",
                pattern="gqa_qknorm_rope_kv+separate+bf16_rope+full_cos_sin"),
     ClientCase("hf-llama-cos-sin-inputs", "llama", "Llama", rotary="inputs",

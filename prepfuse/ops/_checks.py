@@ -70,10 +70,10 @@ def can_read_index_values(t: torch.Tensor) -> bool:
 
 
 def check_slot_and_position_values(
-    slot_mapping: torch.Tensor, num_blocks: int, block_size: int, positions: torch.Tensor, max_pos: int
+    slot_mapping: torch.Tensor, num_blocks: int, block_size: int, positions: torch.Tensor | None, max_pos: int
 ) -> None:
     """Slots below ``num_blocks * block_size`` and each given to one token, positions in
-    ``[0, max_pos)``.
+    ``[0, max_pos)`` (None: rows by token, which the shape checks bound).
 
     Reads the values, so does nothing when they cannot be read now
     (``can_read_index_values``; what the ops do then: ``_indices``). Negative slots are
@@ -88,10 +88,10 @@ def check_slot_and_position_values(
             f"({num_blocks} blocks of {block_size})"
         )
     check_distinct_slots(slot_mapping)
-    if positions.numel():
+    if positions is not None and positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= max_pos:
-            raise ValueError(f"positions: values must lie in [0, {max_pos}) (rows of cos_sin_cache), got [{lo}, {hi}]")
+            raise ValueError(f"positions: values must lie in [0, {max_pos}) (rows of the cos/sin table), got [{lo}, {hi}]")
 
 
 def check_distinct_slots(slot_mapping: torch.Tensor) -> None:

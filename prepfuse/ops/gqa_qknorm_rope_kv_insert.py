@@ -4,13 +4,13 @@ Schema (the contract; ``tests/golden/schemas.txt`` holds it verbatim)::
 
     prepfuse::gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight,
         Tensor? k_norm_weight, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache,
-        Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, Tensor? kv_scale,
+        Tensor slot_mapping, Tensor? positions, Tensor? cos_sin_cache, Tensor? kv_scale,
         int num_q_heads, int num_kv_heads, bool is_neox, float eps,
-        bool full_cos_sin=False) -> ()
+        bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None) -> ()
 
 Inputs (``T`` tokens, ``Hq`` query heads, ``Hkv`` kv heads, head size ``D`` in {64, 128,
-256} = ``qkv.size(1) // (Hq + 2*Hkv)``, rotary dim ``R = cos_sin_cache.size(1)``, or half
-of it with ``full_cos_sin``)::
+256} = ``qkv.size(1) // (Hq + 2*Hkv)``, rotary dim ``R = cos_sin_cache.size(1)`` or
+``2 * cos.size(1)``, or half of that with ``full_cos_sin``)::
 
     qkv            [T, (Hq+2*Hkv)*D]    bf16   q heads, then k heads, then v heads; any
                                                token stride, last dim dense
@@ -22,11 +22,18 @@ of it with ``full_cos_sin``)::
     v_cache        [NB, BS, Hkv, D]     same shape and dtype as k_cache
     slot_mapping   [T']                 int64  T' <= T; row t goes to slot slot_mapping[t]
                                                (block s // BS, row s % BS); negative skips
-    positions      [T]                  int64  row of cos_sin_cache for each token
-    cos_sin_cache  [P, R]               fp32   per position: R/2 cos, then R/2 sin (vLLM)
+    positions      [T] or None          int64  row of the cos/sin tables for each token;
+                                               None: token t reads row t (per-token
+                                               cos/sin, P >= T)
+    cos_sin_cache  [P, R] or None       fp32   per position: R/2 cos, then R/2 sin (vLLM)
                    [P, 2R]                     with full_cos_sin: R cos, then R sin, one
                                                per rotated dim (Hugging Face's full-width
                                                cos/sin, whose halves need not be equal)
+    cos, sin       [P, R/2] each        fp32 or bf16 (both alike)   instead of
+                   ([P, R] with                cos_sin_cache (exactly one of the two forms):
+                   full_cos_sin)               the cos and the sin table as two tensors,
+                                               any row stride (views of one table, or the
+                                               values a model computes, as they lie)
     kv_scale       [1] or [] or None    fp32   per-tensor cache scale, read on the device;
                                                given iff the caches are fp8
 
@@ -71,7 +78,7 @@ Rounding, against the Hugging Face code a pattern pass will replace:
   that stores bf16 k/v through its cache-insert kernel would.
 
 Traffic per token: reads (Hq + 2*Hkv)*D*2 bytes of qkv and the 4R-byte cos/sin row (8R
-with full_cos_sin; re-read by every q and k program, from L1/L2; the 2*D*2 weight bytes
+with full_cos_sin, half of either with bf16 cos and sin; re-read by every q and k program, from L1/L2; the 2*D*2 weight bytes
 likewise); writes
 Hq*D*2 bytes of q_out and 2*Hkv*D*c bytes of cache (c = 2 for bf16, 1 for fp8), only for
 inserted rows. Qwen3-8B (Hq 32, Hkv 8, D 128, R 128), bf16 cache: 12288 B read + 12288 B
@@ -97,10 +104,12 @@ NORM_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
 SCHEMA = (
     "gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, "
-    "Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor positions, "
-    "Tensor cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps, "
-    "bool full_cos_sin=False) -> ()"
+    "Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor? positions, "
+    "Tensor? cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps, "
+    "bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None) -> ()"
 )
+# the cos and sin operands' dtypes: read as fp32 (a bf16 value widens exactly)
+COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------
@@ -153,7 +162,8 @@ if has_triton():
         head_mask,  # [BLOCK_H] which of them are real heads
         store_ok,  # whether to store at all (a k row whose slot is skipped: loads, no store)
         w_ptr,  # [D] bf16 norm weight (unread without HAS_NORM)
-        cs_row,  # this token's row of cos_sin_cache
+        cos_row,  # this token's row of the cos table (fp32 or bf16)
+        sin_row,  # this token's row of the sin table
         eps,  # RMSNorm epsilon
         scale_ptr,  # [1] fp32 kv_scale (unread unless QUANT_FP8)
         HEAD_DIM: tl.constexpr,  # D
@@ -162,7 +172,7 @@ if has_triton():
         IS_NEOX: tl.constexpr,  # pairs (i, i + R/2) if true, else (2i, 2i + 1)
         HAS_NORM: tl.constexpr,  # apply the weighted RMSNorm first
         W_FP32: tl.constexpr,  # the norm weight is fp32, applied in fp32 before one rounding
-        FULL_COS_SIN: tl.constexpr,  # cs_row holds R cos then R sin (one per dim), else R/2 and R/2
+        FULL_COS_SIN: tl.constexpr,  # the rows hold R entries (one per dim), else R/2 (one per pair)
         QUANT_FP8: tl.constexpr,  # store fp8 cache codes (k), else bf16 (q_out, a bf16 cache)
         BLOCK_H: tl.constexpr,  # heads (rows of src and dst)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
@@ -214,12 +224,9 @@ if has_triton():
             xp = tl.load(src + partner[None, :], mask=head_mask, other=0.0).to(tl.float32)
             xj = _weighted(xj, rstd, w_ptr, j[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
             xp = _weighted(xp, rstd, w_ptr, partner[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
-            if FULL_COS_SIN:  # lane j's own entry of the R-wide cos and sin
-                cos = tl.load(cs_row + j, mask=in_rot, other=0.0)[None, :]
-                sin = tl.load(cs_row + ROT_DIM + j, mask=in_rot, other=0.0)[None, :]
-            else:
-                cos = tl.load(cs_row + column, mask=in_rot, other=0.0)[None, :]
-                sin = tl.load(cs_row + HALF + column, mask=in_rot, other=0.0)[None, :]
+            entry = j if FULL_COS_SIN else column  # lane j's own entry of R-wide cos/sin, else its pair's
+            cos = tl.load(cos_row + entry, mask=in_rot, other=0.0).to(tl.float32)[None, :]
+            sin = tl.load(sin_row + entry, mask=in_rot, other=0.0).to(tl.float32)[None, :]
             # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
             rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
                            _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
@@ -247,13 +254,13 @@ if has_triton():
             a = _weighted(a, rstd, w_ptr, ia, HAS_NORM, W_FP32, SOFT_ROUNDING)
             b = _weighted(b, rstd, w_ptr, ib, HAS_NORM, W_FP32, SOFT_ROUNDING)
             if FULL_COS_SIN:  # a and b each read their own dim's entry of the R-wide cos and sin
-                cos_a = tl.load(cs_row + ia)
-                sin_a = tl.load(cs_row + ROT_DIM + ia)
-                cos_b = tl.load(cs_row + ib)
-                sin_b = tl.load(cs_row + ROT_DIM + ib)
+                cos_a = tl.load(cos_row + ia).to(tl.float32)
+                sin_a = tl.load(sin_row + ia).to(tl.float32)
+                cos_b = tl.load(cos_row + ib).to(tl.float32)
+                sin_b = tl.load(sin_row + ib).to(tl.float32)
             else:
-                cos_a = tl.load(cs_row + i)[None, :]
-                sin_a = tl.load(cs_row + HALF + i)[None, :]
+                cos_a = tl.load(cos_row + i).to(tl.float32)[None, :]
+                sin_a = tl.load(sin_row + i).to(tl.float32)[None, :]
                 cos_b = cos_a
                 sin_b = sin_a
             # a' = a*cos - b*sin, b' = b*cos + a*sin, each product rounded (never an FMA)
@@ -278,14 +285,15 @@ if has_triton():
         k_cache_ptr,  # [NB, BS, Hkv, D] bf16, or uint8 codes of an fp8 cache
         v_cache_ptr,  # [NB, BS, Hkv, D] as k_cache
         slot_ptr,  # [T'] int64
-        pos_ptr,  # [T] int64
-        cos_sin_ptr,  # [P, R] fp32 ([P, 2R] with FULL_COS_SIN)
+        pos_ptr,  # [T] int64 (unread without HAS_POSITIONS)
+        cos_ptr,  # [P, R/2] fp32 or bf16 ([P, R] with FULL_COS_SIN): the cos table
+        sin_ptr,  # the sin table, like cos
         scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
         Hq,  # query heads
         Hkv,  # kv heads
         n_insert,  # T': rows inserted into the caches
         n_slots,  # NB * BS: slots the caches hold
-        max_pos,  # P: rows of cos_sin_cache
+        max_pos,  # P: rows of the cos and sin tables
         stride_qt,  # elements between tokens of q
         stride_kt,  # elements between tokens of k
         stride_vt,  # elements between tokens of v
@@ -297,7 +305,8 @@ if has_triton():
         stride_vb,  # elements between blocks of v_cache
         stride_vr,  # elements between rows (slots) of a v_cache block
         stride_vh,  # elements between heads of v_cache
-        stride_cs,  # elements between positions of cos_sin_cache
+        stride_cos,  # elements between rows of the cos table
+        stride_sin,  # elements between rows of the sin table
         eps,  # RMSNorm epsilon
         block_size,  # BS: slots per cache block
         HEAD_DIM: tl.constexpr,  # D
@@ -306,7 +315,8 @@ if has_triton():
         IS_NEOX: tl.constexpr,  # rotate-half pairs, else GPT-J interleaved pairs
         HAS_NORM: tl.constexpr,  # weighted RMSNorm on q and k
         W_FP32: tl.constexpr,  # the norm weights are fp32 (applied in fp32, one rounding)
-        FULL_COS_SIN: tl.constexpr,  # cos_sin rows are R cos then R sin, else R/2 and R/2
+        FULL_COS_SIN: tl.constexpr,  # cos and sin rows hold R entries, else R/2
+        HAS_POSITIONS: tl.constexpr,  # token t reads row positions[t], else row t
         CACHE_FP8: tl.constexpr,  # caches hold e4m3fn codes scaled by kv_scale
         BLOCK_H: tl.constexpr,  # heads per program
         Q_COLS: tl.constexpr,  # programs per token on q: cdiv(Hq, BLOCK_H)
@@ -327,15 +337,19 @@ if has_triton():
         d = tl.arange(0, HEAD_DIM)
         hb = tl.arange(0, BLOCK_H)
         # Out-of-range positions are rejected on the host when it can read them; here
-        # they are clamped only so that no read leaves cos_sin_cache.
-        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
-        cs_row = cos_sin_ptr + pos * stride_cs
+        # they are clamped only so that no read leaves the tables.
+        if HAS_POSITIONS:
+            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
+        else:
+            pos = tl.minimum(t, max_pos - 1)
+        cos_row = cos_ptr + pos * stride_cos
+        sin_row = sin_ptr + pos * stride_sin
 
         if col < Q_COLS:
             heads = col * BLOCK_H + hb
             _norm_rope_store_heads(
                 q_ptr + t * stride_qt + heads * HEAD_DIM, q_out_ptr + t * stride_ot + heads * stride_oh, heads < Hq,
-                True, q_w_ptr, cs_row, eps, scale_ptr,
+                True, q_w_ptr, cos_row, sin_row, eps, scale_ptr,
                 HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, False, BLOCK_H, SOFT_ROUNDING,
             )
         else:
@@ -352,7 +366,7 @@ if has_triton():
                 _norm_rope_store_heads(
                     k_ptr + t * stride_kt + heads * HEAD_DIM,
                     k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads * stride_kh, heads < Hkv,
-                    insert, k_w_ptr, cs_row, eps, scale_ptr,
+                    insert, k_w_ptr, cos_row, sin_row, eps, scale_ptr,
                     HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, BLOCK_H,
                     SOFT_ROUNDING,
                 )
@@ -391,9 +405,19 @@ def split_qkv_columns(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
     return qkv.split((num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=1)
 
 
+def cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(cos table, sin table, R)`` of either operand form: views of ``cos_sin_cache``'s
+    two column ranges, or ``cos`` and ``sin`` as given (the kernel and the reference read
+    only this form, so the two forms cannot drift apart)."""
+    if cos_sin_cache is not None:
+        cos, sin = cos_sin_cache.chunk(2, dim=-1)
+    width = cos.shape[1]
+    return cos, sin, width if full_cos_sin else 2 * width
+
+
 def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, full_cos_sin=False, *, launch_config: tuple[int, int] | None = None,
+    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, *, launch_config: tuple[int, int] | None = None,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
@@ -402,6 +426,7 @@ def launch_gqa_kernel(
     num_kv_heads = k_cache.shape[2]
     if num_tokens == 0:
         return
+    cos, sin, rot_dim = cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin)
     block_h, num_warps = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads))
     q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -409,20 +434,19 @@ def launch_gqa_kernel(
     # unread placeholders for absent optional tensors (the constexprs keep them unread)
     q_w = q_norm_weight if has_norm else q
     k_w = k_norm_weight if has_norm else q
-    scale = kv_scale if fp8 else cos_sin_cache
+    scale = kv_scale if fp8 else cos
     block_size = k_cache.shape[1]
-    rot_dim = cos_sin_cache.shape[1] // 2 if full_cos_sin else cos_sin_cache.shape[1]
     grid = (num_tokens * (q_cols + 2 * kv_cols),)
     _gqa_qknorm_rope_kv_insert_kernel[grid](
         q, k, v, q_w, k_w, q_out,
         k_cache.view(torch.uint8) if fp8 else k_cache,
         v_cache.view(torch.uint8) if fp8 else v_cache,
-        slot_mapping, positions, cos_sin_cache, scale,
-        num_q_heads, num_kv_heads, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos_sin_cache.shape[0],
+        slot_mapping, slot_mapping if positions is None else positions, cos, sin, scale,
+        num_q_heads, num_kv_heads, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos.shape[0],
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        cos_sin_cache.stride(0), eps, block_size,
+        cos.stride(0), sin.stride(0), eps, block_size,
         HEAD_DIM=head_dim,
         ROT_DIM=rot_dim,
         ROT_PAD=triton.next_power_of_2(rot_dim),
@@ -430,6 +454,7 @@ def launch_gqa_kernel(
         HAS_NORM=has_norm,
         W_FP32=has_norm and q_norm_weight.dtype == torch.float32,
         FULL_COS_SIN=bool(full_cos_sin),
+        HAS_POSITIONS=positions is not None,
         CACHE_FP8=fp8,
         BLOCK_H=block_h,
         Q_COLS=q_cols,
@@ -490,7 +515,7 @@ def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch
 
 def sources_reference(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, full_cos_sin=False, *, as_baseline: bool = False,
+    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, *, as_baseline: bool = False,
 ) -> None:
     """Both GQA ops in plain PyTorch, unchecked (``define_op`` runs the checks first), from
     q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``: the separate op's reference as it stands, the
@@ -500,13 +525,16 @@ def sources_reference(
     table, so no row is filtered (a boolean mask would sync the host) and no position
     clamped: the capturable form the benchmarks' unfused baseline runs
     (``prepfuse.models.gqa_prep_unfused``)."""
+    cos, sin, _ = cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin)
+    if positions is None:  # token t reads row t
+        positions = torch.arange(q.shape[0], device=q.device)
     if not as_baseline:  # the kernel's reading of positions outside the table (``_indices``)
-        positions = clamped_positions(positions, cos_sin_cache.shape[0])
+        positions = clamped_positions(positions, cos.shape[0])
     head_dim = q_out.shape[2]
     q_vals, k_rows, v_rows = prepared_heads_reference(
         q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
-        q_norm_weight, k_norm_weight, positions, cos_sin_cache, kv_scale, slot_mapping.shape[0], is_neox, eps,
-        full_cos_sin=full_cos_sin,
+        q_norm_weight, k_norm_weight, cos[positions].float(), sin[positions].float(), kv_scale,
+        slot_mapping.shape[0], is_neox, eps, full_cos_sin=full_cos_sin,
     )
     q_out.copy_(q_vals)
     insert_cache_reference(k_cache, k_rows, slot_mapping, as_baseline=as_baseline)
@@ -519,10 +547,11 @@ def on_qkv_columns(impl):
     run one kernel and one reference and cannot drift apart."""
 
     def on_qkv(qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-               cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, **options):
+               cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, cos=None,
+               sin=None, **options):
         q, k, v = split_qkv_columns(qkv, num_q_heads, num_kv_heads)
         impl(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-             cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin, **options)
+             cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin, cos, sin, **options)
 
     on_qkv.__name__ = on_qkv.__qualname__ = f"{impl.__name__}_on_qkv_columns"
     on_qkv.__doc__ = f"``{impl.__name__}`` on qkv's column ranges (``on_qkv_columns``); inputs are not checked here."
@@ -541,8 +570,8 @@ def prepared_heads_reference(
     v: torch.Tensor,
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     kv_scale: torch.Tensor | None,
     n_insert: int,
     is_neox: bool,
@@ -551,12 +580,12 @@ def prepared_heads_reference(
     full_cos_sin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them)
-    from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]``: everything both ops compute
+    from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]`` and each token's fp32 ``cos`` and
+    ``sin`` ``[T, R/2]`` (``[T, R]`` with ``full_cos_sin``): everything both ops compute
     before the writes."""
     if q_norm_weight is not None:
         q = rms_norm_reference(q, q_norm_weight, eps)
         k = rms_norm_reference(k, k_norm_weight, eps)
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     q = rope_reference(q, cos, sin, is_neox, full=full_cos_sin)
     k = rope_reference(k[:n_insert], cos[:n_insert], sin[:n_insert], is_neox, full=full_cos_sin)
     return q, quantize_cache_reference(k, kv_scale), quantize_cache_reference(v[:n_insert], kv_scale)
@@ -567,7 +596,7 @@ def prepared_heads_reference(
 # --------------------------------------------------------------------------------------
 def check_inputs(
     qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False,
+    cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, cos=None, sin=None,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
@@ -590,14 +619,14 @@ def check_inputs(
         f"qkv: head size {head_dim} (width {width} / {n_heads} heads) is not one of {HEAD_DIMS}",
     )
     check_prep_args(q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-                    kv_scale, is_neox, eps, full_cos_sin, num_tokens=num_tokens, num_q_heads=num_q_heads,
+                    kv_scale, is_neox, eps, full_cos_sin, cos, sin, num_tokens=num_tokens, num_q_heads=num_q_heads,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, device=device, source="qkv")
     check_unit_last_stride("qkv", qkv)
 
 
 def check_prep_args(
     q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
-    is_neox, eps, full_cos_sin, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device, source: str,
+    is_neox, eps, full_cos_sin, cos, sin, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device, source: str,
 ) -> None:
     """Everything but the q/k/v source (both GQA ops): dtypes, shapes, devices and strides
     against the token count, heads and head size the source gave (``source`` names it)."""
@@ -631,24 +660,16 @@ def check_prep_args(
         slot_mapping.shape[0] <= num_tokens,
         f"slot_mapping: has {slot_mapping.shape[0]} rows, more than T={num_tokens} tokens",
     )
-    check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
-    check_size("positions", positions, 0, num_tokens, f"T, {source}'s token count")
-    check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
     if not isinstance(full_cos_sin, bool):
         raise ValueError(f"full_cos_sin: must be a bool, got {full_cos_sin!r}")
-    width = cos_sin_cache.shape[1]
-    if full_cos_sin:
-        require(
-            (width > 0) & (width % 4 == 0) & (width <= 2 * head_dim),
-            f"cos_sin_cache: with full_cos_sin its width is twice the rotary dim (R cos, then R sin), so a "
-            f"positive multiple of 4 and at most 2 * the head size {head_dim}, got shape {tuple(cos_sin_cache.shape)}",
-        )
+    tables = check_cos_sin(cos_sin_cache, cos, sin, full_cos_sin, head_dim, device)
+    if positions is None:
+        require(tables[0].shape[0] >= num_tokens,
+                f"positions: is None, so token t reads row t of the cos/sin tables, which have "
+                f"{tables[0].shape[0]} rows for T={num_tokens} tokens")
     else:
-        require(
-            (width > 0) & (width % 2 == 0) & (width <= head_dim),
-            f"cos_sin_cache: its width is the rotary dim and must be even, positive and at most "
-            f"the head size {head_dim}, got shape {tuple(cos_sin_cache.shape)}",
-        )
+        check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
+        check_size("positions", positions, 0, num_tokens, f"T, {source}'s token count")
     if k_cache.dtype == torch.float8_e4m3fn:
         if kv_scale is None:
             raise ValueError("kv_scale: an fp8 cache needs a device fp32 scale tensor of shape [1] or [], got None")
@@ -660,20 +681,72 @@ def check_prep_args(
     elif kv_scale is not None:
         raise ValueError("kv_scale: must be None for a bf16 cache (it only scales fp8 caches)")
     named = (
-        ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache),
-        ("cos_sin_cache", cos_sin_cache), ("slot_mapping", slot_mapping), ("positions", positions),
+        ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping),
+        ("positions", positions), *tables[1],
     )
     for name, t in named:
-        check_unit_last_stride(name, t)
+        if t is not None:
+            check_unit_last_stride(name, t)
     if not isinstance(is_neox, bool):
         raise ValueError(f"is_neox: must be a bool, got {is_neox!r}")
     if not (eps >= 0.0):
         raise ValueError(f"eps: must be >= 0, got {eps!r}")
 
 
-def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache) -> None:
+def check_cos_sin(cos_sin_cache, cos, sin, full_cos_sin, head_dim, device) -> tuple:
+    """The cos/sin operand: ``cos_sin_cache`` alone (fp32, vLLM's layout), or ``cos`` and
+    ``sin`` alone (fp32 or bf16, both alike, one shape). Returns (a table with the rows, the
+    ``(name, tensor)`` pairs given)."""
+    if cos_sin_cache is not None:
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t is not None:
+                raise ValueError(f"{name}: must be None when cos_sin_cache is given (pass one table, or cos and sin)")
+        check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
+        width = cos_sin_cache.shape[1]
+        if full_cos_sin:
+            require(
+                (width > 0) & (width % 4 == 0) & (width <= 2 * head_dim),
+                f"cos_sin_cache: with full_cos_sin its width is twice the rotary dim (R cos, then R sin), so a "
+                f"positive multiple of 4 and at most 2 * the head size {head_dim}, got shape {tuple(cos_sin_cache.shape)}",
+            )
+        else:
+            require(
+                (width > 0) & (width % 2 == 0) & (width <= head_dim),
+                f"cos_sin_cache: its width is the rotary dim and must be even, positive and at most "
+                f"the head size {head_dim}, got shape {tuple(cos_sin_cache.shape)}",
+            )
+        return cos_sin_cache, (("cos_sin_cache", cos_sin_cache),)
+    if cos is None or sin is None:
+        missing = "cos_sin_cache" if cos is None and sin is None else ("cos" if cos is None else "sin")
+        raise ValueError(f"{missing}: is None; pass cos_sin_cache, or both cos and sin")
+    dtype = getattr(cos, "dtype", None)
+    if dtype not in COS_SIN_DTYPES:
+        raise ValueError(f"cos: expected dtype torch.float32 or torch.bfloat16, "
+                         f"got {dtype if dtype is not None else type(cos).__name__}")
+    check_tensor("cos", cos, dtype=dtype, ndim=2, device=device)
+    check_tensor("sin", sin, dtype=dtype, ndim=2, device=device)
+    for dim in range(2):
+        check_size("sin", sin, dim, cos.shape[dim], f"cos's size {dim}")
+    width = cos.shape[1]
+    if full_cos_sin:
+        require(
+            (width > 0) & (width % 2 == 0) & (width <= head_dim),
+            f"cos: with full_cos_sin its width is the rotary dim (one entry per rotated dim), so even, "
+            f"positive and at most the head size {head_dim}, got shape {tuple(cos.shape)}",
+        )
+    else:
+        require(
+            (width > 0) & (2 * width <= head_dim),
+            f"cos: its width is half the rotary dim (one entry per pair), so positive and at most half "
+            f"the head size {head_dim}, got shape {tuple(cos.shape)}",
+        )
+    return cos, (("cos", cos), ("sin", sin))
+
+
+def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, cos) -> None:
     """Slot and position values in range (eager use; skipped while capturing a graph)."""
-    check_slot_and_position_values(slot_mapping, k_cache.shape[0], k_cache.shape[1], positions, cos_sin_cache.shape[0])
+    rows = (cos_sin_cache if cos_sin_cache is not None else cos).shape[0]
+    check_slot_and_position_values(slot_mapping, k_cache.shape[0], k_cache.shape[1], positions, rows)
 
 
 # --------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from prepfuse.testing.common import (
 )
 
 __all__ = ["GqaInputs", "make_gqa_inputs", "CACHE_LAYOUTS", "with_cache_layout", "with_fp32_norm_weights",
-           "with_full_cos_sin", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa",
+           "with_full_cos_sin", "with_cos_sin_operands", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa",
            "bf16_rope_pair_bound"]
 
 
@@ -28,20 +28,22 @@ class GqaInputs:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
+    positions: torch.Tensor | None
+    cos_sin_cache: torch.Tensor | None
     kv_scale: torch.Tensor | None
     num_q_heads: int
     num_kv_heads: int
     is_neox: bool
     eps: float
     full_cos_sin: bool = False  # cos_sin_cache rows are R cos then R sin (``with_full_cos_sin``)
+    cos: torch.Tensor | None = None  # the two-table form instead of cos_sin_cache (``with_cos_sin_operands``)
+    sin: torch.Tensor | None = None
 
     def args(self) -> tuple:
         return (
             self.qkv, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
             self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale,
-            self.num_q_heads, self.num_kv_heads, self.is_neox, self.eps, self.full_cos_sin,
+            self.num_q_heads, self.num_kv_heads, self.is_neox, self.eps, self.full_cos_sin, self.cos, self.sin,
         )
 
     @property
@@ -63,7 +65,7 @@ class GqaInputs:
         return (
             *sources, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
             self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale, self.is_neox, self.eps,
-            self.full_cos_sin,
+            self.full_cos_sin, self.cos, self.sin,
         )
 
     def fresh_outputs(self) -> "GqaInputs":
@@ -209,6 +211,33 @@ def with_full_cos_sin(inputs: GqaInputs, generator: torch.Generator | None = Non
         noise = torch.rand(table.shape, generator=generator, dtype=torch.float32).to(table.device)
         table = table * (0.75 + 0.5 * noise)
     return replace(inputs, cos_sin_cache=table.contiguous(), full_cos_sin=True)
+
+
+def with_cos_sin_operands(inputs: GqaInputs, *, dtype: torch.dtype = torch.float32, per_token: bool = False,
+                          row_padding: int = 0) -> tuple[GqaInputs, GqaInputs]:
+    """``(operands, table)``: the same call with ``cos`` and ``sin`` as two tensors in place
+    of ``cos_sin_cache``, and the table-form call that must write the same bytes.
+
+    ``dtype``: the operands' dtype (bf16: the values rounded once, and the table form holds
+    those rounded values, widened exactly); ``per_token``: each token's row gathered, with
+    ``positions=None`` (as a model computing cos/sin per token hands them over);
+    ``row_padding``: each row followed by that many unread values (a row stride wider than
+    the row: a column slice of a wider table)."""
+    if inputs.cos_sin_cache is None:
+        raise ValueError("inputs: already have cos and sin operands")
+    table = inputs.cos_sin_cache.to(dtype).float()
+    cos, sin = table.chunk(2, dim=-1)
+    positions = inputs.positions
+    if per_token:
+        cos, sin, positions = cos[positions], sin[positions], None
+    operands = []
+    for values in (cos, sin):
+        rows, width = values.shape
+        padded = torch.full((rows, width + row_padding), float("nan"), dtype=dtype, device=values.device)
+        padded[:, :width] = values.to(dtype)
+        operands.append(padded[:, :width])
+    with_operands = replace(inputs, positions=positions, cos_sin_cache=None, cos=operands[0], sin=operands[1])
+    return with_operands, replace(inputs, cos_sin_cache=table.contiguous())
 
 
 def exact_sum_qkv(inputs: GqaInputs, generator: torch.Generator) -> GqaInputs:

@@ -35,7 +35,7 @@ from prepfuse.ops import (
     registered_ops,
 )
 from prepfuse.scratch import ScratchArena, use_arena
-from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
+from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs, with_cos_sin_operands
 from prepfuse.testing.drift import check_schemas, ops_of, read_snapshot, schema_drift, schemas_of
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "schemas.txt"
@@ -151,7 +151,9 @@ def _gqa_opcheck_samples() -> list[tuple]:
         cache_dtype=torch.float8_e4m3fn, num_inserted=5,
     )
     single = make_gqa_inputs(1, 2, 1, 64, 64, "cpu", skip_fraction=0.0)
-    return [qwen3.args(), llama.args(), single.args()]
+    # the two-table operand: per-token bf16 cos and sin, positions None (a model's own values)
+    operands, _ = with_cos_sin_operands(qwen3, dtype=torch.bfloat16, per_token=True)
+    return [qwen3.args(), llama.args(), single.args(), operands.args()]
 
 
 def _gqa_separate_opcheck_samples() -> list[tuple]:
@@ -162,7 +164,9 @@ def _gqa_separate_opcheck_samples() -> list[tuple]:
         cache_dtype=torch.float8_e4m3fn, num_inserted=5,
     )
     single = make_gqa_inputs(1, 2, 1, 64, 64, "cpu", skip_fraction=0.0)
-    return [qwen3.separate_args(), llama.separate_args(token_padding=64), single.separate_args()]
+    operands, _ = with_cos_sin_operands(llama, row_padding=3)  # fp32 views of a table, row stride wider
+    return [qwen3.separate_args(), llama.separate_args(token_padding=64), single.separate_args(),
+            operands.separate_args()]
 
 
 def _dsv4_indexer_opcheck_samples(fmt: str) -> list[tuple]:

@@ -1,21 +1,23 @@
 """Where a rotation's cos/sin come from, and the table the fused op reads instead.
 
-The ops read a ``[P, R]`` fp32 table (per position ``R/2`` cos, then ``R/2`` sin) and a
-position per token. Models make cos/sin in many ways (a table gathered by positions, vLLM's
-layout; Hugging Face's rotary module computing ``cos(cat(freqs, freqs))`` from ``inv_freq``
-in the forward, scaled, cast to bf16; tables passed in). What varies is left to Inductor:
-the pass takes the values the graph computes, per token, as the operand
-(``CosSin.per_token``): the emitted call reads ``table = cat(cos[:, :R/2], sin[:, :R/2])``
-as fp32 with ``positions = arange(T)``, so the op rotates by exactly the values the model
-multiplies with (bf16-rounded ones where the model rounds them).
+The GQA ops read a ``[P, R]`` fp32 table (per position ``R/2`` cos, then ``R/2`` sin) and
+a position per token, or ``cos`` and ``sin`` as two tensors (fp32 or bf16, any row stride)
+with positions or with ``positions=None`` (token t reads row t). Models make cos/sin in many
+ways (a table gathered by positions, vLLM's layout; Hugging Face's rotary module computing
+``cos(cat(freqs, freqs))`` from ``inv_freq`` in the forward, scaled, cast to bf16; tables
+passed in). What varies is left to Inductor: the pass takes the values the graph computes,
+per token, as the operand (``CosSin.per_token``): the emitted call reads them as its ``cos``
+and ``sin`` ``[T, R/2]``, where Inductor put them, with ``positions=None``, so the op
+rotates by exactly the values the model multiplies with (bf16-rounded ones where the model
+rounds them) and nothing is built in front of the call (``emitter.cos_sin_args``).
 
 Full-width cos/sin (Hugging Face's ``[.., R]``, the same ``R/2`` values twice) are taken by
 their first half where the graph proves the halves equal: the values are, up to
 elementwise steps (casts, a scalar factor such as ``attention_scaling``, ``cos``, ``sin``),
 ``cat((f, f), -1)`` or its decomposed form (``duplicated_halves``); the op then reads the
 half table (``4R`` bytes per token). Where the graph cannot prove it (cos/sin passed in from
-outside the compiled code), the op reads all ``R`` entries of each (``full_cos_sin``:
-``cat(cos, sin)`` ``[T, 2R]``): the formula as written, whatever the values.
+outside the compiled code), the op reads all ``R`` entries of each (``full_cos_sin``,
+``[T, R]`` each): the formula as written, whatever the values.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.layouts import VIEW_OPS, Layout
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import COS_SIN_DTYPES
 from prepfuse.fx_passes.matching.recognizers import (
     CONVERTS, NoMatch, aten, cos_sin_rows, describe, expect, is_op, repeated_halves, same_size, scalar, shape, val,
 )
@@ -125,7 +128,7 @@ def cos_sin_operand(cos: torch.fx.Node, sin: torch.fx.Node, x_layout: Layout, x_
     """
     if table_rank is not None and not full:
         try:
-            table, positions = cos_sin_rows(cos, sin, num_tokens, rank=table_rank)
+            table, positions = cos_sin_rows(cos, sin, num_tokens, rank=table_rank, dtypes=COS_SIN_DTYPES)
             return CosSin(table=table, positions=positions)
         except NoMatch as err:
             gathered_reason = str(err)

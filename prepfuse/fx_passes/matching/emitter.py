@@ -23,6 +23,7 @@ from prepfuse.fx_passes.matching.recognizers import NoMatch, aten, prims, same_s
 from prepfuse.fx_passes.matching.scratch_buffers import scratch_buffer
 from prepfuse.fx_passes.matching.validation import Checked, validate_rewrite
 from prepfuse.ops import SCRATCH
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import COS_SIN_DTYPES
 
 __all__ = ["Emitter", "as_layout", "cos_sin_args"]
 
@@ -147,26 +148,32 @@ def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.
 
 
 def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_dim: int) -> dict[str, torch.fx.Node]:
-    """The op's ``positions``, ``cos_sin_cache`` and ``full_cos_sin`` for ``cos_sin``: the
-    gathered table as it is, or, for values the graph computes per token,
-    ``cat(cos[:, :R/2], sin[:, :R/2])`` as fp32 ``[T, R]`` (what Inductor computes, the op
-    reads) with ``positions = arange(T)``; full-width values whose halves the graph does not
-    prove equal as ``cat(cos, sin)`` ``[T, 2R]`` with ``full_cos_sin=True``."""
+    """The op's ``positions`` and cos/sin operand for ``cos_sin``: the gathered table as it
+    is (``cos_sin_cache``; a bf16 one as its two column views ``cos`` and ``sin``), or, for values the graph computes per token, ``cos`` and
+    ``sin`` themselves as ``[T, R/2]`` views with ``positions=None`` (token t reads row t):
+    the op reads the values Inductor computes, where they lie, in their dtype (fp32 or
+    bf16; any other is widened to fp32), with no table built in front of the call.
+    Full-width values are read by their first half where the graph proves the halves
+    equal, all ``R`` entries otherwise (``full_cos_sin=True``)."""
     if not cos_sin.per_token:
-        return {"positions": cos_sin.positions, "cos_sin_cache": cos_sin.table}
+        if val(cos_sin.table).dtype == torch.float32:
+            return {"positions": cos_sin.positions, "cos_sin_cache": cos_sin.table}
+        # a bf16 table (vLLM's default: the model's dtype): its two column ranges, as they lie
+        half = val(cos_sin.table).shape[1] // 2
+        return {"positions": cos_sin.positions, "cos_sin_cache": None,
+                "cos": emit.node(aten.slice.Tensor, cos_sin.table, 1, 0, half),
+                "sin": emit.node(aten.slice.Tensor, cos_sin.table, 1, half, 2 * half)}
     tokens, half = emit.size(source, 0), rotary_dim // 2
     width = rotary_dim if cos_sin.full else half
-    parts = []
-    for values in (cos_sin.cos, cos_sin.sin):
+    operands = {}
+    for name, values in (("cos", cos_sin.cos), ("sin", cos_sin.sin)):
         rows = emit.node(aten.reshape.default, values, [tokens, width])
         if cos_sin.full and cos_sin.equal_halves:  # the same R/2 values twice: the first
             rows = emit.node(aten.slice.Tensor, rows, 1, 0, half)
-        parts.append(rows)
-    table = emit.node(aten.cat.default, parts, -1)
-    if val(table).dtype != torch.float32:
-        table = emit.node(prims.convert_element_type.default, table, torch.float32)
-    # prims.iota, not aten.arange: post-grad graphs hold decomposed ops only
-    positions = emit.node(prims.iota.default, tokens, start=0, step=1, dtype=torch.int64, device=val(source).device,
-                          requires_grad=False)
+        if val(rows).dtype not in COS_SIN_DTYPES:
+            rows = emit.node(prims.convert_element_type.default, rows, torch.float32)
+        if val(rows).stride(-1) != 1:  # the kernel reads dense rows
+            rows = emit.node(aten.clone.default, rows, memory_format=torch.contiguous_format)
+        operands[name] = rows
     extra = {"full_cos_sin": True} if cos_sin.full_operand else {}
-    return {"positions": positions, "cos_sin_cache": table, **extra}
+    return {"positions": None, "cos_sin_cache": None, **operands, **extra}

@@ -391,11 +391,13 @@ def rope_gptj(out) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
     return x, cos, sin
 
 
-def cos_sin_rows(cos, sin, rows, rank: int) -> tuple[torch.fx.Node, torch.fx.Node]:
+def cos_sin_rows(cos, sin, rows, rank: int, dtypes=(torch.float32,)) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(cos_sin_cache, positions) for ``cos, sin = cache[positions][:, :n], [:, n:]``.
 
     ``cos`` and ``sin`` must broadcast per token: shape ``[rows, n]`` (kv) or
     ``[rows, 1, n]`` (q, every head); the gather may come before or after the column slice.
+    The table is one of ``dtypes`` (the op's: fp32 for the DeepSeek-V4 ops, fp32 or bf16
+    for the GQA ones, which read a bf16 table as two column views).
     """
     half = shape(cos)[-1]
     want = (rows, half) if rank == 2 else (rows, 1, half)
@@ -421,9 +423,9 @@ def cos_sin_rows(cos, sin, rows, rank: int) -> tuple[torch.fx.Node, torch.fx.Nod
     table2, positions2 = gather(sin, half, "sin")
     expect(table is table2 and positions is positions2, "rope: cos and sin come from different gathers")
     tv, pv = val(table), val(positions)
-    expect(tv.dtype == torch.float32 and tv.dim() == 2 and tv.shape[1] == 2 * half and tv.stride(1) == 1,
+    expect(tv.dtype in dtypes and tv.dim() == 2 and tv.shape[1] == 2 * half and tv.stride(1) == 1,
            f"rope: cos_sin_cache is {tv.dtype} {tuple(tv.shape)} strides {tuple(tv.stride())}, "
-           f"the op reads float32 [P, {2 * half}] with dense rows")
+           f"the op reads {' or '.join(str(d).removeprefix('torch.') for d in dtypes)} [P, {2 * half}] with dense rows")
     expect(pv.dtype == torch.int64 and pv.dim() == 1, f"rope: positions are {pv.dtype} {tuple(pv.shape)}, not int64 [T]")
     return table, positions
 

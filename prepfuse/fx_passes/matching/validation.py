@@ -201,6 +201,8 @@ def _limits(args: dict) -> dict[str, int]:
         block = args.get("block_size")
         limits["slots"] = sizes[0] * (concrete(block) if block is not None else sizes[1])
     table = args.get("cos_sin_cache")
+    if not isinstance(table, torch.fx.Node):
+        table = args.get("cos")  # the two-table form: its rows
     if isinstance(table, torch.fx.Node):
         limits["positions"] = concrete(table.meta["val"].shape[0])
     return limits
