@@ -9,8 +9,8 @@ two backends within 2^-6 of each other per row: both multiply the model's bf16 v
 fp32 and round once; Inductor's CUDA rsqrt is approximate), and the CUDA-graph replay median of one layer's forward (20
 back-to-back calls a graph; warm L2: the layer's weights, 50 MB in bf16, are what it reads
 at small T), and the kernels one call of each runs (torch.profiler: names and durations, in
-the JSON; their count in the table; the op's host-side index checks off, as in a graph). Writes ``clients_<device>.json`` under ``--out-dir`` and
-the table to ``--docs``.
+the JSON; their count in the table; the op's host-side index checks off, as in a graph).
+Writes ``clients_<device>.json`` under ``--out-dir`` and the table to ``--docs``.
 
     PYTHONPATH=. python bench/bench_clients.py --out-dir $OUT --docs $OUT/benchmarks_clients.md
 """

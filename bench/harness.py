@@ -242,8 +242,8 @@ def measure_tiny_graph() -> dict:
     return stats
 
 
-def count_launches(fn) -> list[str]:
-    """GPU activity names recorded by torch.profiler over one call of ``fn``."""
+def _gpu_events(fn) -> list:
+    """torch.profiler's GPU activity records over one call of ``fn``, in the profiler's order."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -251,21 +251,18 @@ def count_launches(fn) -> list[str]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def count_launches(fn) -> list[str]:
+    """GPU activity names recorded by torch.profiler over one call of ``fn``."""
+    return [e.name for e in _gpu_events(fn)]
 
 
 def kernel_durations(fn) -> list[tuple[str, float]]:
     """``(name, us)`` of each GPU kernel, memset and memcpy that one call of ``fn`` ran, in
-    launch order (torch.profiler; synchronisation records dropped): what makes up a time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and not _SYNC_RECORD.match(e.name)),
-                    key=lambda e: e.time_range.start)
+    launch order (synchronisation records dropped): what makes up a time."""
+    events = sorted((e for e in _gpu_events(fn) if not _SYNC_RECORD.match(e.name)), key=lambda e: e.time_range.start)
     return [(e.name, e.time_range.elapsed_us()) for e in events]
 
 

@@ -28,10 +28,10 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.layouts import VIEW_OPS, Layout
-from prepfuse.ops.gqa_qknorm_rope_kv_insert import COS_SIN_DTYPES
 from prepfuse.fx_passes.matching.recognizers import (
     CONVERTS, NoMatch, aten, cos_sin_rows, describe, expect, is_op, repeated_halves, same_size, scalar, shape, val,
 )
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import COS_SIN_DTYPES
 
 __all__ = ["CosSin", "cos_sin_operand", "duplicated_halves"]
 

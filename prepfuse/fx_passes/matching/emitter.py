@@ -149,8 +149,9 @@ def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.
 
 def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_dim: int) -> dict[str, torch.fx.Node]:
     """The op's ``positions`` and cos/sin operand for ``cos_sin``: the gathered table as it
-    is (``cos_sin_cache``; a bf16 one as its two column views ``cos`` and ``sin``), or, for values the graph computes per token, ``cos`` and
-    ``sin`` themselves as ``[T, R/2]`` views with ``positions=None`` (token t reads row t):
+    is (``cos_sin_cache``; a bf16 one as its two column views ``cos`` and ``sin``), or, for
+    values the graph computes per token, ``cos`` and ``sin`` themselves as ``[T, R/2]``
+    views with ``positions=None`` (token t reads row t):
     the op reads the values Inductor computes, where they lie, in their dtype (fp32 or
     bf16; any other is widened to fp32), with no table built in front of the call.
     Full-width values are read by their first half where the graph proves the halves
