@@ -7,8 +7,8 @@ transformers' ``AttentionInterface`` (``ENGINE_ATTENTION``): the module projects
 ropes q and k in its own layout (``[B, S, H, D]``, transposed to ``[B, H, S, D]``), and the
 function writes the step's k and v into a paged cache ``[num_blocks, block_size, Hkv, D]``
 by index assignment (``cache[slots // bs, slots % bs] = k.transpose(1, 2).reshape(B*S, Hkv, D)``),
-or (``cache="static"``) into one sequence's ``[1, Hkv, max_len, D]`` as transformers' StaticCache
-does (``index_copy_(2, cache_position, k)``), then attends (SDPA over the step's tokens; where an engine reads the cache back is its own
+or (``cache="static"``) into the static cache ``[B, Hkv, max_len, D]`` of a batch of sequences as
+transformers' StaticCache does (``index_copy_(2, cache_position, k)``), then attends (SDPA over the step's tokens; where an engine reads the cache back is its own
 kernel's business). cos/sin come from the model's own rotary module, as the model computes
 them (``rotary="module"``: from ``inv_freq`` in the forward, cast to the activation dtype), or
 from outside the compiled code (``rotary="inputs"``: full-width tables passed in).
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ClientCase", "CLIENT_CASES", "ENGINE_ATTENTION", "build_client", "cache_rows", "register_engine_attention"]
+__all__ = ["ClientCase", "CLIENT_CASES", "ENGINE_ATTENTION", "build_client", "cache_rows", "register_engine_attention",
+           "sequence_rows"]
 
 ENGINE_ATTENTION = "prepfuse_paged"  # the name the engine's attention function is registered under
 
@@ -37,7 +38,7 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
     k_cache, v_cache, slots, block_size = kwargs["k_cache"], kwargs["v_cache"], kwargs["slot_mapping"], kwargs["block_size"]
     batch, kv_heads, seq, head_dim = key.shape
     if k_cache.dim() == 4 and k_cache.shape[1] == kv_heads and block_size is None:
-        # one sequence's static cache [1, Hkv, max_len, D], written as transformers' StaticCache
+        # a static cache [B, Hkv, max_len, D], written as transformers' StaticCache
         # writes its layers (``StaticLayer.update``): index_copy_ at the cache positions
         k_cache.index_copy_(2, slots, key)
         v_cache.index_copy_(2, slots, value)
@@ -71,7 +72,8 @@ class ClientCase:
     pattern: str = ""  # the report's pattern name of each fused call
     config: tuple = ()  # extra config items
     config_prefix: str = ""  # <config_prefix>Config when it is not <prefix>Config (Gemma-3's Gemma3TextConfig)
-    cache: str = "paged"  # "paged": [NB, bs, Hkv, D] by slot; "static": [1, Hkv, max_len, D] by position
+    cache: str = "paged"  # "paged": [NB, bs, Hkv, D] by slot; "static": [B, Hkv, max_len, D] by position
+    batch: int = 1  # sequences per step (static caches only: B of them, all at the step's positions)
 
     @property
     def source(self) -> str:
@@ -85,6 +87,10 @@ CLIENT_CASES: tuple[ClientCase, ...] = (
     ClientCase("hf-mistral", "mistral", "Mistral", pattern="gqa_rope_kv+separate+bf16_rope"),
     # one sequence's static cache, written as transformers' StaticCache writes it (index_copy_)
     ClientCase("hf-qwen3-static-cache", "qwen3", "Qwen3", cache="static", pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
+    # a batch of sequences' static cache [B, Hkv, max_len, D], every sequence at the step's
+    # positions (a padded batch): the pass computes each token's slot b * max_len + pos
+    ClientCase("hf-llama-static-cache-batch3", "llama", "Llama", cache="static", batch=3,
+               pattern="gqa_rope_kv+separate+bf16_rope"),
     # cos/sin made outside the compiled code: full-width values the graph cannot prove are
     # two equal halves, read whole by the op (``full_cos_sin``: cos and sin [T, R] each)
     ClientCase("hf-qwen3-cos-sin-inputs", "qwen3", "Qwen3", rotary="inputs",
@@ -155,12 +161,12 @@ def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, he
             for norm in ("q_norm", "k_norm"):
                 if hasattr(layer, norm):
                     getattr(layer, norm).weight.data.uniform_(0.5, 1.5)  # Gemma applies 1 + w: 1.5 to 2.5
-        x = torch.randn(1, num_tokens, hidden).to(torch.bfloat16)
+        x = torch.randn(case.batch, num_tokens, hidden).to(torch.bfloat16)
         num_blocks = num_blocks or -(-(num_tokens + 16) // block_size)
         slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     model = model.to(device)
-    positions = torch.arange(num_tokens, device=device)[None]
-    cache_shape = ((1, kv_heads, num_blocks * block_size, head_dim) if case.cache == "static"
+    positions = torch.arange(num_tokens, device=device)[None].expand(case.batch, num_tokens)
+    cache_shape = ((case.batch, kv_heads, num_blocks * block_size, head_dim) if case.cache == "static"
                    else (num_blocks, block_size, kv_heads, head_dim))  # static: the slots are positions
     caches = [tuple(torch.full(cache_shape, -7.0, dtype=torch.bfloat16, device=device) for _ in range(2))
               for _ in range(num_layers)]
@@ -173,9 +179,16 @@ def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, he
 
 def cache_rows(caches, slots: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     """fp32 rows ``[T, Hkv, D]`` every layer's k and v cache holds at ``slots``: a paged cache's
-    ``cache[s // bs, s % bs]``, a static one's ``cache[0, :, s]`` (its slots are positions)."""
+    ``cache[s // bs, s % bs]``, a static one's ``cache[b, :, s]`` (its slots are positions; ``[B*T,
+    Hkv, D]``, sequence by sequence)."""
     def rows(c):
-        if c.dim() == 4 and c.shape[0] == 1 and c.shape[2] > block_size:
-            return c[0, :, slots].transpose(0, 1)
+        if c.dim() == 4 and c.shape[2] > block_size:
+            return sequence_rows(c, slots)
         return c[slots // block_size, slots % block_size]
     return [rows(c).float() for pair in caches for c in pair]
+
+
+def sequence_rows(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The rows ``[B*T, Hkv, D]`` a static cache ``[B, Hkv, S, D]`` holds at ``positions`` (every
+    sequence's, sequence by sequence: the token order of ``[B, T, ...]`` activations)."""
+    return cache[:, :, positions].transpose(1, 2).reshape(-1, *cache.shape[1:2], cache.shape[3])

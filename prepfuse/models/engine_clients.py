@@ -20,8 +20,8 @@ spellings, by engine:
   (no clamp).
 - **gpt-fast**: ``[B, S, H, D]`` activations, ``freqs_cis`` a ``[S, D/2, 2]`` bf16 table of
   (cos, sin) pairs indexed by ``input_pos``, the GPT-J rotation on ``x.float().reshape(...,
-  -1, 2)`` then ``type_as(x)``; ``transpose(1, 2)``; ``k_out[:, :, input_pos] = k`` into one
-  sequence's ``[1, Hkv, S_max, D]``.
+  -1, 2)`` then ``type_as(x)``; ``transpose(1, 2)``; ``k_out[:, :, input_pos] = k`` into the
+  ``[B, Hkv, S_max, D]`` cache of B sequences (all at ``input_pos``; ``freqs_cis`` shared by them).
 - **FlashInfer** (``append_paged_kv_cache``): vLLM's preparation, the rows written through a
   page table, ``cache[page_table[pos // bs], pos % bs] = k``.
 - **nano-vllm**: ``RMSNorm`` in place (``x.float()``, ``x.mul_(rsqrt(var + eps))``,
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prepfuse._compat import e4m3_cast_saturates
+from prepfuse.models.clients import sequence_rows
 
 __all__ = ["EngineCase", "ENGINE_CASES", "build_engine_client", "engine_cache_rows"]
 
@@ -65,6 +66,7 @@ class EngineCase:
     expected_reason: str = ""  # a fragment of the near miss, where nothing fuses yet
     pattern: str = ""  # the report's pattern name of each fused call
     slot_view: bool = False  # write the paged cache through its flat slot view, cache.view(-1, Hkv, D)[slots]
+    batch: int = 1  # gpt-fast: sequences per step, all at the step's positions ([B, Hkv, S, D] caches)
 
     def __post_init__(self) -> None:
         if self.engine not in _ENGINES:
@@ -104,6 +106,9 @@ ENGINE_CASES: tuple[EngineCase, ...] = (
     EngineCase("sglang-qwen3-token-pool", "sglang", pattern=_QK_BF16),
     EngineCase("sglang-llama-fp8-token-pool", "sglang", qk_norm=False, cache_dtype=torch.float8_e4m3fn, pattern=_BF16),
     EngineCase("gpt-fast-llama", "gpt-fast", qk_norm=False, is_neox=False, pattern="gqa_rope_kv"),
+    # a batch of two sequences at the same positions: freqs_cis shared by both (size 1 on the
+    # batch dim), each token's slot b * S + pos
+    EngineCase("gpt-fast-llama-batch2", "gpt-fast", qk_norm=False, is_neox=False, pattern="gqa_rope_kv", batch=2),
     EngineCase("nano-vllm-qwen3", "nano-vllm", table_dtype=torch.float32, pattern="gqa_qknorm_rope_kv"),
     EngineCase("nano-vllm-qwen3-slot-view", "nano-vllm", table_dtype=torch.float32, pattern="gqa_qknorm_rope_kv",
                slot_view=True),
@@ -288,8 +293,8 @@ def build_engine_client(case: EngineCase, *, num_tokens: int = 7, hidden: int = 
     (bf16, positions ``0..T-1``, slots all valid and distinct), the caches in ``args[3]``.
 
     Caches per engine: vLLM paged ``[NB, bs, Hkv, D]`` by slot; SGLang a token pool
-    ``[NB * bs, Hkv, D]`` by slot; gpt-fast one sequence's ``[1, Hkv, NB * bs, D]`` by
-    position (its slots are the positions); FlashInfer paged by a page table (its slots are
+    ``[NB * bs, Hkv, D]`` by slot; gpt-fast ``case.batch`` sequences' ``[B, Hkv, NB * bs, D]`` by
+    position (its slots are the positions, its x ``[B, T, hidden]``); FlashInfer paged by a page table (its slots are
     the table, a permutation of the blocks)."""
     with torch.random.fork_rng(devices=[]):  # fresh random weights and inputs; the global RNG is left alone
         if seed is None:
@@ -301,14 +306,14 @@ def build_engine_client(case: EngineCase, *, num_tokens: int = 7, hidden: int = 
         for layer in model.layers:
             layer.build_tables()
         num_blocks = num_blocks or -(-(num_tokens + 16) // block_size)
-        x = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+        x = torch.randn(case.batch * num_tokens, hidden).to(torch.bfloat16)
         slots = torch.randperm(num_blocks * block_size)[:num_tokens]
         if case.engine == "flashinfer":
             slots = torch.randperm(num_blocks)
     positions = torch.arange(num_tokens)
     if case.engine == "gpt-fast":
-        x, slots = x[None], positions
-        cache_shape = (1, kv_heads, num_blocks * block_size, head_dim)
+        x, slots = x.view(case.batch, num_tokens, hidden), positions
+        cache_shape = (case.batch, kv_heads, num_blocks * block_size, head_dim)
     elif case.engine == "sglang":
         cache_shape = (num_blocks * block_size, kv_heads, head_dim)
     else:
@@ -328,7 +333,7 @@ def engine_cache_rows(case: EngineCase, caches, slots: torch.Tensor, block_size:
             positions = torch.arange(slots.shape[0] * block_size, device=slots.device)
             return c[slots[positions // block_size], positions % block_size]
         if case.engine == "gpt-fast":
-            return c[0, :, slots].transpose(0, 1)
+            return sequence_rows(c, slots)
         if case.engine == "sglang":
             return c[slots]
         return c[slots // block_size, slots % block_size]

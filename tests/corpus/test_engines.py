@@ -123,7 +123,7 @@ def test_vllm_golden_graph():
     GOLDEN.check(backend.reports[0].graph, "vllm_qwen3")
 
 
-@pytest.mark.parametrize("name", ["vllm-qwen3", "gpt-fast-llama"])
+@pytest.mark.parametrize("name", ["vllm-qwen3", "gpt-fast-llama", "gpt-fast-llama-batch2"])
 def test_every_batch_size_without_a_recompile(name):
     """``mark_dynamic`` on the token count, warmed up at T=1 and T=7, then every T in 1..300
     (the CUDA-graph batch sizes 64, 128, 256 among them) under ``fail_on_recompile``: no
@@ -167,11 +167,30 @@ def test_page_table_slots_are_probed(monkeypatch):
         return emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, write.slots.row, bs), write.slots.block)
 
     monkeypatch.setattr(gqa, "_slot_mapping", swapped)
-    case = CASES["flashinfer-qwen3-page-table"]
+    assert_declined_by_validation(CASES["flashinfer-qwen3-page-table"], seed=5)
+
+
+def assert_declined_by_validation(case, seed: int) -> None:
+    """Every candidate of ``case`` declined by the probes, and the code run as Inductor compiles it."""
     backend = PrepfuseBackend()
-    _, rows = run(case, backend, seed=5)
+    _, rows = run(case, backend, seed=seed)
     declined = [r.why for r in backend.reports[0].near_misses(PASS)]
     assert backend.reports[0].matched_counts.get(PASS, 0) == 0
     assert declined and all(why.startswith("validation:") for why in declined), declined
-    _, ref_rows = run(case, None, seed=5)
+    _, ref_rows = run(case, None, seed=seed)
     assert max_row_rel_diff(rows, ref_rows) <= 2**-6
+
+
+def test_sequence_slots_are_probed(monkeypatch):
+    """The batched static cache's slot per token is computed by the pass (``b * S + pos``);
+    the probes draw distinct positions and fill every sequence's rows, so a formula that
+    forgets the sequence (every token into sequence 0's rows) is declined by validation."""
+    from prepfuse.fx_passes.fusion import gqa
+
+    original = gqa._slot_mapping
+
+    def forgetful(emit, write):  # the positions alone: sequence 0's slots
+        return write.slots if write.layout == "sequence" else original(emit, write)
+
+    monkeypatch.setattr(gqa, "_slot_mapping", forgetful)
+    assert_declined_by_validation(CASES["gpt-fast-llama-batch2"], seed=6)

@@ -53,7 +53,9 @@ from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
 from prepfuse.fx_passes.matching.layouts import apply_views, heads_major_as_token_major, strip_views, token_major_heads
 from prepfuse.fx_passes.matching.repeated_steps import merge_repeated_steps
-from prepfuse.fx_passes.matching.recognizers import BlockRows, aten, expect, is_op, same_size, scatter_back, shape, val, view_chain
+from prepfuse.fx_passes.matching.recognizers import (
+    BlockRows, aten, expect, is_op, prims, same_size, scatter_back, shape, val, view_chain,
+)
 from prepfuse.fx_passes.matching.validation import Checked
 from prepfuse.fx_passes.mutation_info import output_indices
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
@@ -228,7 +230,7 @@ class FuseGqaPrepPass(PrepfusePass):
             if q.cos_sin.per_token and q.cos_sin.full and q.cos_sin.equal_halves else {}
         def op_view(name):  # the [NB, bs, Hkv, D] tensor the op writes for a cache argument
             v = val(args[name])
-            if k_write.layout in ("heads_first", "sequence"):  # sequence: [1, Hkv, S, D], one block of S
+            if k_write.layout in ("heads_first", "sequence"):  # sequence: [B, Hkv, S, D], B blocks of S
                 return v.permute(0, 2, 1, 3)
             return v.unsqueeze(1) if k_write.layout == "flat" else v  # a token pool: block size 1
 
@@ -251,10 +253,12 @@ class FuseGqaPrepPass(PrepfusePass):
         if self.validate == "probe":
             checked = [Checked("q_out", q.prepared, new_q)] + [Checked(n, old, new) for n, (old, new) in zip(names, written)]
             cache = op_view("k_cache")
+            capacity = cache.shape[0] * cache.shape[1]
             if isinstance(k_write.slots, BlockRows):  # probed as one slot each: distinct (block, row) pairs
                 extra_roles.update({k_write.slots.block: "slot_block", k_write.slots.row: "slot_row"})
-            note = emit.validate(args, checked, extra_roles, slot_capacity=cache.shape[0] * cache.shape[1],
-                                 block_size=cache.shape[1])
+            elif k_write.slots is not args["slot_mapping"]:  # B sequences: distinct positions of one
+                extra_roles[k_write.slots], capacity = "slots", cache.shape[1]
+            note = emit.validate(args, checked, extra_roles, slot_capacity=capacity, block_size=cache.shape[1])
         q.prepared.replace_all_uses_with(new_q)
         for old, new in written:
             old.replace_all_uses_with(new)
@@ -273,6 +277,15 @@ def _same_slots(a, b) -> bool:
 def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
     """The op's slot per row: the write's slots, or ``block * bs + row`` for a page table's
     indices (``BlockRows``), computed in front of the call."""
+    if write.layout == "sequence" and val(write.cache).shape[0] != 1:
+        # B sequences at the same positions: token (b, t) (row b * T + t) at slot b * S + pos[t]
+        batch, length = val(write.cache).shape[0], val(write.cache).shape[2]
+        sequence = emit.node(prims.iota.default, batch, start=0, step=1, dtype=torch.int64,
+                             device=val(write.slots).device, requires_grad=False)
+        starts = emit.node(aten.mul.Tensor, sequence, length)
+        slots = emit.node(aten.add.Tensor, emit.node(aten.unsqueeze.default, starts, 1),
+                          emit.node(aten.unsqueeze.default, write.slots, 0))
+        return emit.node(aten.reshape.default, slots, [-1])
     if not isinstance(write.slots, BlockRows):
         return write.slots
     block_size = val(write.cache).shape[1]

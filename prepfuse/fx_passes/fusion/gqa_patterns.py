@@ -75,11 +75,12 @@ class CacheWrite:
     # rows and slots have sizes the graph cannot tell equal (two dynamic dims: an engine's
     # T and T'); index_put needs them equal, and the call asserts so at run time
     rows_per_slot_at_run_time: bool = False
-    # the cache's layout: "paged" [NB, bs, Hkv, D]; "heads_first" [NB, Hkv, bs, D]; "sequence"
-    # [1, Hkv, S, D] of one sequence written by position (``cache[:, :, pos] = k``, rows [Hkv, T, D]);
-    # (``cache[s // bs, :, s % bs] = rows``); "flat" [N, Hkv, D], a token pool
-    # (``cache[loc] = rows``, SGLang's ``k_buffer``). The op writes the last two through a
-    # [NB, bs, Hkv, D] view of them (a permutation; block size 1), its strides saying the layout
+    # the cache's layout: "paged" [NB, bs, Hkv, D]; "heads_first" [NB, Hkv, bs, D]
+    # (``cache[s // bs, :, s % bs] = rows``); "sequence" [B, Hkv, S, D] of B sequences written
+    # at the same positions (``cache[:, :, pos] = k``, rows [B, Hkv, T, D]; slots: the positions);
+    # "flat" [N, Hkv, D], a token pool (``cache[loc] = rows``, SGLang's ``k_buffer``). The op
+    # writes the last three through a [NB, bs, Hkv, D] view of them (a permutation, B blocks
+    # of S slots; block size 1), its strides saying the layout
     layout: str = "paged"
 
 
@@ -254,8 +255,9 @@ def is_cache_write(node) -> bool:
         return False
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
     rows, cache = shape(put_rows(node)), shape(node.args[0])
-    one_sequence = len(rows) == 4 and rows[0] == 1 and len(cache) == 4 and cache[0] == 1  # [1, Hkv, T, D] rows
-    return not accumulate and len(cache) in (3, 4) and (len(rows) == 3 or one_sequence)
+    # [B, Hkv, T, D] rows of B sequences into their [B, Hkv, S, D] cache
+    sequences = len(rows) == 4 and len(cache) == 4 and same_size(rows[0], cache[0])
+    return not accumulate and len(cache) in (3, 4) and (len(rows) == 3 or sequences)
 
 
 def unsupported_cache_write(node) -> str | None:
@@ -277,11 +279,10 @@ def unsupported_cache_write(node) -> str | None:
         return (f"write: a slice of a {list(sizes)} cache overwritten (slice_scatter: `cache[:, :, start:end] = k`); "
                 "the pass matches paged-cache index assignment, not this yet")
     rows = put_rows(node)
-    if len(shape(rows)) == 4:
+    if len(shape(rows)) == 4:  # not one row per sequence (is_cache_write): broadcast across the batch
         return (f"write: rows {list(shape(rows))} written at {[describe(i) for i in node.args[1]]} of a "
-                f"{list(sizes)} cache of {sizes[0]} sequences (gpt-fast's `k_out[:, :, input_pos] = k`, Hugging Face "
-                "StaticCache's `index_copy_`); the pass matches one sequence's cache (batch 1) and paged caches, "
-                "not a batch of sequences yet")
+                f"{list(sizes)} cache of {sizes[0]} sequences: the same rows for every sequence (broadcast), "
+                "not one set of rows per sequence")
     return None
 
 
@@ -366,17 +367,26 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
     expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")
     if cv.dim() == 4 and len(indices) == 3 and indices[0] is None and indices[1] is None and \
-            isinstance(indices[2], torch.fx.Node) and cv.shape[0] == 1 and len(shape(values)) in (3, 4):
-        # cache[:, :, pos] = k of one sequence (gpt-fast; StaticCache's index_copy_ decomposes
-        # to it): [1, Hkv, S, D] is a heads-first paged cache of one block of S slots, the
-        # rows [Hkv, T, D] heads-major
+            isinstance(indices[2], torch.fx.Node) and len(shape(values)) in (3, 4):
+        # cache[:, :, pos] = k of B sequences at the same positions (gpt-fast; StaticCache's
+        # index_copy_ decomposes to it): [B, Hkv, S, D] is a heads-first paged cache of B
+        # blocks of S slots, token (b, t) at slot b * S + pos[t]; the rows [B, Hkv, T, D]
+        # (one sequence: [Hkv, T, D] or [1, Hkv, T, D]) hold the heads before the tokens
         layout = "sequence"
         slots = indices[2]
         sv = val(slots)
         expect(sv.dtype == torch.int64 and sv.dim() == 1, f"write: positions are {sv.dtype} {tuple(sv.shape)}, not int64 [n]")
-        heads, tokens, dim = shape(values)[-3:]  # [Hkv, T, D], or [1, Hkv, T, D] as index_copy_ leaves them
+        heads, tokens, dim = shape(values)[-3:]
+        batch = shape(values)[0] if len(shape(values)) == 4 else 1
+        expect(same_size(batch, cv.shape[0]),
+               f"write: rows {list(shape(values))} into a cache of {cv.shape[0]} sequences: the same rows for every "
+               "sequence (broadcast), not one set of rows per sequence")
         expect((heads, dim) == (cv.shape[1], cv.shape[3]) and same_size(tokens, sv.shape[0]),
-               f"write: rows {shape(values)} are not [Hkv, T, D] of the [1, Hkv, S, D] cache at {sv.shape[0]} positions")
+               f"write: rows {shape(values)} are not [B, Hkv, T, D] of the {list(cv.shape)} cache at "
+               f"{sv.shape[0]} positions")
+        expect(isinstance(cv.shape[0], int) and isinstance(cv.shape[2], int),
+               f"write: a {list(cv.shape)} cache of a dynamic number of sequences or positions; the op's slots "
+               "b * S + pos need both as numbers")
         scale = None
         if cv.dtype == torch.float8_e4m3fn:
             values, scale = _fp8_rows(values)

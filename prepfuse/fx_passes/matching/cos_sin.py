@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from prepfuse.fx_passes.matching.layouts import VIEW_OPS, Layout
 from prepfuse.fx_passes.matching.recognizers import (
@@ -52,6 +53,10 @@ class CosSin:
     sin: torch.fx.Node | None = None
     full: bool = False  # per-token cos/sin are R wide
     equal_halves: bool = True  # (full) the graph proves each the same R/2 values twice
+    # per-token values shared by the sequences of a batch (gpt-fast's ``freqs_cis.view(1, S, ..)``
+    # against ``[B, S, H, D]`` heads): size 1 on the outer token dims, so token i reads row
+    # ``i % rows`` of the values (``rows`` their count, ``cos_sin_args`` makes the positions)
+    shared_by_sequences: bool = False
 
     @property
     def full_operand(self) -> bool:
@@ -93,27 +98,36 @@ def duplicated_halves(node: torch.fx.Node) -> bool:
     return False
 
 
-def _per_token(c: torch.fx.Node, x_layout: Layout, x_shape: tuple, width: int, name: str) -> None:
+def _per_token(c: torch.fx.Node, x_layout: Layout, x_shape: tuple, width: int, name: str) -> bool:
     """Checks that ``c`` broadcasts against the rotated ``x`` per token: size 1 on x's heads
     (and size-1) dims, x's sizes on its token dims, ``width`` last; and that the token dims
-    come in x in order (outer first), so ``c.reshape(T, width)`` lists tokens as the op does."""
+    come in x in order (outer first), so ``c.reshape(T, width)`` lists tokens as the op does.
+    Returns whether ``c`` has size 1 on x's outer token dims (one row per position, shared by
+    the sequences of a batch: token i reads row ``i % rows``; one row for all, at one token
+    per sequence)."""
     cs = shape(c)
     expect(len(cs) <= len(x_shape), f"rope: {name} {describe(c)} has more dims than the rotated heads")
     cs = (1,) * (len(x_shape) - len(cs)) + tuple(cs)
     expect(cs[-1] == width, f"rope: {name} is {cs[-1]} wide, expected {width}")
-    token_strides = []
+    token_strides, shared = [], []  # per token dim of x: c has size 1 on it where x has more
     for i, (group, size) in enumerate(zip(x_layout.dims[:-1], cs[:-1])):
         is_token = bool(group) and group[0].dim == 0
         if is_token:
-            expect(same_size(size, x_shape[i]),
+            shared.append(isinstance(size, int) and size == 1 and not same_size(x_shape[i], 1))
+            expect(shared[-1] or same_size(size, x_shape[i]),
                    f"rope: {name} {describe(c)} is not one row per token (size {size} on a token dim of {x_shape[i]})")
             token_strides.append(group[0].stride)
         else:
             expect(isinstance(size, int) and size == 1,
                    f"rope: {name} {describe(c)} differs across heads (size {size} on dim {i}); the op takes one per token")
-    expect(len(token_strides) <= 1 or all(isinstance(a, int) and isinstance(b, int) and a > b
-                                          for a, b in zip(token_strides, token_strides[1:])),
+    expect(all(a > b if isinstance(a, int) and isinstance(b, int) else statically_known_true(a > b)
+               for a, b in zip(token_strides, token_strides[1:])),
            f"rope: {name}: the rotated heads hold tokens out of order")
+    outer = shared.index(False) if False in shared else len(shared)
+    expect(not any(shared[outer:]), f"rope: {name} {describe(c)} is shared across an inner token dim (size 1 "
+                                    "where the heads have more); the op reads one row per token, or per position "
+                                    "shared by the sequences of a batch")
+    return outer > 0
 
 
 def cos_sin_operand(cos: torch.fx.Node, sin: torch.fx.Node, x_layout: Layout, x_shape: tuple, num_tokens,
@@ -136,12 +150,15 @@ def cos_sin_operand(cos: torch.fx.Node, sin: torch.fx.Node, x_layout: Layout, x_
         gathered_reason = None
     width = rotary_dim if full else rotary_dim // 2
     try:
+        shared = []
         for c, name in ((cos, "cos"), (sin, "sin")):
-            _per_token(c, x_layout, x_shape, width, name)
+            shared.append(_per_token(c, x_layout, x_shape, width, name))
             expect(val(c).dtype in (torch.float32, torch.bfloat16, torch.float16),
                    f"rope: {name} is {val(c).dtype}")
+        expect(shared[0] == shared[1], "rope: cos is per token and sin per position of the sequences, or the other way")
     except NoMatch as err:
         if gathered_reason is not None:
             raise NoMatch(f"{gathered_reason}; nor per-token values: {err}") from None
         raise
-    return CosSin(cos=cos, sin=sin, full=full, equal_halves=not full or (duplicated_halves(cos) and duplicated_halves(sin)))
+    return CosSin(cos=cos, sin=sin, full=full, equal_halves=not full or (duplicated_halves(cos) and duplicated_halves(sin)),
+                  shared_by_sequences=shared[0])

@@ -127,8 +127,8 @@ def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.
     """``tensor`` (token-major ``[T, H, D]``) laid out as ``like``, whose dims ``layout`` gives
     as factors of the same values (``[B, H, S, D]`` ...): a reshape and a permute, or
     ``tensor`` itself where ``like`` is token-major ``[T, H, D]`` already. Sizes come from the
-    layout (a symbolic one is ``tensor``'s token count), never from ``like``, which may be
-    computed after the point the nodes go in."""
+    layout (one symbolic size, the token count or a batch's dynamic length, is ``-1``), never
+    from ``like``, which may be computed after the point the nodes go in."""
     order = canonical_order(layout)
     if order is None:
         raise ValueError(f"as_layout: {like.name}'s layout mixes base dims: {layout}")
@@ -142,7 +142,12 @@ def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.
     identity = order == list(range(len(order)))
     if identity and len(canonical) == len(shape(tensor)) and all(same_size(a, b) for a, b in zip(canonical, shape(tensor))):
         return tensor
-    canonical = [s if isinstance(s, int) else emit.size(tensor, 0) for s in canonical]
+    symbolic = [i for i, s in enumerate(canonical) if not isinstance(s, int)]
+    if len(symbolic) > 1:  # a dynamic batch and a dynamic length: -1 stands for one of them only
+        emit.discard()
+        raise NoMatch(f"q: {like.name} is {list(canonical)} with {len(symbolic)} dynamic sizes; the op's q_out "
+                      "is laid out back with at most one")
+    canonical = [s if isinstance(s, int) else -1 for s in canonical]  # the tokens, or a dynamic length
     node = emit.node(aten.reshape.default, tensor, canonical)
     return node if identity else emit.node(aten.permute.default, node, order)
 
@@ -151,7 +156,8 @@ def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_d
     """The op's ``positions`` and cos/sin operand for ``cos_sin``: the gathered table as it
     is (``cos_sin_cache``; a bf16 one as its two column views ``cos`` and ``sin``), or, for
     values the graph computes per token, ``cos`` and ``sin`` themselves as ``[T, R/2]``
-    views with ``positions=None`` (token t reads row t):
+    views with ``positions=None`` (token t reads row t; values shared by the sequences of a
+    batch, ``[S, R/2]``, with positions ``i % S`` computed in front of the call):
     the op reads the values Inductor computes, where they lie, in their dtype (fp32 or
     bf16; any other is widened to fp32), with no table built in front of the call.
     Full-width values are read by their first half where the graph proves the halves
@@ -166,9 +172,9 @@ def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_d
                 "sin": emit.node(aten.slice.Tensor, cos_sin.table, 1, half, 2 * half)}
     tokens, half = emit.size(source, 0), rotary_dim // 2
     width = rotary_dim if cos_sin.full else half
-    operands = {}
+    operands, positions = {}, None
     for name, values in (("cos", cos_sin.cos), ("sin", cos_sin.sin)):
-        rows = emit.node(aten.reshape.default, values, [tokens, width])
+        rows = emit.node(aten.reshape.default, values, [-1 if cos_sin.shared_by_sequences else tokens, width])
         if cos_sin.full and cos_sin.equal_halves:  # the same R/2 values twice: the first
             rows = emit.node(aten.slice.Tensor, rows, 1, 0, half)
         if val(rows).dtype not in COS_SIN_DTYPES:
@@ -176,5 +182,9 @@ def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_d
         if val(rows).stride(-1) != 1:  # the kernel reads dense rows
             rows = emit.node(aten.clone.default, rows, memory_format=torch.contiguous_format)
         operands[name] = rows
+    if cos_sin.shared_by_sequences:  # one row per position, shared by the sequences: token i reads row i % rows
+        every = emit.node(prims.iota.default, tokens, start=0, step=1, dtype=torch.int64, device=val(source).device,
+                          requires_grad=False)
+        positions = emit.node(aten.remainder.Scalar, every, emit.size(operands["cos"], 0))
     extra = {"full_cos_sin": True} if cos_sin.full_operand else {}
-    return {"positions": None, "cos_sin_cache": None, **operands, **extra}
+    return {"positions": positions, "cos_sin_cache": None, **operands, **extra}

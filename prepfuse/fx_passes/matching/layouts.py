@@ -73,11 +73,21 @@ def identity(node: torch.fx.Node) -> Layout:
     return Layout(tuple((Axis(d, s, 1),) if not _is_one(s) else () for d, s in enumerate(_shape(node))))
 
 
+def _divides(a, b) -> bool:
+    """``a`` divides ``b``, where the graph knows it without a guard: both numbers, or a
+    number dividing a symbolic multiple of it (``2 * s`` tokens of two sequences viewed as
+    ``[2, s]``: a batch of a dynamic length)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a != 0 and b % a == 0
+    return isinstance(a, int) and a != 0 and _known(b % a == 0)
+
+
 def _regroup(factors: list[Axis], sizes: tuple) -> tuple[tuple[Axis, ...], ...] | None:
     """``factors`` (row-major; size-1 ones dropped) grouped into dims of ``sizes``, or None. A
     factor of size ``a*b`` meeting a dim of size ``a`` gives that dim its outer ``a`` steps
     (stride ``b*stride``) and leaves the inner ``b`` steps to the dims after it: what a
-    row-major reshape does. Splits need static sizes; a symbolic factor must match whole."""
+    row-major reshape does. A split needs a number dividing the factor where the graph knows
+    it (``_divides``); otherwise a symbolic factor must match whole."""
     factors = [f for f in factors if not _is_one(f.size)]
     out, i = [], 0
     for size in sizes:
@@ -92,12 +102,12 @@ def _regroup(factors: list[Axis], sizes: tuple) -> tuple[tuple[Axis, ...], ...] 
             if _known(f.size == need):
                 group.append(f)
                 i, need = i + 1, 1
-            elif isinstance(f.size, int) and isinstance(need, int) and f.size % need == 0:
+            elif _divides(need, f.size):
                 inner = f.size // need
                 group.append(Axis(f.dim, need, f.stride * inner))  # the outer steps
                 factors[i] = Axis(f.dim, inner, f.stride)  # the inner steps, for what follows
                 need = 1
-            elif isinstance(f.size, int) and isinstance(need, int) and need % f.size == 0:
+            elif _divides(f.size, need):
                 group.append(f)
                 i, need = i + 1, need // f.size
             else:
@@ -186,17 +196,16 @@ def token_major_heads(layout: Layout, num_tokens, head_dim: int, token_dim: int 
 
 
 def heads_major_as_token_major(layout: Layout) -> Layout | None:
-    """``layout`` of heads-major rows ``[H, T..., D]`` (a per-sequence cache's ``[Hkv, S, D]``
-    slice) with its heads dim moved behind the token dims: the token-major ``[T..., H, D]``
-    layout ``token_major_heads`` reads (one token: ``[H, D]`` as it is), or None if ``layout``
-    has fewer than two dims."""
-    dims = [d for d in layout.dims if d != ()]
-    if len(dims) == 2:  # one token: its size-1 dim holds no factor, [H, D] is token-major already
-        return Layout(tuple(dims))
-    if len(dims) < 2:
+    """``layout`` of heads-major rows ``[..., H, T, D]`` (a per-sequence cache's ``[Hkv, S, D]``
+    slice, or ``[B, Hkv, S, D]`` of B sequences) with its heads dim moved behind the tokens
+    dim: the token-major ``[..., T, H, D]`` layout ``token_major_heads`` reads (size-1 dims,
+    one token or one sequence, hold no factor), or None if ``layout`` has fewer than three dims."""
+    dims = list(layout.dims)
+    if len(dims) < 3:
         return None
-    heads, *tokens, dim = dims
-    return Layout((*tokens, heads, dim))
+    heads = dims.pop(-3)
+    dims.insert(len(dims) - 1, heads)
+    return Layout(tuple(dims))
 
 
 def canonical_order(layout: Layout) -> list[int] | None:

@@ -57,3 +57,21 @@ def test_one_token():
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     base, chain = strip_views(out)
     assert token_major_heads(apply_views(identity(base), chain), 1, D) == H
+
+
+def test_a_batch_of_dynamic_length_splits_a_symbolic_token_dim():
+    """``2*s`` tokens regrouped as ``[2, s]`` (two sequences of a dynamic length, gpt-fast's
+    batch under ``mark_dynamic``): known without a guard, the sequences the outer factor and
+    back again; ``s`` tokens split by 3, which need not divide them, is no layout."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from prepfuse.fx_passes.matching.layouts import _regroup
+
+    env = ShapeEnv()
+    s = env.create_symintnode(env.create_symbol(7, source=ConstantSource("s")), hint=7)
+    (outer,), (inner,) = _regroup([Axis(0, 2 * s, 1)], (2, s))
+    assert outer == Axis(0, 2, s) and inner == Axis(0, s, 1)
+    assert _regroup([outer, inner], (2 * s,)) == ((outer, inner),)  # merged back: the same two steps
+    assert _regroup([Axis(0, s, 1)], (3, s)) is None
+    assert not env.guards  # nothing decided at run time
