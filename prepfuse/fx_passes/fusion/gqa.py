@@ -47,7 +47,8 @@ from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_patterns
 from prepfuse.fx_passes.fusion.gqa_patterns import (
-    CacheWrite, Heads, NoMatch, is_cache_write, match_cache_write, match_heads, slot_nodes, unsupported_cache_write,
+    CacheWrite, Heads, NoMatch, SliceRows, is_cache_write, match_cache_write, match_heads, slot_nodes,
+    unsupported_cache_write,
 )
 from prepfuse.fx_passes.matching import MATCHING_MODULES, recognizers
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
@@ -256,8 +257,8 @@ class FuseGqaPrepPass(PrepfusePass):
             capacity = cache.shape[0] * cache.shape[1]
             if isinstance(k_write.slots, BlockRows):  # probed as one slot each: distinct (block, row) pairs
                 extra_roles.update({k_write.slots.block: "slot_block", k_write.slots.row: "slot_row"})
-            elif k_write.slots is not args["slot_mapping"]:  # B sequences: distinct positions of one
-                extra_roles[k_write.slots], capacity = "slots", cache.shape[1]
+            elif isinstance(k_write.slots, torch.fx.Node) and k_write.slots is not args["slot_mapping"]:
+                extra_roles[k_write.slots], capacity = "slots", cache.shape[1]  # B sequences: distinct positions of one
             note = emit.validate(args, checked, extra_roles, slot_capacity=capacity, block_size=cache.shape[1])
         q.prepared.replace_all_uses_with(new_q)
         for old, new in written:
@@ -270,26 +271,35 @@ class FuseGqaPrepPass(PrepfusePass):
 
 
 def _same_slots(a, b) -> bool:
-    """Two writes address the same slots: one node, or the same page-table (block, row) nodes."""
-    return a is b or (isinstance(a, BlockRows) and a == b)
+    """Two writes address the same slots: one node, or the same (block, row) nodes of a page
+    table, or the same slice of positions."""
+    return a is b or (isinstance(a, (BlockRows, SliceRows)) and a == b)
 
 
 def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
-    """The op's slot per row: the write's slots, or ``block * bs + row`` for a page table's
-    indices (``BlockRows``), computed in front of the call."""
-    if write.layout == "sequence" and val(write.cache).shape[0] != 1:
-        # B sequences at the same positions: token (b, t) (row b * T + t) at slot b * S + pos[t]
-        batch, length = val(write.cache).shape[0], val(write.cache).shape[2]
-        sequence = emit.node(prims.iota.default, batch, start=0, step=1, dtype=torch.int64,
-                             device=val(write.slots).device, requires_grad=False)
-        starts = emit.node(aten.mul.Tensor, sequence, length)
-        slots = emit.node(aten.add.Tensor, emit.node(aten.unsqueeze.default, starts, 1),
-                          emit.node(aten.unsqueeze.default, write.slots, 0))
-        return emit.node(aten.reshape.default, slots, [-1])
-    if not isinstance(write.slots, BlockRows):
-        return write.slots
-    block_size = val(write.cache).shape[1]
-    return emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, write.slots.block, block_size), write.slots.row)
+    """The op's slot per row, computed in front of the call where the write does not hold it
+    as one tensor: ``block * bs + row`` for a page table's indices (``BlockRows``); for the
+    positions of a static cache of B sequences (``per_sequence``: by position, or a slice
+    ``start + t``, ``SliceRows``) ``b * S + position``, token ``(b, t)`` being row ``b * T + t``."""
+    cache = val(write.cache)
+    if isinstance(write.slots, BlockRows):
+        return emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, write.slots.block, cache.shape[1]),
+                         write.slots.row)
+    positions = write.slots
+    if isinstance(positions, SliceRows):
+        start, end = positions.start, positions.end
+        count = end - start if isinstance(start, int) and isinstance(end, int) else emit.node(operator.sub, end, start)
+        every = emit.node(prims.iota.default, count, start=0, step=1, dtype=torch.int64, device=cache.device,
+                          requires_grad=False)
+        positions = emit.node(aten.add.Tensor, every, start) if start != 0 else every
+    if not write.per_sequence or cache.shape[0] == 1:
+        return positions
+    length = cache.shape[2] if write.layout == "sequence" else cache.shape[1]  # S: [B, Hkv, S, D] or [B, S, Hkv, D]
+    sequence = emit.node(prims.iota.default, cache.shape[0], start=0, step=1, dtype=torch.int64, device=cache.device,
+                         requires_grad=False)
+    slots = emit.node(aten.add.Tensor, emit.node(aten.unsqueeze.default, emit.node(aten.mul.Tensor, sequence, length), 1),
+                      emit.node(aten.unsqueeze.default, positions, 0))
+    return emit.node(aten.reshape.default, slots, [-1])
 
 
 def _is_separate(h: Heads) -> bool:

@@ -32,12 +32,12 @@ from prepfuse.fx_passes.matching.layouts import (
 from prepfuse.fx_passes.matching.recognizers import (
     CONVERTS, RESHAPES, BlockRows, NoMatch, aten, bf16_columns, block_rows, clamp_bounds, columns, convert_source, describe,
     expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, scatter_back, shape, val,
-    view_chain, weighted_rms_norm,
+    slice_params, view_chain, weighted_rms_norm,
 )
 from prepfuse.fx_passes.matching.validation import read_as_rounded
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
 
-__all__ = ["NoMatch", "Heads", "CacheWrite", "match_heads", "match_cache_write", "slot_count", "slot_nodes", "is_cache_write", "rounding_dropped",
+__all__ = ["NoMatch", "Heads", "CacheWrite", "SliceRows", "match_heads", "match_cache_write", "slot_count", "slot_nodes", "is_cache_write", "rounding_dropped",
            "unsupported_cache_write"]
 
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -62,13 +62,27 @@ class Heads:
     layout: Layout  # prepared's dims as factors of the heads' columns of source (token-major: [T, H, D])
 
 
+@dataclass(frozen=True)
+class SliceRows:
+    """The positions ``start .. end - 1`` of every sequence of a static cache, overwritten by a
+    slice assignment (``cache[:, :, start:end] = k``, ``cache[:, start:end] = k``): token
+    ``(b, t)`` goes to position ``start + t``. ``start`` and ``end`` are numbers or the graph's
+    nodes of them (a dynamic position)."""
+
+    start: object
+    end: object
+
+    def nodes(self) -> tuple[torch.fx.Node, ...]:
+        return tuple(n for n in (self.start, self.end) if isinstance(n, torch.fx.Node))
+
+
 @dataclass
 class CacheWrite:
     """``cache[slots // bs, slots % bs] = rows`` (rows maybe fp8 of ``x / kv_scale``)."""
 
     put: torch.fx.Node  # the index_put, or its view back to a paged cache: its users read the written cache
     cache: torch.fx.Node  # the cache before the write, [NB, bs, Hkv, D]
-    slots: torch.fx.Node | BlockRows  # int64 [n]; or a page table's (block, row) indices
+    slots: torch.fx.Node | BlockRows | SliceRows  # int64 [n]; a page table's (block, row) indices; a slice
     rows: torch.fx.Node  # bf16 [n, Hkv, D] or [T, Hkv, D] (first n inserted), before quantisation
     #   (fp32 where Inductor removed their bf16 round trip: ``rounding_dropped``)
     kv_scale: torch.fx.Node | None
@@ -82,6 +96,9 @@ class CacheWrite:
     # writes the last three through a [NB, bs, Hkv, D] view of them (a permutation, B blocks
     # of S slots; block size 1), its strides saying the layout
     layout: str = "paged"
+    # the slots are positions within each of the cache's B sequences (a static cache written
+    # by position or by a slice): the op's slot is b * S + position; else they are the op's
+    per_sequence: bool = False
 
 
 # --------------------------------------------------------------------------------------
@@ -250,7 +267,12 @@ def _quantised_to_e4m3(div: torch.fx.Node, rows: torch.fx.Node) -> bool:
 # Cache writes: index_put(cache, [slots // bs, slots % bs], rows)
 # --------------------------------------------------------------------------------------
 def is_cache_write(node) -> bool:
-    """A candidate: a non-accumulating ``index_put`` of ``[n, H, D]`` rows into a 4-d tensor."""
+    """A candidate: a non-accumulating ``index_put`` of ``[n, H, D]`` rows into a 4-d tensor
+    (``[B, Hkv, T, D]`` rows of B sequences), or a slice of a 4-d tensor's dim 1 or 2
+    overwritten (``slice_scatter``: a static cache written at consecutive positions)."""
+    if is_op(node, aten.slice_scatter.default):
+        dim, _, _, step = slice_params(node.args[2:], node.kwargs)
+        return len(shape(node.args[0])) == 4 and dim in (1, 2) and step == 1
     if not is_op(node, aten.index_put.default):
         return False
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
@@ -275,9 +297,11 @@ def unsupported_cache_write(node) -> str | None:
     if is_op(node, aten.index_copy.default):
         return (f"write: index_copy into a {list(sizes)} cache along dim {node.args[1]} (Hugging Face's StaticCache "
                 "`index_copy_(2, cache_position, k)`); the pass matches paged-cache index assignment, not this yet")
-    if is_op(node, aten.slice_scatter.default):
-        return (f"write: a slice of a {list(sizes)} cache overwritten (slice_scatter: `cache[:, :, start:end] = k`); "
-                "the pass matches paged-cache index assignment, not this yet")
+    if is_op(node, aten.slice_scatter.default) and not is_cache_write(node):
+        dim, start, end, step = slice_params(node.args[2:], node.kwargs)
+        return (f"write: a slice [{describe(start)}:{describe(end)}:{step}] of dim {dim} of a {list(sizes)} cache "
+                "overwritten (slice_scatter); the pass matches slices of consecutive positions of a static cache, "
+                "`cache[:, :, start:end] = k` of [B, Hkv, S, D] or `cache[:, start:end] = k` of [B, S, Hkv, D]")
     rows = put_rows(node)
     if len(shape(rows)) == 4:  # not one row per sequence (is_cache_write): broadcast across the batch
         return (f"write: rows {list(shape(rows))} written at {[describe(i) for i in node.args[1]]} of a "
@@ -326,7 +350,7 @@ def slot_count(slots) -> object:
 
 def slot_nodes(slots) -> tuple[torch.fx.Node, ...]:
     """The nodes a write's slots are read from."""
-    return slots.nodes() if isinstance(slots, BlockRows) else (slots,)
+    return slots.nodes() if isinstance(slots, (BlockRows, SliceRows)) else (slots,)
 
 
 def paged_cache_of_slot_view(cache) -> torch.fx.Node | None:
@@ -348,6 +372,50 @@ def paged_cache_of_slot_view(cache) -> torch.fx.Node | None:
     return base if merged and same_rows else None
 
 
+def _slice_write(put: torch.fx.Node) -> CacheWrite:
+    """Pattern (a static cache of B sequences written at consecutive positions, the slice's
+    functional form ``slice_scatter(cache, copy(slice(cache, ..), rows), dim, start, end)``)::
+
+        cache[:, :, start:end] = k      # [B, Hkv, S, D], rows [B, Hkv, T, D] ("sequence")
+        cache[:, start:end] = k         # [B, S, Hkv, D], rows [B, T, Hkv, D] (B blocks of S)
+      ->  the op at slots b * S + start + t (``SliceRows``, computed in front of the call)
+    """
+    cache, src = put.args[:2]
+    dim, start, end, _ = slice_params(put.args[2:], put.kwargs)
+    cv = val(cache)
+    expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
+    expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")
+    values = src
+    if is_op(src, aten.copy.default):  # x[..] = rows: the rows copied into the slice, then scattered
+        target = src.args[0]
+        expect(is_op(target, aten.slice.Tensor) and target.args[0] is cache
+               and slice_params(target.args[1:], target.kwargs) == (dim, start, end, 1),
+               f"write: {describe(src)} copies into {describe(target)}, not the slice it scatters back")
+        values = src.args[1]
+        expect(tuple(shape(values)) == tuple(shape(src)) and val(values).dtype == val(src).dtype,
+               f"write: rows {list(shape(values))} {val(values).dtype} are broadcast or cast into the "
+               f"{list(shape(src))} {val(src).dtype} slice, not one row per position")
+    expect(start is None or isinstance(start, (int, torch.fx.Node)), f"write: slice start {describe(start)}")
+    expect(not (isinstance(start, int) and start < 0), f"write: slice start {start} counts from the end")
+    rows = tuple(shape(values))
+    if dim == 2:  # [B, Hkv, S, D]: heads first, one block of S positions per sequence
+        layout = "sequence"
+        ok = (rows[0], rows[1], rows[3]) == (cv.shape[0], cv.shape[1], cv.shape[3])
+    else:  # [B, S, Hkv, D]: a paged cache of B blocks of S slots, rows token-major
+        layout = "paged"
+        ok = (rows[0], rows[2], rows[3]) == (cv.shape[0], cv.shape[2], cv.shape[3])
+    expect(ok, f"write: rows {list(rows)} are not one set per sequence of the {list(cv.shape)} cache's "
+               f"positions {describe(start)}:{describe(end)}")
+    expect(all(isinstance(n, int) for n in cv.shape), f"write: a {list(cv.shape)} cache of dynamic size; the op's "
+                                                      "slots b * S + position need B and S as numbers")
+    scale = None
+    if cv.dtype == torch.float8_e4m3fn:
+        values, scale = _fp8_rows(values)
+    expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
+           f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
+    return CacheWrite(put, cache, SliceRows(start or 0, end), values, scale, layout=layout, per_sequence=True)
+
+
 def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     """Pattern (``cache [NB, bs, Hkv, D]``; or heads first ``[NB, Hkv, bs, D]`` written as
     ``cache[slots // bs, :, slots % bs]``; or a flat token pool ``[N, Hkv, D]`` written
@@ -361,6 +429,8 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         af = auto_functionalized(gqa_qknorm_rope_kv_insert, .., k_cache=k_cache, v_cache=v_cache, ..)
         (every reader of the written caches reads af[k_cache], af[v_cache])
     """
+    if is_op(put, aten.slice_scatter.default):
+        return _slice_write(put)
     cache, indices = put.args[:2]
     values = put_rows(put)  # [n, Hkv, D], also for a single slot
     cv = val(cache)
@@ -392,7 +462,7 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
             values, scale = _fp8_rows(values)
         expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
                f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
-        return CacheWrite(put, cache, slots, values, scale, layout=layout)
+        return CacheWrite(put, cache, slots, values, scale, layout=layout, per_sequence=True)
     written = put
     if cv.dim() == 3:  # cache[loc] = rows: a flat [N, Hkv, D] token pool
         layout = "flat"
