@@ -343,6 +343,17 @@ def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
     return rows, scale
 
 
+def _unquantised_rows(values, cache_dtype) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    """(the bf16 rows, kv_scale or None) a cache write stores: through the fp8 quantisation
+    into an e4m3 cache (``_fp8_rows``), as they are into a bf16 one."""
+    scale = None
+    if cache_dtype == torch.float8_e4m3fn:
+        values, scale = _fp8_rows(values)
+    expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
+           f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
+    return values, scale
+
+
 def slot_count(slots) -> object:
     """How many rows a write's slots (a node, or ``BlockRows``) address."""
     return shape(slots.block if isinstance(slots, BlockRows) else slots)[0]
@@ -408,11 +419,7 @@ def _slice_write(put: torch.fx.Node) -> CacheWrite:
                f"positions {describe(start)}:{describe(end)}")
     expect(all(isinstance(n, int) for n in cv.shape), f"write: a {list(cv.shape)} cache of dynamic size; the op's "
                                                       "slots b * S + position need B and S as numbers")
-    scale = None
-    if cv.dtype == torch.float8_e4m3fn:
-        values, scale = _fp8_rows(values)
-    expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
-           f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
+    values, scale = _unquantised_rows(values, cv.dtype)
     return CacheWrite(put, cache, SliceRows(start or 0, end), values, scale, layout=layout, per_sequence=True)
 
 
@@ -457,11 +464,7 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         expect(isinstance(cv.shape[0], int) and isinstance(cv.shape[2], int),
                f"write: a {list(cv.shape)} cache of a dynamic number of sequences or positions; the op's slots "
                "b * S + pos need both as numbers")
-        scale = None
-        if cv.dtype == torch.float8_e4m3fn:
-            values, scale = _fp8_rows(values)
-        expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
-               f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
+        values, scale = _unquantised_rows(values, cv.dtype)
         return CacheWrite(put, cache, slots, values, scale, layout=layout, per_sequence=True)
     written = put
     if cv.dim() == 3:  # cache[loc] = rows: a flat [N, Hkv, D] token pool
@@ -501,12 +504,8 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     at_run_time = not same_size(rows_n, slots_n)
     expect(not (at_run_time and isinstance(rows_n, int) and isinstance(slots_n, int)),
            f"write: {rows_n} rows for {slots_n} slots, not one row per slot")
-    scale = None
     values = first_rows_of(values, slots_n)  # rows[:n], sliced after quantisation
-    if cv.dtype == torch.float8_e4m3fn:
-        values, scale = _fp8_rows(values)
-    expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
-           f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
+    values, scale = _unquantised_rows(values, cv.dtype)
     while is_op(values, *CONVERTS) and val(values.args[0]).dtype == torch.bfloat16:
         values = values.args[0]  # a no-op cast kept by the graph
     return CacheWrite(written, cache, slots, first_rows_of(values, slots_n), scale,
