@@ -27,7 +27,7 @@ from prepfuse.fx_passes.matching.cache_writes import first_rows_of
 from prepfuse.fx_passes.matching.cos_sin import CosSin, cos_sin_operand
 from prepfuse.fx_passes.matching.layouts import (
     heads_major_as_token_major,
-    Axis, Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
+    VIEW_OPS, Axis, Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
 )
 from prepfuse.fx_passes.matching.recognizers import (
     CONVERTS, RESHAPES, BlockRows, NoMatch, aten, bf16_columns, block_rows, clamp_bounds, columns, convert_source, describe,
@@ -239,17 +239,25 @@ def match_heads(prepared: torch.fx.Node) -> Heads:
 def rounding_dropped(node) -> bool:
     """Whether ``node`` is fp32 rows whose ``.to(bf16).float()`` before an fp8 cache write
     Inductor removed (``inductor_drops_narrowing_round_trips``; torch 2.11): every reader
-    is ``(node / kv_scale).clamp(..).to(e4m3)``. The graph then cannot tell this from code
+    is ``(node / kv_scale).clamp(..).to(e4m3)``, directly or through views. The graph then cannot tell this from code
     that quantised the fp32 rows unrounded; the pass reads it as the rounded rows (what the
     supported spellings write, and the op computes). Readers other than the quantisation
     (a q read by attention) keep an fp32 tensor from passing for bf16 heads.
     """
     if val(node).dtype != torch.float32 or not node.users or not inductor_drops_narrowing_round_trips():
         return False
-    if not all(_quantised_to_e4m3(user, node) for user in node.users):
+    if not _only_quantised(node):
         return False
     read_as_rounded(node)  # validation rounds the region here too
     return True
+
+
+def _only_quantised(node) -> bool:
+    """Every reader of ``node`` is its quantisation to e4m3, directly or through views (the
+    transpose of heads into a heads-first cache)."""
+    return bool(node.users) and all(
+        _only_quantised(user) if is_op(user, *VIEW_OPS) and user.args[0] is node else _quantised_to_e4m3(user, node)
+        for user in node.users)
 
 
 def _quantised_to_e4m3(div: torch.fx.Node, rows: torch.fx.Node) -> bool:
@@ -334,13 +342,13 @@ def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
     sv = val(scale)
     expect(isinstance(scale, torch.fx.Node) and sv.dtype == torch.float32 and sv.numel() == 1 and sv.dim() <= 1,
            f"fp8: divisor {describe(scale)} is not a device fp32 kv_scale of shape [1] or []")
-    if rounding_dropped(x):
-        return x, scale
     if val(x).dtype == torch.bfloat16 and val(scaled).dtype == torch.float32:  # promoted: an fp32 division
         return x, scale
     rows = convert_source(x, torch.float32)
-    expect(rows is not None and val(rows).dtype == torch.bfloat16, f"fp8: {describe(x)} is not bf16 rows cast to fp32")
-    return rows, scale
+    if rows is not None and val(rows).dtype == torch.bfloat16:  # bf16 rows widened: exactly their values
+        return rows, scale
+    expect(rounding_dropped(x), f"fp8: {describe(x)} is not bf16 rows cast to fp32")
+    return x, scale
 
 
 def _unquantised_rows(values, cache_dtype) -> tuple[torch.fx.Node, torch.fx.Node | None]:

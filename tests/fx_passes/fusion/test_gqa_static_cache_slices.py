@@ -28,15 +28,18 @@ FP8 = torch.float8_e4m3fn
 KV_SCALE = 3.0 / 448.0
 
 
-def layer(x, w, cos, sin, k_cache, v_cache, kv_scale, start: int, heads_first: bool):
+def layer(x, w, cos, sin, k_cache, v_cache, kv_scale, start: int, heads_first: bool, round_k: bool = True):
     """A projection, an fp32 rotation by per-token cos/sin ``[B, T, D]``, and the step's k and
-    v written into the static caches at ``start .. start + T - 1`` by slice assignment."""
+    v written into the static caches at ``start .. start + T - 1`` by slice assignment.
+    ``round_k=False``: an fp8 cache's k quantised from the fp32 rotation, the graph torch
+    2.11's Inductor makes of the rounded code (it drops the ``.to(bf16).float()``)."""
     batch = x.shape[0]
     q, k, v = (x @ w).split([HQ * D, HKV * D, HKV * D], -1)
     q, k, v = q.view(batch, T, HQ, D), k.view(batch, T, HKV, D), v.view(batch, T, HKV, D)
     c, s = cos[:, :, None], sin[:, :, None]
     q = (q.float() * c + rotate_half(q.float()) * s).to(torch.bfloat16)
-    k = (k.float() * c + rotate_half(k.float()) * s).to(torch.bfloat16)
+    k = k.float() * c + rotate_half(k.float()) * s
+    k = k.to(torch.bfloat16) if round_k else k
     if heads_first:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     if k_cache.dtype == FP8:
@@ -61,7 +64,7 @@ def inputs(batch: int, cache_dtype, heads_first: bool, seed: int):
     return x, w, cos, sin, caches, torch.tensor([KV_SCALE])
 
 
-def run(backend, batch, cache_dtype, heads_first, starts, seed=0, device="cpu"):
+def run(backend, batch, cache_dtype, heads_first, starts, seed=0, device="cpu", round_k=True):
     """Each start's (q, k cache, v cache), compiled with ``backend`` (None: eager)."""
     fn = layer if backend is None else torch.compile(layer, backend=backend, fullgraph=True)
     out = []
@@ -69,7 +72,7 @@ def run(backend, batch, cache_dtype, heads_first, starts, seed=0, device="cpu"):
         made = inputs(batch, cache_dtype, heads_first, seed + start)
         x, w, cos, sin, (k_cache, v_cache), kv_scale = torch.utils._pytree.tree_map(lambda t: t.to(device), made)
         with torch.no_grad():
-            q = fn(x, w, cos, sin, k_cache, v_cache, kv_scale, start, heads_first)
+            q = fn(x, w, cos, sin, k_cache, v_cache, kv_scale, start, heads_first, round_k)
         out.append((q.clone(), k_cache, v_cache))  # a fused q_out lives until the next call
     return out
 
@@ -116,6 +119,23 @@ def test_slice_writes_fuse_on_cuda(cache_dtype, heads_first):
         else:
             torch.testing.assert_close(k.float(), k_ref.float(), rtol=2**-7, atol=2**-7)
         torch.testing.assert_close(q.float(), q_ref.float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("heads_first", [True, False], ids=["heads_first", "token_major"])
+def test_fp8_rows_whose_rounding_inductor_dropped_fuse(heads_first, monkeypatch):
+    """Where Inductor drops narrowing round trips (torch 2.11), k reaches the fp8 cast as the
+    fp32 rotation, read by the quantisation through the heads-first transpose; v as bf16
+    heads widened to fp32. Both are read as the rounded rows (the code's own meaning), the
+    call fuses, and the caches hold the rounded code's eager bytes."""
+    from prepfuse.fx_passes.fusion import gqa_patterns
+
+    monkeypatch.setattr(gqa_patterns, "inductor_drops_narrowing_round_trips", lambda: True)
+    backend = PrepfuseBackend()
+    (_, k, v), = run(backend, 2, FP8, heads_first, (3,), round_k=False)
+    assert backend.reports[0].matched_counts.get(PASS, 0) == 1, backend.reports.format(verbose=True)
+    (_, k_ref, v_ref), = run(None, 2, FP8, heads_first, (3,))
+    assert torch.equal(k.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v.view(torch.uint8), v_ref.view(torch.uint8))
 
 
 def test_a_slot_formula_without_the_start_is_declined_by_the_probes(monkeypatch):
