@@ -194,3 +194,38 @@ def test_sequence_slots_are_probed(monkeypatch):
 
     monkeypatch.setattr(gqa, "_slot_mapping", forgetful)
     assert_declined_by_validation(CASES["gpt-fast-llama-batch2"], seed=6)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_a_batched_position_outside_the_cache_stays_outside_every_sequence(checked, monkeypatch):
+    """The pass's slot ``b * S + pos`` must not turn a position beyond a sequence's ``S`` rows
+    into a row of the next sequence (eager index assignment raises there): a position at
+    ``S`` becomes a slot beyond the cache, which the op's index check rejects by name, and
+    which unchecked (a CUDA graph, ``PREPFUSE_CHECK_INDEX_VALUES=0``) is skipped; a negative
+    position is skipped (as the op skips negative slots), not written at another sequence's
+    last row."""
+    from prepfuse.ops import _checks
+
+    case = CASES["gpt-fast-llama-batch2"]
+    model, (x, positions, _, caches, kv_scale, block_size) = build_engine_client(case, seed=8)
+    compiled = torch.compile(model, backend=PrepfuseBackend(), fullgraph=True)
+    with torch.no_grad():
+        compiled(x, positions, positions, [tuple(c.clone() for c in p) for p in caches], kv_scale, block_size)
+    length = caches[0][0].shape[2]
+    bad = positions.clone()
+    bad[-1], bad[0] = length, -1  # one position beyond the sequence, one negative
+    written = [tuple(c.clone() for c in p) for p in caches]
+    monkeypatch.setattr(_checks, "CHECK_INDEX_VALUES", checked)
+    if checked:
+        with pytest.raises(ValueError, match="slot_mapping"), torch.no_grad():
+            compiled(x, bad, bad, written, kv_scale, block_size)
+        assert all(torch.equal(a, b) for pa, pb in zip(written, caches) for a, b in zip(pa, pb))  # nothing written
+        return
+    with torch.no_grad():
+        compiled(x, bad, bad, written, kv_scale, block_size)
+    for pair, before in zip(written, caches):
+        for cache, old in zip(pair, before):
+            changed = (cache != old).any(dim=(1, 3))  # [B, S]: the positions written, per sequence
+            want = torch.zeros_like(changed)
+            want[:, 1:positions.shape[0] - 1] = True  # the valid positions 1 .. T-2 of both sequences, no others
+            assert changed.equal(want), changed.nonzero()

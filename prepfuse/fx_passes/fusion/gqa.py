@@ -280,7 +280,8 @@ def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
     """The op's slot per row, computed in front of the call where the write does not hold it
     as one tensor: ``block * bs + row`` for a page table's indices (``BlockRows``); for the
     positions of a static cache of B sequences (``per_sequence``: by position, or a slice
-    ``start + t``, ``SliceRows``) ``b * S + position``, token ``(b, t)`` being row ``b * T + t``."""
+    ``start + t``, ``SliceRows``) ``b * S + position``, token ``(b, t)`` being row ``b * T + t``
+    (a position outside ``[0, S)`` kept outside every sequence's rows)."""
     cache = val(write.cache)
     if isinstance(write.slots, BlockRows):
         return emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, write.slots.block, cache.shape[1]),
@@ -294,11 +295,22 @@ def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
         positions = emit.node(aten.add.Tensor, every, start) if start != 0 else every
     if not write.per_sequence or cache.shape[0] == 1:
         return positions
-    length = cache.shape[2] if write.layout == "sequence" else cache.shape[1]  # S: [B, Hkv, S, D] or [B, S, Hkv, D]
-    sequence = emit.node(prims.iota.default, cache.shape[0], start=0, step=1, dtype=torch.int64, device=cache.device,
+    batch, length = cache.shape[0], cache.shape[2] if write.layout == "sequence" else cache.shape[1]
+    if isinstance(write.slots, torch.fx.Node):
+        # a position outside [0, S) must not land in a neighbouring sequence's rows: beyond S
+        # it becomes a slot beyond the cache (the op's index check raises, unchecked it is
+        # skipped), negative it stays negative (skipped), as for one sequence's cache
+        negative = emit.node(aten.lt.Scalar, positions, 0)  # -1 where negative, B * S where beyond
+        beyond = emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, negative, -1 - batch * length), batch * length)
+        inside = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, positions, 0),
+                           emit.node(aten.lt.Scalar, positions, length))
+    sequence = emit.node(prims.iota.default, batch, start=0, step=1, dtype=torch.int64, device=cache.device,
                          requires_grad=False)
     slots = emit.node(aten.add.Tensor, emit.node(aten.unsqueeze.default, emit.node(aten.mul.Tensor, sequence, length), 1),
                       emit.node(aten.unsqueeze.default, positions, 0))
+    if isinstance(write.slots, torch.fx.Node):
+        slots = emit.node(aten.where.self, emit.node(aten.unsqueeze.default, inside, 0), slots,
+                          emit.node(aten.unsqueeze.default, beyond, 0))
     return emit.node(aten.reshape.default, slots, [-1])
 
 
