@@ -179,9 +179,13 @@ def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_d
             rows = emit.node(aten.slice.Tensor, rows, 1, 0, half)
         if val(rows).dtype not in COS_SIN_DTYPES:
             rows = emit.node(prims.convert_element_type.default, rows, torch.float32)
-        if val(rows).stride(-1) != 1:  # the kernel reads dense rows
-            rows = emit.node(aten.clone.default, rows, memory_format=torch.contiguous_format)
         operands[name] = rows
+    if any(val(rows).stride(-1) != 1 for rows in operands.values()):
+        # the kernel reads rows with unit stride: strided values (gpt-fast's interleaved
+        # (cos, sin) pairs) are written once into one [N, 2, R/2] buffer, one kernel for both,
+        # and read as its two row views
+        both = emit.node(aten.cat.default, [emit.node(aten.unsqueeze.default, operands[n], 1) for n in ("cos", "sin")], 1)
+        operands = {name: emit.node(aten.select.int, both, 1, i) for i, name in enumerate(("cos", "sin"))}
     if cos_sin.shared_by_sequences:  # one row per position, shared by the sequences: token i reads row i % rows
         every = emit.node(prims.iota.default, tokens, start=0, step=1, dtype=torch.int64, device=val(source).device,
                           requires_grad=False)
