@@ -416,6 +416,8 @@ def _slice_write(put: torch.fx.Node) -> CacheWrite:
                f"{list(shape(src))} {val(src).dtype} slice, not one row per position")
     expect(start is None or isinstance(start, (int, torch.fx.Node)), f"write: slice start {describe(start)}")
     expect(not (isinstance(start, int) and start < 0), f"write: slice start {start} counts from the end")
+    if end is None or (isinstance(end, int) and end > cv.shape[dim]):  # `cache[:, a:] = k`: to the last position
+        end = cv.shape[dim]
     rows = tuple(shape(values))
     if dim == 2:  # [B, Hkv, S, D]: heads first, one block of S positions per sequence
         layout = "sequence"

@@ -159,6 +159,36 @@ def test_a_slot_formula_without_the_start_is_declined_by_the_probes(monkeypatch)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("heads_first", [True, False], ids=["heads_first", "token_major"])
+def test_an_open_ended_slice_fuses(heads_first):
+    """``cache[:, :, S - T:] = k`` (no end: the graph's slice ends at INT64_MAX) writes the
+    last T positions; the slots count the rows written, not up to the slice's end."""
+    def open_ended(k, v, k_cache, v_cache):
+        if heads_first:
+            k_cache[:, :, S - T:], v_cache[:, :, S - T:] = k, v
+        else:
+            k_cache[:, S - T:], v_cache[:, S - T:] = k, v
+
+    x, w, cos, sin, caches, _ = inputs(2, torch.bfloat16, heads_first, seed=11)
+
+    def fn(x, w, cos, sin, k_cache, v_cache):
+        q, k, v = (x @ w).split([HQ * D, HKV * D, HKV * D], -1)
+        q, k, v = q.view(2, T, HQ, D), k.view(2, T, HKV, D), v.view(2, T, HKV, D)
+        c, s = cos[:, :, None], sin[:, :, None]
+        q = (q.float() * c + rotate_half(q.float()) * s).to(torch.bfloat16)
+        k = (k.float() * c + rotate_half(k.float()) * s).to(torch.bfloat16)
+        open_ended(*((k.transpose(1, 2), v.transpose(1, 2)) if heads_first else (k, v)), k_cache, v_cache)
+        return q
+
+    backend = PrepfuseBackend()
+    got = [c.clone() for c in caches]
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(x, w, cos, sin, *got)
+        fn(x, w, cos, sin, *caches)
+    assert backend.reports[0].matched_counts.get(PASS, 0) == 1, backend.reports.format(verbose=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, caches))
+
+
 def test_fp8_rows_transposed_after_the_cast_are_declined_by_name():
     """fp8 rows viewed after their cast (``k.to(fp8).transpose(1, 2)`` into a heads-first
     cache): the pass reads the quantisation off the written rows themselves, so it declines,
