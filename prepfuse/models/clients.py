@@ -191,4 +191,4 @@ def cache_rows(caches, slots: torch.Tensor, block_size: int) -> list[torch.Tenso
 def sequence_rows(cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The rows ``[B*T, Hkv, D]`` a static cache ``[B, Hkv, S, D]`` holds at ``positions`` (every
     sequence's, sequence by sequence: the token order of ``[B, T, ...]`` activations)."""
-    return cache[:, :, positions].transpose(1, 2).reshape(-1, *cache.shape[1:2], cache.shape[3])
+    return cache[:, :, positions].transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])

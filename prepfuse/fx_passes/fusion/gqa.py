@@ -55,7 +55,7 @@ from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, cos_sin_args
 from prepfuse.fx_passes.matching.layouts import apply_views, heads_major_as_token_major, strip_views, token_major_heads
 from prepfuse.fx_passes.matching.repeated_steps import merge_repeated_steps
 from prepfuse.fx_passes.matching.recognizers import (
-    BlockRows, aten, expect, is_op, prims, same_size, scatter_back, shape, val, view_chain,
+    BlockRows, aten, expect, is_op, same_size, scatter_back, shape, val, view_chain,
 )
 from prepfuse.fx_passes.matching.validation import Checked
 from prepfuse.fx_passes.mutation_info import output_indices
@@ -290,13 +290,15 @@ def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
     if isinstance(positions, SliceRows):
         start, end = positions.start, positions.end
         count = end - start if isinstance(start, int) and isinstance(end, int) else emit.node(operator.sub, end, start)
-        every = emit.node(prims.iota.default, count, start=0, step=1, dtype=torch.int64, device=cache.device,
-                          requires_grad=False)
+        every = emit.iota(count, cache.device)
         positions = emit.node(aten.add.Tensor, every, start) if start != 0 else every
     if not write.per_sequence or cache.shape[0] == 1:
         return positions
     batch, length = cache.shape[0], cache.shape[2] if write.layout == "sequence" else cache.shape[1]
-    if isinstance(write.slots, torch.fx.Node):
+    starts = emit.node(aten.mul.Tensor, emit.iota(batch, cache.device), length)
+    slots = emit.node(aten.add.Tensor, emit.node(aten.unsqueeze.default, starts, 1),
+                      emit.node(aten.unsqueeze.default, positions, 0))
+    if isinstance(write.slots, torch.fx.Node):  # positions as given (a slice's are in [0, S) by its shape)
         # a position outside [0, S) must not land in a neighbouring sequence's rows: beyond S
         # it becomes a slot beyond the cache (the op's index check raises, unchecked it is
         # skipped), negative it stays negative (skipped), as for one sequence's cache
@@ -304,11 +306,6 @@ def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
         beyond = emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, negative, -1 - batch * length), batch * length)
         inside = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, positions, 0),
                            emit.node(aten.lt.Scalar, positions, length))
-    sequence = emit.node(prims.iota.default, batch, start=0, step=1, dtype=torch.int64, device=cache.device,
-                         requires_grad=False)
-    slots = emit.node(aten.add.Tensor, emit.node(aten.unsqueeze.default, emit.node(aten.mul.Tensor, sequence, length), 1),
-                      emit.node(aten.unsqueeze.default, positions, 0))
-    if isinstance(write.slots, torch.fx.Node):
         slots = emit.node(aten.where.self, emit.node(aten.unsqueeze.default, inside, 0), slots,
                           emit.node(aten.unsqueeze.default, beyond, 0))
     return emit.node(aten.reshape.default, slots, [-1])

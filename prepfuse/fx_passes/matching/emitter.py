@@ -57,6 +57,11 @@ class Emitter:
         size = shape(tensor)[dim]
         return size if isinstance(size, int) else self.node(aten.sym_size.int, tensor, dim)
 
+    def iota(self, count, device) -> torch.fx.Node:
+        """``0, 1, .., count - 1`` (int64; ``count`` a number or a size node), post-grad's arange."""
+        return self.node(prims.iota.default, count, start=0, step=1, dtype=torch.int64, device=device,
+                         requires_grad=False)
+
     def empty(self, sizes, dtype, like: torch.fx.Node) -> torch.fx.Node:
         return self.node(aten.empty.memory_format, sizes, dtype=dtype, device=val(like).device, pin_memory=False)
 
@@ -187,8 +192,6 @@ def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_d
         both = emit.node(aten.cat.default, [emit.node(aten.unsqueeze.default, operands[n], 1) for n in ("cos", "sin")], 1)
         operands = {name: emit.node(aten.select.int, both, 1, i) for i, name in enumerate(("cos", "sin"))}
     if cos_sin.shared_by_sequences:  # one row per position, shared by the sequences: token i reads row i % rows
-        every = emit.node(prims.iota.default, tokens, start=0, step=1, dtype=torch.int64, device=val(source).device,
-                          requires_grad=False)
-        positions = emit.node(aten.remainder.Scalar, every, emit.size(operands["cos"], 0))
+        positions = emit.node(aten.remainder.Scalar, emit.iota(tokens, val(source).device), emit.size(operands["cos"], 0))
     extra = {"full_cos_sin": True} if cos_sin.full_operand else {}
     return {"positions": positions, "cos_sin_cache": None, **operands, **extra}
