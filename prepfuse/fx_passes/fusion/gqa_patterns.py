@@ -278,9 +278,9 @@ def is_cache_write(node) -> bool:
     """A candidate: a non-accumulating ``index_put`` of ``[n, H, D]`` rows into a 4-d tensor
     (``[B, Hkv, T, D]`` rows of B sequences), or a slice of a 4-d tensor's dim 1 or 2
     overwritten (``slice_scatter``: a static cache written at consecutive positions)."""
-    if is_op(node, aten.slice_scatter.default):
+    if is_op(node, aten.slice_scatter.default):  # of a graph input: a local [B, H, S, D] scratch is no cache
         dim, _, _, step = slice_params(node.args[2:], node.kwargs)
-        return len(shape(node.args[0])) == 4 and dim in (1, 2) and step == 1
+        return _is_graph_cache(node.args[0]) and dim in (1, 2) and step == 1
     if not is_op(node, aten.index_put.default):
         return False
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
@@ -290,6 +290,14 @@ def is_cache_write(node) -> bool:
     return not accumulate and len(cache) in (3, 4) and (len(rows) == 3 or sequences)
 
 
+def _is_graph_cache(cache) -> bool:
+    """``cache`` looks like a KV cache: a 4-d bf16/fp8/fp16 graph input or a view of one (fp16
+    so that the cache's dtype is the reason given, not silence)."""
+    root = view_chain(cache)[0] if isinstance(cache, torch.fx.Node) else None
+    return (isinstance(root, torch.fx.Node) and root.op == "placeholder" and len(shape(cache)) == 4
+            and val(cache).dtype in (*CACHE_DTYPES, torch.float16))
+
+
 def unsupported_cache_write(node) -> str | None:
     """Why ``node``, a write into what looks like a KV cache (a 4-d bf16/fp8 graph input or a
     view of one), is not a candidate, or None when it is no such write: the forms other
@@ -297,9 +305,7 @@ def unsupported_cache_write(node) -> str | None:
     if not is_op(node, aten.index_copy.default, aten.index_put.default, aten.slice_scatter.default):
         return None
     cache = node.args[0]
-    root = view_chain(cache)[0] if isinstance(cache, torch.fx.Node) else None
-    if not (isinstance(root, torch.fx.Node) and root.op == "placeholder" and len(shape(cache)) == 4
-            and val(cache).dtype in (*CACHE_DTYPES, torch.float16)):
+    if not _is_graph_cache(cache):
         return None
     sizes = tuple(shape(cache))
     if is_op(node, aten.index_copy.default):

@@ -203,3 +203,25 @@ def test_fp8_rows_transposed_after_the_cast_are_declined_by_name():
     torch.compile(transposed_after, backend=backend, fullgraph=True)(k, cache, scale)
     whys = [r.why for r in backend.reports.near_misses(PASS)]
     assert len(whys) == 1 and whys[0].startswith("fp8: rows permute") and "not a cast to float8_e4m3fn" in whys[0], whys
+
+
+def test_a_slice_written_into_a_local_tensor_is_no_candidate():
+    """A 4-d slice overwritten in a tensor the graph makes itself (``buf[:, :, 3:8] = k`` into
+    a ``zeros``) is no cache write: the report names no near miss for it, while the same
+    write into a graph input is a candidate (declined here: nothing roped)."""
+    def local(k, cache):
+        buf = torch.zeros_like(cache)
+        buf[:, :, 3:3 + T] = k
+        return buf.float().sum()
+
+    def into_input(k, cache):
+        cache[:, :, 3:3 + T] = k
+        return cache.float().sum()
+
+    k, cache = torch.randn(2, HKV, T, D).to(torch.bfloat16), torch.zeros(2, HKV, S, D).to(torch.bfloat16)
+    whys = {}
+    for fn in (local, into_input):
+        backend = PrepfuseBackend()
+        torch.compile(fn, backend=backend, fullgraph=True)(k, cache.clone())
+        whys[fn.__name__] = [r.why for r in backend.reports.near_misses(PASS)]
+    assert whys["local"] == [] and len(whys["into_input"]) == 1, whys
