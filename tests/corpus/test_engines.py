@@ -153,6 +153,21 @@ def test_every_batch_size_without_a_recompile(name):
     assert len(backend.reports) == compiled_graphs
 
 
+def test_shared_strided_cos_sin_need_no_positions():
+    """gpt-fast's batch: ``freqs_cis[input_pos]`` rows shared by both sequences, their cos
+    and sin columns strided. The one ``cat`` that makes them dense writes them once per token
+    of every sequence, so each call reads token t's row t (``positions=None``): no
+    ``i % S`` is computed in front of it."""
+    backend = PrepfuseBackend({"record_graphs": True})
+    run(CASES["gpt-fast-llama-batch2"], backend, num_layers=1, seed=4)
+    graph = backend.reports[0].graph  # the rewritten graph's text, one node a line
+    call = "prepfuse.gqa_qknorm_rope_kv_insert.default("
+    calls = [line.split(call, 1)[1].split(", ") for line in graph.splitlines() if call in line]
+    # (qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, ..)
+    assert len(calls) == 1 and calls[0][7] == "None", calls
+    assert "remainder" not in graph and graph.count("aten.cat.default") == 2, graph  # gpt-fast's own, and the table's
+
+
 def test_page_table_slots_are_probed(monkeypatch):
     """The page-table case's slot per token is computed by the pass (``block * bs + row``);
     the probes draw distinct (block, row) pairs, so a wrong formula (block and row swapped)

@@ -188,10 +188,21 @@ def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_d
     if any(val(rows).stride(-1) != 1 for rows in operands.values()):
         # the kernel reads rows with unit stride: strided values (gpt-fast's interleaved
         # (cos, sin) pairs) are written once into one [N, 2, R/2] buffer, one kernel for both,
-        # and read as its two row views
-        both = emit.node(aten.cat.default, [emit.node(aten.unsqueeze.default, operands[n], 1) for n in ("cos", "sin")], 1)
+        # and read as its two row views; rows shared by the B sequences of a batch are
+        # written once per token of every sequence by that same kernel ([B * S, 2, R/2]),
+        # so that no positions need computing in front of the call
+        columns = [emit.node(aten.unsqueeze.default, operands[n], 1) for n in ("cos", "sin")]
+        if cos_sin.shared_by_sequences:
+            rows = emit.size(operands["cos"], 0)
+            both_ints = isinstance(tokens, int) and isinstance(rows, int)
+            sequences = tokens // rows if both_ints else emit.node(operator.floordiv, tokens, rows)
+            columns = [emit.node(aten.expand.default, emit.node(aten.unsqueeze.default, c, 0), [sequences, -1, -1, -1])
+                       for c in columns]
+        both = emit.node(aten.cat.default, columns, len(shape(columns[0])) - 2)
+        if cos_sin.shared_by_sequences:
+            both = emit.node(aten.reshape.default, both, [tokens, 2, -1])
         operands = {name: emit.node(aten.select.int, both, 1, i) for i, name in enumerate(("cos", "sin"))}
-    if cos_sin.shared_by_sequences:  # one row per position, shared by the sequences: token i reads row i % rows
+    elif cos_sin.shared_by_sequences:  # one row per position, shared by the sequences: token i reads row i % rows
         positions = emit.node(aten.remainder.Scalar, emit.iota(tokens, val(source).device), emit.size(operands["cos"], 0))
     extra = {"full_cos_sin": True} if cos_sin.full_operand else {}
     return {"positions": positions, "cos_sin_cache": None, **operands, **extra}
