@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 16384)
 BLOCK_SIZE = 16
 SWEEP_BLOCK_H = (1, 2, 4, 8)
 SWEEP_NUM_WARPS = (1, 2, 4)
+SWEEP_TOKENS = (1,)  # tokens per program; --sweep-tokens 1,2,4 adds the multi-token tiles
 FP8 = torch.float8_e4m3fn
 # name -> (Hq, Hkv, D, rotary dim, NeoX, norm, cache dtype[, operand form]); the form
 # "full" reads a [P, 2R] full-width table (full_cos_sin=True, Hugging Face's cos/sin
@@ -207,8 +209,9 @@ def run_benchmark(args) -> dict:
 
 
 def run_sweep(args) -> dict:
-    """Time the fused kernel alone at each (BLOCK_H, num_warps); print the best per shape
-    beside the op's ``_launch_config`` choice. Each configuration is gated first."""
+    """Time the fused kernel alone at each (BLOCK_H, num_warps, tokens per program); print
+    the best per shape beside the op's ``_launch_config`` choice. Each configuration is
+    gated first."""
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import _launch_config, gqa_qknorm_rope_kv_insert_triton
 
     info = harness.device_info()
@@ -225,28 +228,29 @@ def run_sweep(args) -> dict:
             k = harness.rotation_copies(nbytes, info["l2_bytes"], 0.25)
             gate = make_inputs(t, model, skip_fraction=0.1)
             copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
-            heuristic = _launch_config(t, d, max(hq, hkv))
+            heuristic = _launch_config(t, d, max(hq, hkv), model[6] == FP8, full_cos_sin(model))
             rows = []
-            for bh in SWEEP_BLOCK_H:
-                for w in SWEEP_NUM_WARPS:
-                    fn = lambda inp, bh=bh, w=w: gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=(bh, w))  # noqa: E731
-                    row = {"model": name, "T": t, "BLOCK_H": bh, "num_warps": w, "heuristic": (bh, w) == tuple(heuristic)}
-                    try:
-                        row["correct"], _ = _gate(fn, gate, model)
-                        graphs = harness.capture_graphs(fn, copies, warmup=2)
-                        row.update(harness.time_graphs(graphs, args.target_ms, 10, 100))
-                        del graphs
-                    except Exception as err:  # noqa: BLE001
-                        row["error"] = f"{type(err).__name__}: {err}"
-                    rows.append(row)
+            for bh, w, tp in itertools.product(args.sweep_block_h, args.sweep_warps, args.sweep_tokens):
+                fn = lambda inp, c=(bh, w, tp): gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=c)  # noqa: E731
+                row = {"model": name, "T": t, "BLOCK_H": bh, "num_warps": w, "tokens_per_program": tp,
+                       "heuristic": (bh, w, tp) == tuple(heuristic)}
+                try:
+                    row["correct"], _ = _gate(fn, gate, model)
+                    graphs = harness.capture_graphs(fn, copies, warmup=2)
+                    row.update(harness.time_graphs(graphs, args.target_ms, 10, 100))
+                    del graphs
+                except Exception as err:  # noqa: BLE001
+                    row["error"] = f"{type(err).__name__}: {err}"
+                rows.append(row)
             data["rows"].extend(rows)
             timed = [r for r in rows if "us_median" in r and r["correct"]]
             best = min(timed, key=lambda r: r["us_median"])
-            heur = next(r for r in rows if r["heuristic"])
-            data["best"].append({"model": name, "T": t, "best": [best["BLOCK_H"], best["num_warps"]],
-                                 "us": best["us_median"], "heuristic": list(heuristic), "heuristic_us": heur.get("us_median")})
-            print(f"{name:13s} T={t:5d}: best {best['BLOCK_H']}/{best['num_warps']} {best['us_median']:.2f} us; "
-                  f"heuristic {heuristic[0]}/{heuristic[1]} {heur.get('us_median', float('nan')):.2f} us"
+            heur = next((r for r in rows if r["heuristic"]), {})  # {} where the sweep leaves it out
+            best_config = [best["BLOCK_H"], best["num_warps"], best["tokens_per_program"]]
+            data["best"].append({"model": name, "T": t, "best": best_config, "us": best["us_median"],
+                                 "heuristic": list(heuristic), "heuristic_us": heur.get("us_median")})
+            print(f"{name:13s} T={t:5d}: best {'/'.join(map(str, best_config))} {best['us_median']:.2f} us; "
+                  f"heuristic {'/'.join(map(str, heuristic))} {heur.get('us_median', float('nan')):.2f} us"
                   + ("" if len(timed) == len(rows) else f"  ({len(rows) - len(timed)} configs failed or incorrect)"),
                   flush=True)
             del copies, gate
@@ -347,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name-suffix", default="")
     p.add_argument("--target-ms", type=float, default=60.0)
     p.add_argument("--sweep-config", action="store_true")
+    p.add_argument("--sweep-block-h", type=harness.parse_int_list, default=list(SWEEP_BLOCK_H))
+    p.add_argument("--sweep-warps", type=harness.parse_int_list, default=list(SWEEP_NUM_WARPS))
+    p.add_argument("--sweep-tokens", type=harness.parse_int_list, default=list(SWEEP_TOKENS),
+                   help="tokens per program (powers of two)")
     p.add_argument("--from-json", default=None)
     args = p.parse_args(argv)
     for m in args.models:

@@ -7,7 +7,7 @@
 #   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
 #   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
 #   gqa   - the GQA op's benchmark (JSON, PNG, benchmarks_gqa.md into $OUT)
-#   gqa-sweep - the GQA kernel's launch-configuration sweep
+#   gqa-sweep - the GQA kernel's launch-configuration sweep (PREPFUSE_GQA_SWEEP_ARGS replaces its shapes and configs)
 #   indexer - the DeepSeek-V4 indexer ops' benchmark (JSON, PNG, benchmarks_indexer.md into $OUT)
 #   indexer-sweep - the indexer kernel's launch-configuration sweep
 #   clients - the corpus (transformers' attention modules, engines' spellings), backend=prepfuse vs
@@ -80,7 +80,7 @@ for what in "${steps[@]}"; do
         ;;
     gqa-sweep)
         step gqa-sweep
-        python3 bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config --tokens 1,64,4096,16384 --models qwen3-8b,qwen3-8b-fp8 --out-dir "$OUT" 2>&1 | tail -n 20 | tee -a "$log" || status=1
+        python3 bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config ${PREPFUSE_GQA_SWEEP_ARGS:---tokens 1,64,4096,16384 --models qwen3-8b,qwen3-8b-fp8} --out-dir "$OUT" 2>&1 | tail -n 20 | tee -a "$log" || status=1
         ;;
     indexer)
         step indexer

@@ -6,14 +6,17 @@
 Shapes cover every head size, bf16 and fp8 caches, NeoX and GPT-J pairs, partial rotary
 dims that are (32) and are not (44, 96) powers of two, one kv head, a slot mapping
 shorter than T with skipped rows, fp32 norm weights (Gemma-3's form, the kernel's
-W_FP32 path), and cos/sin as two tensors (bf16 per token with positions=None, or fp32 rows
-of a wider buffer); a wrong result fails the run too.
+W_FP32 path), cos/sin as two tensors (bf16 per token with positions=None, or fp32 rows
+of a wider buffer), T large enough for the large-T launch (bf16 and fp8), and each shape
+again with a launch configuration of several tokens per program (a last program with
+tokens past T); a wrong result fails the run too.
 """
 
 import torch
 
 import prepfuse  # noqa: F401
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, gqa_qknorm_rope_kv_insert_reference
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import gqa_qknorm_rope_kv_insert_triton
 from prepfuse.testing import compare_gqa, seeded_gqa_inputs, with_cos_sin_operands, with_fp32_norm_weights
 
 FP8 = torch.float8_e4m3fn
@@ -29,7 +32,11 @@ SHAPES = [
     (5, 8, 2, 128, 44, False, FP8, 5, True, None),
     (13, 8, 2, 128, None, True, torch.bfloat16, 13, False, (torch.bfloat16, True, 0)),
     (6, 8, 2, 128, 44, False, FP8, 4, False, (torch.float32, False, 3)),
+    (300, 32, 8, 128, None, True, FP8, 290, False, None),
+    (257, 32, 8, 128, None, True, torch.bfloat16, 257, False, None),
 ]
+# (BLOCK_H, num_warps, tokens per program) for each shape's second launch
+MULTI_TOKEN_CONFIG = (2, 1, 4)
 
 
 def main() -> int:
@@ -44,14 +51,18 @@ def main() -> int:
         if operands is not None:
             dtype, per_token, row_padding = operands
             base, _ = with_cos_sin_operands(base, dtype=dtype, per_token=per_token, row_padding=row_padding)
-        fused, ref = base.fresh_outputs(), base.fresh_outputs()
-        GQA_QKNORM_ROPE_KV_INSERT(*fused.args())
+        ref = base.fresh_outputs()
         gqa_qknorm_rope_kv_insert_reference(*ref.args())
-        torch.cuda.synchronize()
-        comparison = compare_gqa(ref, fused)
-        failures += not comparison.exact()
-        print(f"T={tokens} Hq={hq} Hkv={hkv} D={head_dim} R={rotary} neox={neox} {cache_dtype} T'={inserted} fp32 w={fp32_weights} cos/sin={operands} seed={seed}: "
-              f"{'ok' if comparison.exact() else comparison}")
+        launches = (("op", lambda o: GQA_QKNORM_ROPE_KV_INSERT(*o.args())),
+                    (MULTI_TOKEN_CONFIG, lambda o: gqa_qknorm_rope_kv_insert_triton(*o.args(), launch_config=MULTI_TOKEN_CONFIG)))
+        for how, launch in launches:
+            fused = base.fresh_outputs()
+            launch(fused)
+            torch.cuda.synchronize()
+            comparison = compare_gqa(ref, fused)
+            failures += not comparison.exact()
+            print(f"T={tokens} Hq={hq} Hkv={hkv} D={head_dim} R={rotary} neox={neox} {cache_dtype} T'={inserted} fp32 w={fp32_weights} "
+                  f"cos/sin={operands} launch={how} seed={seed}: {'ok' if comparison.exact() else comparison}")
     return 1 if failures else 0
 
 

@@ -157,13 +157,13 @@ if has_triton():
 
     @triton.jit
     def _norm_rope_store_heads(
-        src,  # [BLOCK_H] pointers to the first of each head's D bf16 values
-        dst,  # [BLOCK_H] pointers to each head's first destination element
+        src,  # [BLOCK_H] pointers to the first of each row's D bf16 values (a head of a token)
+        dst,  # [BLOCK_H] pointers to each row's first destination element
         head_mask,  # [BLOCK_H] which of them are real heads
-        store_ok,  # whether to store at all (a k row whose slot is skipped: loads, no store)
+        store_ok,  # [BLOCK_H] which rows to store (a k row whose slot is skipped: loads, no store)
         w_ptr,  # [D] bf16 norm weight (unread without HAS_NORM)
-        cos_row,  # this token's row of the cos table (fp32 or bf16)
-        sin_row,  # this token's row of the sin table
+        cos_row,  # [BLOCK_H] each row's token's row of the cos table (fp32 or bf16)
+        sin_row,  # [BLOCK_H] the same rows of the sin table
         eps,  # RMSNorm epsilon
         scale_ptr,  # [1] fp32 kv_scale (unread unless QUANT_FP8)
         HEAD_DIM: tl.constexpr,  # D
@@ -174,10 +174,10 @@ if has_triton():
         W_FP32: tl.constexpr,  # the norm weight is fp32, applied in fp32 before one rounding
         FULL_COS_SIN: tl.constexpr,  # the rows hold R entries (one per dim), else R/2 (one per pair)
         QUANT_FP8: tl.constexpr,  # store fp8 cache codes (k), else bf16 (q_out, a bf16 cache)
-        BLOCK_H: tl.constexpr,  # heads (rows of src and dst)
+        BLOCK_H: tl.constexpr,  # rows of src and dst (heads of one or more tokens)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
-        """Norm and rotate BLOCK_H heads and store them: rotated dims [0, R), then (partial
+        """Norm and rotate BLOCK_H rows (heads) and store them: rotated dims [0, R), then (partial
         rotary) the normed dims [R, D) as they are.
 
         A NeoX pair's two values are loaded and stored where they lie (the rotated dims'
@@ -191,9 +191,12 @@ if has_triton():
         head_mask = head_mask[:, None]
         # the store mask; loads use head_mask alone (a where, not an &: the CPU
         # interpreter's & of a loaded scalar's comparison gives no boolean mask)
-        keep = tl.where(store_ok, head_mask, False)
+        keep = tl.where(store_ok[:, None], head_mask, False)
         src = src[:, None]
         dst = dst[:, None]
+        # rows of one token read one cos/sin row: one load's threads ask for the same addresses
+        cos_row = cos_row[:, None]
+        sin_row = sin_row[:, None]
         rstd = 1.0
         if ROT_PAD != ROT_DIM or ROT_DIM < HEAD_DIM or not IS_NEOX:
             x = tl.load(src + d, mask=head_mask, other=0.0).to(tl.float32)
@@ -225,8 +228,8 @@ if has_triton():
             xj = _weighted(xj, rstd, w_ptr, j[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
             xp = _weighted(xp, rstd, w_ptr, partner[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
             entry = j if FULL_COS_SIN else column  # lane j's own entry of R-wide cos/sin, else its pair's
-            cos = tl.load(cos_row + entry, mask=in_rot, other=0.0).to(tl.float32)[None, :]
-            sin = tl.load(sin_row + entry, mask=in_rot, other=0.0).to(tl.float32)[None, :]
+            cos = tl.load(cos_row + entry[None, :], mask=in_rot[None, :], other=0.0).to(tl.float32)
+            sin = tl.load(sin_row + entry[None, :], mask=in_rot[None, :], other=0.0).to(tl.float32)
             # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
             rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
                            _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
@@ -259,8 +262,8 @@ if has_triton():
                 cos_b = tl.load(cos_row + ib).to(tl.float32)
                 sin_b = tl.load(sin_row + ib).to(tl.float32)
             else:
-                cos_a = tl.load(cos_row + i).to(tl.float32)[None, :]
-                sin_a = tl.load(sin_row + i).to(tl.float32)[None, :]
+                cos_a = tl.load(cos_row + i[None, :]).to(tl.float32)
+                sin_a = tl.load(sin_row + i[None, :]).to(tl.float32)
                 cos_b = cos_a
                 sin_b = sin_a
             # a' = a*cos - b*sin, b' = b*cos + a*sin, each product rounded (never an FMA)
@@ -291,6 +294,7 @@ if has_triton():
         scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
         Hq,  # query heads
         Hkv,  # kv heads
+        n_tokens,  # T
         n_insert,  # T': rows inserted into the caches
         n_slots,  # NB * BS: slots the caches hold
         max_pos,  # P: rows of the cos and sin tables
@@ -318,24 +322,30 @@ if has_triton():
         FULL_COS_SIN: tl.constexpr,  # cos and sin rows hold R entries, else R/2
         HAS_POSITIONS: tl.constexpr,  # token t reads row positions[t], else row t
         CACHE_FP8: tl.constexpr,  # caches hold e4m3fn codes scaled by kv_scale
-        BLOCK_H: tl.constexpr,  # heads per program
+        BLOCK_H: tl.constexpr,  # heads per program and token
+        TOKENS: tl.constexpr,  # tokens per program (a power of two)
         Q_COLS: tl.constexpr,  # programs per token on q: cdiv(Hq, BLOCK_H)
         KV_COLS: tl.constexpr,  # programs per token on k, and again on v: cdiv(Hkv, BLOCK_H)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
-        # A 1-D grid of T * (Q_COLS + 2 * KV_COLS) programs. Columns vary fastest and
-        # follow qkv's order (q heads, k heads, v heads), so programs running together
-        # read one token's qkv row front to back (q, k and v are three base pointers:
-        # column ranges of one fused qkv, or separate projections); each column handles
-        # BLOCK_H heads of one kind. q and k columns share the norm and rotation code
-        # (_norm_rope_store_heads), v columns only copy or quantise. (T is not capped at 65535
-        # on a 1-D grid.)
+        # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
+        # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
+        # together read TOKENS tokens' qkv rows front to back (q, k and v are three base
+        # pointers: column ranges of one fused qkv, or separate projections); each column
+        # handles BLOCK_H heads of one kind for each of its TOKENS tokens, as one tile of
+        # TOKENS * BLOCK_H rows (row r: token r // BLOCK_H, head r % BLOCK_H). q and k
+        # columns share the norm and rotation code (_norm_rope_store_heads), v columns only
+        # copy or quantise. Rows of tokens past T read token T - 1 and store nothing. (T is
+        # not capped at 65535 on a 1-D grid.)
         pid = tl.program_id(0).to(tl.int64)
         n_cols = Q_COLS + 2 * KV_COLS
-        t = pid // n_cols
         col = pid % n_cols
+        r = tl.arange(0, TOKENS * BLOCK_H)
+        t = (pid // n_cols) * TOKENS + r // BLOCK_H
+        live = t < n_tokens
+        t = tl.minimum(t, n_tokens - 1)
+        hb = r % BLOCK_H
         d = tl.arange(0, HEAD_DIM)
-        hb = tl.arange(0, BLOCK_H)
         # Out-of-range positions are rejected on the host when it can read them; here
         # they are clamped only so that no read leaves the tables.
         if HAS_POSITIONS:
@@ -349,15 +359,16 @@ if has_triton():
             heads = col * BLOCK_H + hb
             _norm_rope_store_heads(
                 q_ptr + t * stride_qt + heads * HEAD_DIM, q_out_ptr + t * stride_ot + heads * stride_oh, heads < Hq,
-                True, q_w_ptr, cos_row, sin_row, eps, scale_ptr,
-                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, False, BLOCK_H, SOFT_ROUNDING,
+                live, q_w_ptr, cos_row, sin_row, eps, scale_ptr,
+                HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, False, TOKENS * BLOCK_H,
+                SOFT_ROUNDING,
             )
         else:
             # The slot only addresses the stores: its load is issued beside the row's,
             # not before it (no branch on it), so a k or v program waits on one round
-            # trip to memory, not two; a skipped slot's program loads and stores nothing.
+            # trip to memory, not two; a skipped slot's rows load and store nothing.
             slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
-            insert = (slot >= 0) & (slot < n_slots)
+            insert = live & (slot >= 0) & (slot < n_slots)
             slot = tl.where(insert, slot, 0)
             blk = slot // block_size
             slot_row = slot % block_size
@@ -367,36 +378,43 @@ if has_triton():
                     k_ptr + t * stride_kt + heads * HEAD_DIM,
                     k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads * stride_kh, heads < Hkv,
                     insert, k_w_ptr, cos_row, sin_row, eps, scale_ptr,
-                    HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, BLOCK_H,
-                    SOFT_ROUNDING,
+                    HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
+                    TOKENS * BLOCK_H, SOFT_ROUNDING,
                 )
             else:
                 heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
-                real = heads < Hkv
-                v = tl.load(v_ptr + t * stride_vt + heads[:, None] * HEAD_DIM + d[None, :], mask=real[:, None])
-                v_dst = v_cache_ptr + blk * stride_vb + slot_row * stride_vr + heads[:, None] * stride_vh + d[None, :]
-                _store_values(v_dst, v, tl.where(insert, real[:, None], False), scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+                real = (heads < Hkv)[:, None]
+                v = tl.load(v_ptr + t[:, None] * stride_vt + heads[:, None] * HEAD_DIM + d[None, :], mask=real)
+                v_dst = (v_cache_ptr + (blk * stride_vb + slot_row * stride_vr + heads * stride_vh)[:, None]
+                         + d[None, :])
+                _store_values(v_dst, v, tl.where(insert[:, None], real, False), scale_ptr, CACHE_FP8, SOFT_ROUNDING)
 
 
-def _launch_config(num_tokens: int, head_dim: int, max_heads: int) -> tuple[int, int]:
-    """(heads per program, warps per program), from the H200 sweep
-    (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
-    ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200.json``).
+def _launch_config(num_tokens: int, head_dim: int, max_heads: int, cache_fp8: bool = False,
+                   full_cos_sin: bool = False) -> tuple[int, int, int]:
+    """(heads per program and token, warps per program, tokens per program), from the H200
+    sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
+    ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200*.json``).
 
     Large T is bandwidth bound and the kernel's per-value work is not small (norm, two
-    roundings, the rotation, fp8 division): one warp per program carrying about 1024
-    values (8 heads of 128) beat every wider configuration (Qwen3-8B, T=16384: 122 us
-    against 140 us at 4 heads x 2 warps; Llama-3-8B 118 against 131). At T <= 4 one head
-    per program spreads a token over the most programs (latency bound); in between, 256
-    values per program on two warps.
+    roundings, the rotation, fp8 division): about 1024 values (8 heads of 128) per program.
+    With bf16 caches one warp carries them best (Qwen3-8B, T=16384: 122.0 us against 125.7
+    on four warps and 134-152 at 16 heads); the fp8 quantisation wants four warps (128.6 us
+    against 182.3 on one, 143.5 on two; T=4096: 34.6 against 49.5), and so do full-width
+    cos/sin, four per-row loads (129.6 us against 131.9; T=4096: 34.6 against 36.9). At T <= 4 one head per
+    program on one warp spreads a token over the most programs (latency bound: T=1 1.94 us
+    against 2.23 on two warps); in between, 256 values per program on one warp (T=64: 2.72
+    against 3.08 on two). Several tokens per program (one tile of tokens x heads) was no
+    faster anywhere it was measured (T=16384: 126.9 us at 8 heads x 2 tokens on four warps,
+    132.5 at 4 x 2 on one), so one token per program it is.
     """
     if num_tokens <= 4:
-        block_h, num_warps = 1, 2
+        block_h, num_warps = 1, 1
     elif num_tokens <= 128:
-        block_h, num_warps = max(1, 256 // head_dim), 2
+        block_h, num_warps = max(1, 256 // head_dim), 1
     else:
-        block_h, num_warps = max(1, 1024 // head_dim), 1
-    return min(block_h, max(1, triton.next_power_of_2(max_heads))), num_warps
+        block_h, num_warps = max(1, 1024 // head_dim), 4 if cache_fp8 or full_cos_sin else 1
+    return min(block_h, max(1, triton.next_power_of_2(max_heads))), num_warps, 1
 
 
 def split_qkv_columns(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
@@ -417,32 +435,36 @@ def cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin) -> tuple[torch.Tensor,
 
 def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, *, launch_config: tuple[int, int] | None = None,
+    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, *, launch_config: tuple[int, ...] | None = None,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
-    ``k_cache``. Inputs are not checked here."""
+    ``k_cache``. ``launch_config``, for a benchmark sweep: ``(BLOCK_H, num_warps)`` or
+    ``(BLOCK_H, num_warps, TOKENS)`` in place of ``_launch_config``'s. Inputs are not
+    checked here."""
     num_tokens, num_q_heads, head_dim = q_out.shape
     num_kv_heads = k_cache.shape[2]
     if num_tokens == 0:
         return
     cos, sin, rot_dim = cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin)
-    block_h, num_warps = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads))
-    q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    config = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads), fp8,
+                                             bool(full_cos_sin))
+    block_h, num_warps, tokens = (*config, 1)[:3]  # a pair: one token per program
+    q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     has_norm = q_norm_weight is not None
     # unread placeholders for absent optional tensors (the constexprs keep them unread)
     q_w = q_norm_weight if has_norm else q
     k_w = k_norm_weight if has_norm else q
     scale = kv_scale if fp8 else cos
     block_size = k_cache.shape[1]
-    grid = (num_tokens * (q_cols + 2 * kv_cols),)
+    grid = (triton.cdiv(num_tokens, tokens) * (q_cols + 2 * kv_cols),)
     _gqa_qknorm_rope_kv_insert_kernel[grid](
         q, k, v, q_w, k_w, q_out,
         k_cache.view(torch.uint8) if fp8 else k_cache,
         v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping, slot_mapping if positions is None else positions, cos, sin, scale,
-        num_q_heads, num_kv_heads, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos.shape[0],
+        num_q_heads, num_kv_heads, num_tokens, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos.shape[0],
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -457,6 +479,7 @@ def launch_gqa_kernel(
         HAS_POSITIONS=positions is not None,
         CACHE_FP8=fp8,
         BLOCK_H=block_h,
+        TOKENS=tokens,
         Q_COLS=q_cols,
         KV_COLS=kv_cols,
         SOFT_ROUNDING=triton_interpret_mode(),
@@ -558,8 +581,8 @@ def on_qkv_columns(impl):
     return on_qkv
 
 
-# the fused op's kernel launch (``launch_config`` overrides (BLOCK_H, num_warps), for a
-# benchmark sweep) and its plain-PyTorch math, both on qkv's column ranges
+# the fused op's kernel launch (``launch_config`` overrides (BLOCK_H, num_warps[, TOKENS]),
+# for a benchmark sweep) and its plain-PyTorch math, both on qkv's column ranges
 gqa_qknorm_rope_kv_insert_triton = on_qkv_columns(launch_gqa_kernel)
 unchecked_reference = on_qkv_columns(sources_reference)
 

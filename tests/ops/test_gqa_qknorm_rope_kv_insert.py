@@ -416,10 +416,16 @@ def test_triton_interpreter_partial_inserts(options):
 
 @needs_triton
 @needs_interpreter
-@pytest.mark.parametrize("launch_config", [(1, 1), (2, 2), (4, 4)], ids=str)
-def test_triton_interpreter_launch_configs(launch_config):
-    """Every heads-per-program choice (including blocks with padding heads) is bit for bit."""
-    inputs, seed = seeded_gqa_inputs(5, 3, 1, 64, 16, "cpu", cache_dtype=FP8)
+@pytest.mark.parametrize("launch_config", [(1, 1), (2, 2), (4, 4), (2, 1, 2), (1, 2, 4), (4, 1, 8)], ids=str)
+@pytest.mark.parametrize("rope", [(64, True), (64, False), (32, True), (48, True)], ids=lambda r: f"R{r[0]}-{'neox' if r[1] else 'gptj'}")
+def test_triton_interpreter_launch_configs(launch_config, rope):
+    """Every heads-per-program and tokens-per-program choice (blocks with padding heads, a
+    last program with tokens past T, more tokens a program than T) is bit for bit, on
+    every rotation path (full NeoX, GPT-J pairs, partial, a rotary dim no power of two),
+    with some rows' slots skipped and fewer rows inserted than tokens."""
+    rotary_dim, is_neox = rope
+    inputs, seed = seeded_gqa_inputs(5, 3, 1, 64, 16, "cpu", cache_dtype=FP8, rotary_dim=rotary_dim, is_neox=is_neox,
+                                     num_inserted=4, skip_fraction=0.3)
     expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
     actual = inputs.fresh_outputs()
     gqa_qknorm_rope_kv_insert_triton(*actual.args(), launch_config=launch_config)
