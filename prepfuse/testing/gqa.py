@@ -14,7 +14,7 @@ from prepfuse.testing.common import (
 
 __all__ = ["GqaInputs", "make_gqa_inputs", "CACHE_LAYOUTS", "with_cache_layout", "with_fp32_norm_weights",
            "with_full_cos_sin", "with_cos_sin_operands", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa",
-           "bf16_rope_pair_bound"]
+           "bf16_rope_pair_bound", "assert_fused_write_close"]
 
 
 @dataclass
@@ -317,3 +317,15 @@ def bf16_rope_pair_bound(x: torch.Tensor, rotary_dim: int, is_neox: bool, factor
     bound = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     bound[..., :rotary_dim] = factor * (a + partner)
     return bound
+
+
+def assert_fused_write_close(q, k_cache, v_cache, q_ref, k_ref, v_ref) -> None:
+    """A fused call on CUDA beside eager code that rotates in fp32: v bit for bit; k within a
+    rounding of the fp32 rotation (the kernel may contract a multiply-add eager rounds twice:
+    one e4m3 code of an fp8 cache, one bf16 ULP of a bf16 one); q likewise."""
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    if k_cache.dtype == torch.float8_e4m3fn:
+        assert int(e4m3_code_diff(k_cache.view(torch.uint8), k_ref.view(torch.uint8)).max()) <= 1
+    else:
+        torch.testing.assert_close(k_cache.float(), k_ref.float(), rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=2**-7, atol=2**-7)

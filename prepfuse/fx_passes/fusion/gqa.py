@@ -258,7 +258,9 @@ class FuseGqaPrepPass(PrepfusePass):
             if isinstance(k_write.slots, BlockRows):  # probed as one slot each: distinct (block, row) pairs
                 extra_roles.update({k_write.slots.block: "slot_block", k_write.slots.row: "slot_row"})
             elif isinstance(k_write.slots, torch.fx.Node) and k_write.slots is not args["slot_mapping"]:
-                extra_roles[k_write.slots], capacity = "slots", cache.shape[1]  # B sequences: distinct positions of one
+                # B sequences: distinct positions of one; each sequence's own [B, T]: distinct in each row
+                own = len(shape(k_write.slots)) == 2
+                extra_roles[k_write.slots], capacity = "sequence_slots" if own else "slots", cache.shape[1]
             note = emit.validate(args, checked, extra_roles, slot_capacity=capacity, block_size=cache.shape[1])
         q.prepared.replace_all_uses_with(new_q)
         for old, new in written:
@@ -279,9 +281,10 @@ def _same_slots(a, b) -> bool:
 def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
     """The op's slot per row, computed in front of the call where the write does not hold it
     as one tensor: ``block * bs + row`` for a page table's indices (``BlockRows``); for the
-    positions of a static cache of B sequences (``per_sequence``: by position, or a slice
-    ``start + t``, ``SliceRows``) ``b * S + position``, token ``(b, t)`` being row ``b * T + t``
-    (a position outside ``[0, S)`` kept outside every sequence's rows)."""
+    positions of a static cache of B sequences (``per_sequence``: by position, shared by the
+    sequences or each sequence's own ``[B, T]``, or a slice ``start + t``, ``SliceRows``)
+    ``b * S + position``, token ``(b, t)`` being row ``b * T + t`` (a position outside
+    ``[0, S)`` kept outside every sequence's rows)."""
     cache = val(write.cache)
     if isinstance(write.slots, BlockRows):
         return emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, write.slots.block, cache.shape[1]),
@@ -292,12 +295,16 @@ def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
         count = end - start if isinstance(start, int) and isinstance(end, int) else emit.node(operator.sub, end, start)
         every = emit.iota(count, cache.device)
         positions = emit.node(aten.add.Tensor, every, start) if start != 0 else every
+    own = len(shape(positions)) == 2  # [B, T]: each sequence's own positions, else [T] shared by all
     if not write.per_sequence or cache.shape[0] == 1:
-        return positions
-    batch, length = cache.shape[0], cache.shape[2] if write.layout == "sequence" else cache.shape[1]
+        return emit.node(aten.reshape.default, positions, [-1]) if own else positions
+    batch = cache.shape[0]
+    length = cache.shape[2] if write.layout in ("sequence", "heads_first") else cache.shape[1]
+    def by_sequence(per_token):  # [T] values as the [1, T] row every sequence reads; [B, T] as they are
+        return per_token if own else emit.node(aten.unsqueeze.default, per_token, 0)
+
     starts = emit.node(aten.mul.Tensor, emit.iota(batch, cache.device), length)
-    slots = emit.node(aten.add.Tensor, emit.node(aten.unsqueeze.default, starts, 1),
-                      emit.node(aten.unsqueeze.default, positions, 0))
+    slots = emit.node(aten.add.Tensor, emit.node(aten.unsqueeze.default, starts, 1), by_sequence(positions))
     if isinstance(write.slots, torch.fx.Node):  # positions as given (a slice's are in [0, S) by its shape)
         # a position outside [0, S) must not land in a neighbouring sequence's rows: beyond S
         # it becomes a slot beyond the cache (the op's index check raises, unchecked it is
@@ -306,8 +313,7 @@ def _slot_mapping(emit: Emitter, write: CacheWrite) -> torch.fx.Node:
         beyond = emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, negative, -1 - batch * length), batch * length)
         inside = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, positions, 0),
                            emit.node(aten.lt.Scalar, positions, length))
-        slots = emit.node(aten.where.self, emit.node(aten.unsqueeze.default, inside, 0), slots,
-                          emit.node(aten.unsqueeze.default, beyond, 0))
+        slots = emit.node(aten.where.self, by_sequence(inside), slots, by_sequence(beyond))
     return emit.node(aten.reshape.default, slots, [-1])
 
 

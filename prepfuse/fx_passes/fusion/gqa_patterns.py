@@ -30,7 +30,7 @@ from prepfuse.fx_passes.matching.layouts import (
     VIEW_OPS, Axis, Layout, apply_views, canonical_order, identity, strip_views, token_major_heads,
 )
 from prepfuse.fx_passes.matching.recognizers import (
-    CONVERTS, RESHAPES, BlockRows, NoMatch, aten, bf16_columns, block_rows, clamp_bounds, columns, convert_source, describe,
+    CONVERTS, RESHAPES, BlockRows, NoMatch, aten, bf16_columns, prims, block_rows, clamp_bounds, columns, convert_source, describe,
     expect, is_op, last_dim_slice, paged_slots, put_rows, rope_gptj, rope_neox, same_size, scatter_back, shape, val,
     slice_params, view_chain, weighted_rms_norm,
 )
@@ -439,6 +439,59 @@ def _slice_write(put: torch.fx.Node) -> CacheWrite:
     return CacheWrite(put, cache, SliceRows(start or 0, end), values, scale, layout=layout, per_sequence=True)
 
 
+def _is_sequence_index(node, batch) -> bool:
+    """``node`` is each sequence's own index as a column, ``arange(B)[:, None]`` (or viewed
+    ``[B, 1]``): the batch index of a write that gives every sequence its own positions."""
+    if is_op(node, aten.unsqueeze.default) and node.args[1] in (1, -1):
+        iota = node.args[0]
+    elif is_op(node, *RESHAPES) and len(shape(node)) == 2 and same_size(shape(node)[1], 1):
+        iota = node.args[0]
+    else:
+        return False
+    kwargs = iota.kwargs if isinstance(iota, torch.fx.Node) else {}
+    return (is_op(iota, prims.iota.default) and same_size(iota.args[0], batch) and kwargs.get("start", 0) == 0
+            and kwargs.get("step", 1) == 1 and len(shape(iota)) == 1)
+
+
+def _sequence_positions_write(put: torch.fx.Node, cache: torch.fx.Node, indices) -> CacheWrite:
+    """Pattern (a static cache of B sequences, each written at its own positions: an engine
+    batching sequences of different lengths onto one static cache)::
+
+        cache[arange(B)[:, None], pos] = k      # [B, S, Hkv, D], pos [B, T], rows [B, T, Hkv, D]
+        cache[arange(B)[:, None], :, pos] = k   # heads first [B, Hkv, S, D], rows as above
+      ->  the op at slots b * S + pos[b, t] (computed in front of the call), token (b, t)
+          being row b * T + t; a position outside [0, S) stays outside every sequence's rows
+
+    (Advanced indices split by a slice put their broadcast dims first: the rows are
+    token-major in both layouts.)"""
+    cv = val(cache)
+    heads_first = len(indices) == 3
+    positions = indices[-1]
+    expect(not heads_first or indices[1] is None,
+           f"write: indices {[describe(i) for i in indices]}: a sequence index, then positions, expected every head "
+           "between them (cache[b, :, pos] = k)")
+    expect(isinstance(positions, torch.fx.Node), f"write: positions {describe(positions)} are not a tensor")
+    pv = val(positions)
+    expect(pv.dtype == torch.int64 and pv.dim() == 2 and same_size(pv.shape[0], cv.shape[0]),
+           f"write: positions are {pv.dtype} {tuple(pv.shape)}, not int64 [B, T] of the cache's {cv.shape[0]} sequences")
+    values = put.args[2]  # as written: a one-token reshape is not looked through (put_rows)
+    heads, dim = (cv.shape[1], cv.shape[3]) if heads_first else (cv.shape[2], cv.shape[3])
+    rows = tuple(shape(values))
+    if len(rows) == 3 and same_size(pv.shape[0], 1):  # one sequence: torch's decomposition drops its batch dim
+        if is_op(values, *RESHAPES) and tuple(shape(values.args[0])) == (1, *rows):
+            values = values.args[0]  # the rows as the model made them (an fp8 cast sits under the reshape)
+        rows = (1, *rows)
+    expect(len(rows) == 4 and same_size(rows[0], pv.shape[0]) and same_size(rows[1], pv.shape[1])
+           and (rows[2], rows[3]) == (heads, dim),
+           f"write: rows {list(rows)} are not [B, T, Hkv, D] of the {list(cv.shape)} cache at positions "
+           f"{list(pv.shape)}")
+    expect(all(isinstance(n, int) for n in cv.shape), f"write: a {list(cv.shape)} cache of dynamic size; the op's "
+                                                      "slots b * S + position need B and S as numbers")
+    values, scale = _unquantised_rows(values, cv.dtype)
+    return CacheWrite(put, cache, positions, values, scale, layout="heads_first" if heads_first else "paged",
+                      per_sequence=True)
+
+
 def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     """Pattern (``cache [NB, bs, Hkv, D]``; or heads first ``[NB, Hkv, bs, D]`` written as
     ``cache[slots // bs, :, slots % bs]``; or a flat token pool ``[N, Hkv, D]`` written
@@ -482,6 +535,12 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
                "b * S + pos need both as numbers")
         values, scale = _unquantised_rows(values, cv.dtype)
         return CacheWrite(put, cache, slots, values, scale, layout=layout, per_sequence=True)
+    if cv.dim() == 4 and len(indices) in (2, 3) and _is_sequence_index(indices[0], cv.shape[0]):
+        return _sequence_positions_write(put, cache, indices)
+    expect(not (cv.dim() == 4 and len(indices) in (2, 3) and all(isinstance(indices[i], torch.fx.Node) and
+                len(shape(indices[i])) == 2 for i in (0, -1))),
+           f"write: sequence index {describe(indices[0])} with [B, T] positions: the pass writes each sequence's own "
+           "positions into its own rows, cache[arange(B)[:, None], pos] = k, not rows of sequences an index picks")
     written = put
     if cv.dim() == 3:  # cache[loc] = rows: a flat [N, Hkv, D] token pool
         layout = "flat"

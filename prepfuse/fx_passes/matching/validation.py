@@ -101,7 +101,9 @@ def validate_rewrite(emitted: Iterable[torch.fx.Node], args: dict, checked: list
     ``"cache"``; per-token cos/sin values whose halves the recogniser proved equal:
     ``"duplicated_halves"``; fp32 values the code had rounded to bf16 where the graph lost
     the rounding: ``"bf16_values"``; a page table's block and row indices: ``"slot_block"``,
-    ``"slot_row"``, drawn as one distinct slot each, split by ``block_size``).
+    ``"slot_row"``, drawn as one distinct slot each, split by ``block_size``; the ``[B, T]``
+    positions of B sequences each written at its own: ``"sequence_slots"``, distinct in each
+    row, below ``slot_capacity``).
     ``slot_capacity`` overrides the slots read off ``k_cache`` (a cache the op writes
     through a view of another layout).
     """
@@ -235,6 +237,11 @@ def _values(node, role, sizes, dtype, limits, probe, gen) -> torch.Tensor:
         if capacity is None or n > capacity:
             raise NoMatch(f"validation: {n} slots do not fit the cache ({capacity} slots)")
         return torch.randperm(capacity, generator=gen)[:n].reshape(sizes).to(dtype)
+    if role == "sequence_slots":  # [B, T] positions of B sequences: each row distinct, rows drawn apart
+        capacity = limits.get("slots")
+        if capacity is None or len(sizes) != 2 or sizes[1] > capacity:
+            raise NoMatch(f"validation: {sizes} positions do not fit the sequences ({capacity} positions each)")
+        return torch.stack([torch.randperm(capacity, generator=gen)[:sizes[1]] for _ in range(sizes[0])]).to(dtype)
     if role in ("slot_block", "slot_row"):
         # both from one permutation of the slots (the same seed for either): distinct pairs
         capacity, block = limits.get("slots"), limits.get("block_size")
