@@ -9,7 +9,10 @@ function writes the step's k and v into a paged cache ``[num_blocks, block_size,
 by index assignment (``cache[slots // bs, slots % bs] = k.transpose(1, 2).reshape(B*S, Hkv, D)``),
 or (``cache="static"``) into the static cache ``[B, Hkv, max_len, D]`` of a batch of sequences as
 transformers' StaticCache does (``index_copy_(2, cache_position, k)``), then attends (SDPA over the step's tokens; where an engine reads the cache back is its own
-kernel's business). cos/sin come from the model's own rotary module, as the model computes
+kernel's business). ``cache="hf-paged"`` runs transformers' own serving path instead: its
+continuous-batching attention function (``"paged|sdpa"``) and its ``PagedAttentionCache.update``,
+which writes a token pool ``[N, Hkv, D]`` with ``index_copy_(0, write_index, k)`` and reads the
+step's rows back with ``index_select`` before attending. cos/sin come from the model's own rotary module, as the model computes
 them (``rotary="module"``: from ``inv_freq`` in the forward, cast to the activation dtype), or
 from outside the compiled code (``rotary="inputs"``: full-width tables passed in).
 
@@ -72,7 +75,8 @@ class ClientCase:
     pattern: str = ""  # the report's pattern name of each fused call
     config: tuple = ()  # extra config items
     config_prefix: str = ""  # <config_prefix>Config when it is not <prefix>Config (Gemma-3's Gemma3TextConfig)
-    cache: str = "paged"  # "paged": [NB, bs, Hkv, D] by slot; "static": [B, Hkv, max_len, D] by position
+    cache: str = "paged"  # "paged": [NB, bs, Hkv, D] by slot; "static": [B, Hkv, max_len, D] by position;
+    #   "hf-paged": transformers' own PagedAttentionCache, a token pool [N, Hkv, D] written by its update
     batch: int = 1  # sequences per step (static caches only: B of them, all at the step's positions)
 
     @property
@@ -99,6 +103,9 @@ CLIENT_CASES: tuple[ClientCase, ...] = (
                pattern="gqa_rope_kv+separate+bf16_rope+full_cos_sin"),
     # another norm: Gemma3RMSNorm, (x * (1 + w)).to(bf16) in fp32 (the op's fp32-weight form);
     # one sliding-window and one global layer, each with its own rotary table (layer types)
+    # transformers' own continuous-batching path: attention "paged|sdpa", PagedAttentionCache.update
+    ClientCase("hf-qwen3-paged-attention-cache", "qwen3", "Qwen3", cache="hf-paged",
+               pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
     ClientCase("hf-gemma3", "gemma3", "Gemma3", config_prefix="Gemma3Text",
                config=(("layer_types", ("sliding_attention", "full_attention")), ("sliding_window", 64)),
                pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
@@ -129,12 +136,32 @@ class _EngineLayers(nn.Module):
             tables = {None: self.rotary(x, position_ids)}
         else:
             tables = {t: self.rotary(x, position_ids, t) for t in sorted(types)}
+        if self.case.cache == "hf-paged":  # transformers' own serving path writes and reads the pool
+            pool, tokens = _token_pool(caches), x.shape[1]
+            causal = torch.ones(tokens, tokens, dtype=torch.bool, device=x.device).tril()[None, None]
+            for layer in self.layers:
+                out, _ = layer(x, tables[None], causal, cache=pool, read_index=[slot_mapping], write_index=[slot_mapping])
+                x = x + out
+            return x
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
             block_size = None if self.case.cache == "static" else self.block_size
             out, _ = layer(x, tables[layer.layer_type if per_type else None], None, k_cache=k_cache, v_cache=v_cache,
                            slot_mapping=slot_mapping, block_size=block_size)
             x = x + out
         return x
+
+
+def _token_pool(caches):
+    """transformers' ``PagedAttentionCache`` over the given per-layer ``[N, Hkv, D]`` pools, one
+    full-attention group (what its constructor would build for these layers, without the
+    memory sizing it does first): its own ``update`` writes them."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    pool = PagedAttentionCache.__new__(PagedAttentionCache)
+    pool.key_cache, pool.value_cache = [k for k, _ in caches], [v for _, v in caches]
+    pool.layer_index_to_group_indices = {i: (0, i) for i in range(len(caches))}
+    pool.sliding_windows = dict.fromkeys(range(len(caches)), 1)
+    return pool
 
 
 def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
@@ -150,7 +177,7 @@ def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, he
     config = getattr(module, f"{case.config_prefix or case.prefix}Config")(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=64, num_hidden_layers=num_layers, max_position_embeddings=4096, **extra)
-    config._attn_implementation = ENGINE_ATTENTION
+    config._attn_implementation = "paged|sdpa" if case.cache == "hf-paged" else ENGINE_ATTENTION
     with torch.random.fork_rng(devices=[]):  # fresh random weights and inputs; the global RNG is left alone
         if seed is None:
             torch.seed()
@@ -166,8 +193,9 @@ def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, he
         slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     model = model.to(device)
     positions = torch.arange(num_tokens, device=device)[None].expand(case.batch, num_tokens)
-    cache_shape = ((case.batch, kv_heads, num_blocks * block_size, head_dim) if case.cache == "static"
-                   else (num_blocks, block_size, kv_heads, head_dim))  # static: the slots are positions
+    cache_shape = {"static": (case.batch, kv_heads, num_blocks * block_size, head_dim),  # the slots are positions
+                   "hf-paged": (num_blocks * block_size, kv_heads, head_dim),  # a token pool: the slots are rows
+                   }.get(case.cache, (num_blocks, block_size, kv_heads, head_dim))
     caches = [tuple(torch.full(cache_shape, -7.0, dtype=torch.bfloat16, device=device) for _ in range(2))
               for _ in range(num_layers)]
     args = [x.to(device), positions, slots.to(device), caches]
@@ -180,8 +208,10 @@ def build_client(case: ClientCase, *, num_tokens: int = 7, hidden: int = 256, he
 def cache_rows(caches, slots: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     """fp32 rows ``[T, Hkv, D]`` every layer's k and v cache holds at ``slots``: a paged cache's
     ``cache[s // bs, s % bs]``, a static one's ``cache[b, :, s]`` (its slots are positions; ``[B*T,
-    Hkv, D]``, sequence by sequence)."""
+    Hkv, D]``, sequence by sequence), a token pool's ``cache[s]``."""
     def rows(c):
+        if c.dim() == 3:
+            return c[slots]
         if c.dim() == 4 and c.shape[2] > block_size:
             return sequence_rows(c, slots)
         return c[slots // block_size, slots % block_size]

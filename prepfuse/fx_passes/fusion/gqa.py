@@ -199,8 +199,17 @@ class FuseGqaPrepPass(PrepfusePass):
         inputs = [q.source, k.source, _plain_heads(v_write)[0], *caches, *slot_nodes(k_write.slots), *q.cos_sin.key()]
         inputs += [n for n in (q.norm_weight, k.norm_weight, k_write.kv_scale) if n is not None]
         readers = _readers(q, k_write, v_write, shared)
-        expect(max(self._order[n] for n in inputs) < min(self._order[n] for n in readers),
-               "order: a reader of one output comes before an input of the call")
+        point = min(readers, key=self._order.__getitem__)
+        late = [n for n in inputs if self._order[n] > self._order[point]]
+        if late:
+            # Inductor's post-grad reorder_for_locality moves a producer next to its first
+            # user: transformers' PagedAttentionCache.update writes k, writes v, then reads k
+            # back, so v's projection lands after the read. Inputs that need no output are
+            # hoisted in front of the first reader (a legal reorder of pure nodes)
+            expect(_hoist_before(point, late, self._order, set(readers)),
+                   f"order: input {recognizers.describe(late[0])} of the call needs a reader of one of its outputs "
+                   f"({recognizers.describe(point)} comes first)")
+            self._order = {n: i for i, n in enumerate(point.graph.nodes)}
         return shared
 
     def _rewrite(self, graph, q: Heads, k: Heads, k_write: CacheWrite, v_write: CacheWrite,
@@ -419,6 +428,24 @@ def _plain_heads(write: CacheWrite) -> tuple | None:
         return gqa_patterns.qkv_heads(write.rows, heads_major=write.layout == "sequence")
     except NoMatch:
         return None
+
+
+def _hoist_before(point: torch.fx.Node, nodes, order: dict, readers: set) -> bool:
+    """Move ``nodes``, and every node after ``point`` they need, to just before ``point``,
+    keeping their order; nothing moves and False where one of them is ``point``, a reader
+    of an output (``readers``), or a node with an effect (a mutation, an assert)."""
+    late, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in late or order[n] < order[point]:
+            continue
+        if n is point or n in readers or n.op != "call_function" or n.is_impure():
+            return False
+        late.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(late, key=order.__getitem__):
+        point.prepend(n)
+    return True
 
 
 def _readers(q: Heads, k_write: CacheWrite, v_write: CacheWrite, shared: SharedBase | None) -> list[torch.fx.Node]:
