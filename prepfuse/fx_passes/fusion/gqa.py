@@ -199,6 +199,8 @@ class FuseGqaPrepPass(PrepfusePass):
         inputs = [q.source, k.source, _plain_heads(v_write)[0], *caches, *slot_nodes(k_write.slots), *q.cos_sin.key()]
         inputs += [n for n in (q.norm_weight, k.norm_weight, k_write.kv_scale) if n is not None]
         readers = _readers(q, k_write, v_write, shared)
+        # the graph's order now, the nodes earlier rewrites emitted included
+        self._order = {n: i for i, n in enumerate(q.prepared.graph.nodes)}
         point = min(readers, key=self._order.__getitem__)
         late = [n for n in inputs if self._order[n] > self._order[point]]
         if late:
