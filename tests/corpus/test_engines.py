@@ -58,7 +58,9 @@ def test_engine_spelling_fuses(name):
     ref_out, ref_rows = run(case, None, seed=seed)
     if not expected_fused:  # declined by name; the code runs as Inductor compiles it
         assert declined and all(expected_reason in why for why in declined), declined
-        assert max_row_rel_diff(rows, ref_rows) <= 2**-6, f"seed={seed}"
+        # fp8 rows: Inductor rotates in fp32 where eager rounds in bf16, one e4m3 code apart
+        bound = 2**-3 if case.cache_dtype in (FP8, torch.uint8) else 2**-6
+        assert max_row_rel_diff(rows, ref_rows) <= bound, f"seed={seed}"
         return
     assert matched == [case.pattern] * 2 and not declined, (matched, declined)
     fp8 = case.cache_dtype == FP8
