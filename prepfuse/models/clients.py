@@ -101,11 +101,11 @@ CLIENT_CASES: tuple[ClientCase, ...] = (
                pattern="gqa_qknorm_rope_kv+separate+bf16_rope+full_cos_sin"),
     ClientCase("hf-llama-cos-sin-inputs", "llama", "Llama", rotary="inputs",
                pattern="gqa_rope_kv+separate+bf16_rope+full_cos_sin"),
-    # another norm: Gemma3RMSNorm, (x * (1 + w)).to(bf16) in fp32 (the op's fp32-weight form);
-    # one sliding-window and one global layer, each with its own rotary table (layer types)
     # transformers' own continuous-batching path: attention "paged|sdpa", PagedAttentionCache.update
     ClientCase("hf-qwen3-paged-attention-cache", "qwen3", "Qwen3", cache="hf-paged",
                pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
+    # another norm: Gemma3RMSNorm, (x * (1 + w)).to(bf16) in fp32 (the op's fp32-weight form);
+    # one sliding-window and one global layer, each with its own rotary table (layer types)
     ClientCase("hf-gemma3", "gemma3", "Gemma3", config_prefix="Gemma3Text",
                config=(("layer_types", ("sliding_attention", "full_attention")), ("sliding_window", 64)),
                pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),

@@ -401,10 +401,10 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int, cache_fp8: bo
     With bf16 caches one warp carries them best (Qwen3-8B, T=16384: 122.0 us against 125.7
     on four warps and 134-152 at 16 heads); the fp8 quantisation wants four warps (128.6 us
     against 182.3 on one, 143.5 on two; T=4096: 34.6 against 49.5), and so do full-width
-    cos/sin, four per-row loads (129.6 us against 131.9; T=4096: 34.6 against 36.9). At T <= 4 one head per
-    program on one warp spreads a token over the most programs (latency bound: T=1 1.94 us
-    against 2.23 on two warps); in between, 256 values per program on one warp (T=64: 2.72
-    against 3.08 on two). Several tokens per program (one tile of tokens x heads) was no
+    cos/sin, four per-row loads (129.6 us against 131.9; T=4096: 34.6 against 36.9). At
+    T <= 4 one head per program on one warp spreads a token over the most programs (latency
+    bound: T=1 1.94 us against 2.23 on two warps); in between, 256 values per program on
+    one warp (T=64: 2.72 against 3.08 on two). Several tokens per program (one tile of tokens x heads) was no
     faster anywhere it was measured (T=16384: 126.9 us at 8 heads x 2 tokens on four warps,
     132.5 at 4 x 2 on one), so one token per program it is.
     """

@@ -442,12 +442,11 @@ def _slice_write(put: torch.fx.Node) -> CacheWrite:
 def _is_sequence_index(node, batch) -> bool:
     """``node`` is each sequence's own index as a column, ``arange(B)[:, None]`` (or viewed
     ``[B, 1]``): the batch index of a write that gives every sequence its own positions."""
-    if is_op(node, aten.unsqueeze.default) and node.args[1] in (1, -1):
-        iota = node.args[0]
-    elif is_op(node, *RESHAPES) and len(shape(node)) == 2 and same_size(shape(node)[1], 1):
-        iota = node.args[0]
-    else:
+    column = (is_op(node, aten.unsqueeze.default) and node.args[1] in (1, -1)) or (
+        is_op(node, *RESHAPES) and len(shape(node)) == 2 and same_size(shape(node)[1], 1))
+    if not column:
         return False
+    iota = node.args[0]
     kwargs = iota.kwargs if isinstance(iota, torch.fx.Node) else {}
     return (is_op(iota, prims.iota.default) and same_size(iota.args[0], batch) and kwargs.get("start", 0) == 0
             and kwargs.get("step", 1) == 1 and len(shape(iota)) == 1)
@@ -465,6 +464,9 @@ def _sequence_positions_write(put: torch.fx.Node, cache: torch.fx.Node, indices)
     (Advanced indices split by a slice put their broadcast dims first: the rows are
     token-major in both layouts.)"""
     cv = val(cache)
+    expect(_is_sequence_index(indices[0], cv.shape[0]),
+           f"write: sequence index {describe(indices[0])} with [B, T] positions: the pass writes each sequence's own "
+           "positions into its own rows, cache[arange(B)[:, None], pos] = k, not rows of sequences an index picks")
     heads_first = len(indices) == 3
     positions = indices[-1]
     expect(not heads_first or indices[1] is None,
@@ -535,12 +537,9 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
                "b * S + pos need both as numbers")
         values, scale = _unquantised_rows(values, cv.dtype)
         return CacheWrite(put, cache, slots, values, scale, layout=layout, per_sequence=True)
-    if cv.dim() == 4 and len(indices) in (2, 3) and _is_sequence_index(indices[0], cv.shape[0]):
+    if cv.dim() == 4 and len(indices) in (2, 3) and (_is_sequence_index(indices[0], cv.shape[0]) or all(
+            isinstance(indices[i], torch.fx.Node) and len(shape(indices[i])) == 2 for i in (0, -1))):
         return _sequence_positions_write(put, cache, indices)
-    expect(not (cv.dim() == 4 and len(indices) in (2, 3) and all(isinstance(indices[i], torch.fx.Node) and
-                len(shape(indices[i])) == 2 for i in (0, -1))),
-           f"write: sequence index {describe(indices[0])} with [B, T] positions: the pass writes each sequence's own "
-           "positions into its own rows, cache[arange(B)[:, None], pos] = k, not rows of sequences an index picks")
     written = put
     if cv.dim() == 3:  # cache[loc] = rows: a flat [N, Hkv, D] token pool
         layout = "flat"
