@@ -9,8 +9,11 @@ shorter than T with skipped rows, fp32 norm weights (Gemma-3's form, the kernel'
 W_FP32 path), cos/sin as two tensors (bf16 per token with positions=None, or fp32 rows
 of a wider buffer), T large enough for the large-T launch (bf16 and fp8), and each shape
 again with a launch configuration of several tokens per program (a last program with
-tokens past T); a wrong result fails the run too.
+tokens past T), fp8 codes into uint8 caches (vLLM's "fp8" cache) and with
+``fp8_saturate=False`` (NaN past 464); a wrong result fails the run too.
 """
+
+import dataclasses
 
 import torch
 
@@ -21,7 +24,8 @@ from prepfuse.testing import compare_gqa, seeded_gqa_inputs, with_cos_sin_operan
 
 FP8 = torch.float8_e4m3fn
 # (T, Hq, Hkv, D, rotary dim, NeoX, cache dtype, T', fp32 norm weights, cos/sin operands:
-# None for the table, else (dtype, per token, row padding))
+# None for the table, else (dtype, per token, row padding)[, fp8 form: "uint8" caches, "nan" without
+# saturation, or both])
 SHAPES = [
     (1, 4, 1, 64, None, True, torch.bfloat16, 1, False, None),
     (7, 8, 2, 128, 44, True, FP8, 5, False, None),
@@ -34,6 +38,9 @@ SHAPES = [
     (6, 8, 2, 128, 44, False, FP8, 4, False, (torch.float32, False, 3)),
     (300, 32, 8, 128, None, True, FP8, 290, False, None),
     (257, 32, 8, 128, None, True, torch.bfloat16, 257, False, None),
+    (7, 8, 2, 128, 44, True, FP8, 5, False, None, "uint8"),
+    (300, 32, 8, 128, None, True, FP8, 290, False, None, "nan"),
+    (9, 40, 8, 128, None, False, FP8, 9, False, None, "uint8+nan"),
 ]
 # (BLOCK_H, num_warps, tokens per program) for each shape's second launch
 MULTI_TOKEN_CONFIG = (2, 1, 4)
@@ -41,7 +48,8 @@ MULTI_TOKEN_CONFIG = (2, 1, 4)
 
 def main() -> int:
     failures = 0
-    for tokens, hq, hkv, head_dim, rotary, neox, cache_dtype, inserted, fp32_weights, operands in SHAPES:
+    for tokens, hq, hkv, head_dim, rotary, neox, cache_dtype, inserted, fp32_weights, operands, *form in SHAPES:
+        form = form[0] if form else ""
         # exact-sum qkv: a random head's sum of squares can round differently in the
         # kernel's order and flip one bf16 q value (seen once in 5 runs at D=256)
         base, seed = seeded_gqa_inputs(tokens, hq, hkv, head_dim, 16, "cuda", rotary_dim=rotary, is_neox=neox,
@@ -51,6 +59,10 @@ def main() -> int:
         if operands is not None:
             dtype, per_token, row_padding = operands
             base, _ = with_cos_sin_operands(base, dtype=dtype, per_token=per_token, row_padding=row_padding)
+        if "uint8" in form:
+            base = dataclasses.replace(base, k_cache=base.k_cache.view(torch.uint8), v_cache=base.v_cache.view(torch.uint8))
+        if "nan" in form:
+            base = dataclasses.replace(base, fp8_saturate=False)
         ref = base.fresh_outputs()
         gqa_qknorm_rope_kv_insert_reference(*ref.args())
         launches = (("op", lambda o: GQA_QKNORM_ROPE_KV_INSERT(*o.args())),
@@ -62,7 +74,7 @@ def main() -> int:
             comparison = compare_gqa(ref, fused)
             failures += not comparison.exact()
             print(f"T={tokens} Hq={hq} Hkv={hkv} D={head_dim} R={rotary} neox={neox} {cache_dtype} T'={inserted} fp32 w={fp32_weights} "
-                  f"cos/sin={operands} launch={how} seed={seed}: {'ok' if comparison.exact() else comparison}")
+                  f"cos/sin={operands} {form} launch={how} seed={seed}: {'ok' if comparison.exact() else comparison}")
     return 1 if failures else 0
 
 

@@ -263,27 +263,44 @@ def inductor_drops_narrowing_round_trips() -> bool:
         return lossy
 
 
+# values past e4m3fn's largest (448), and the codes each known cast gives them
+E4M3_OVERFLOW_PROBE = (448.0, 464.0, 465.0, 479.0, 480.0, float("inf"), -465.0, -1e4)
+E4M3_OVERFLOW_CODES = {
+    "saturate": (0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0xFE),  # +-448, as clamp(-448, 448) first
+    # c10's fp8e4m3fn_from_fp32_value: round to nearest even onto a grid whose step past 448
+    # is the NaN code, so |x| > 464 (the tie goes to the even 448) is NaN with its sign
+    "nan": (0x7E, 0x7E, 0x7F, 0x7F, 0x7F, 0x7F, 0xFF, 0xFF),
+}
+
+
 @functools.lru_cache(maxsize=None)
-def e4m3_cast_saturates(device_type: str) -> bool:
-    """Whether torch's own cast to float8_e4m3fn on ``device_type`` saturates: 480 and
-    +-inf become +-448, as ``clamp(-448, 448)`` before the cast would make them.
+def e4m3_cast_overflow(device_type: str) -> str | None:
+    """What torch's own cast to float8_e4m3fn on ``device_type`` makes of values past 448:
+    ``"saturate"`` (+-448, as ``clamp(-448, 448)`` before the cast would), ``"nan"`` (the NaN
+    code with the value's sign where ``|x| > 464``), or None for anything else or where the
+    device cannot cast.
 
     It differs by version and device: torch 2.13's CPU cast saturates; torch 2.11's CUDA
-    cast (c10's ``fp8e4m3fn_from_fp32_value``: ``|x| >= 480`` gives the NaN code 0x7F)
-    does not. A bare ``(k / s).to(e4m3)`` (SGLang's spelling) is the op's clamped cast
-    only where this is True. Decided by casting once on the device, not by version."""
+    cast (c10's ``fp8e4m3fn_from_fp32_value``) gives NaN. A bare ``(k / s).to(e4m3)``
+    (SGLang's and vLLM's ``forward_native`` spelling) is the op with ``fp8_saturate`` as this
+    says. Decided by casting ``E4M3_OVERFLOW_PROBE`` once on the device, not by version."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     try:
         with unset_fake_temporarily(), torch.no_grad():
-            probe = torch.tensor([480.0, float("inf"), -1e4], device=device_type)
-            codes = probe.to(torch.float8_e4m3fn).view(torch.uint8).tolist()
-    except Exception as err:  # noqa: BLE001 - no device to cast on: assume the strict reading
+            probe = torch.tensor(E4M3_OVERFLOW_PROBE, device=device_type)
+            codes = tuple(probe.to(torch.float8_e4m3fn).view(torch.uint8).tolist())
+    except Exception as err:  # noqa: BLE001 - no device to cast on: nothing is assumed
         logging.getLogger("prepfuse").warning(
-            "cannot cast on %s to see whether e4m3 casts saturate (%s: %s); assuming they do not",
+            "cannot cast on %s to see what e4m3 casts make of values past 448 (%s: %s)",
             device_type, type(err).__name__, err)
-        return False
-    return codes == [0x7E, 0x7E, 0xFE]
+        return None
+    found = next((name for name, known in E4M3_OVERFLOW_CODES.items() if codes == known), None)
+    if found is None:
+        logging.getLogger("prepfuse").warning(
+            "torch %s's e4m3 cast on %s makes %s of %s: neither saturating nor c10's NaN past 464",
+            torch.__version__, device_type, [hex(c) for c in codes], E4M3_OVERFLOW_PROBE)
+    return found
 
 
 def golden_rotary_graph_suffix() -> str | None:

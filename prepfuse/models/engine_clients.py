@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prepfuse._compat import e4m3_cast_saturates
+from prepfuse._compat import e4m3_cast_overflow
 from prepfuse.models.clients import sequence_rows
 
 __all__ = ["EngineCase", "ENGINE_CASES", "build_engine_client", "engine_cache_rows"]
@@ -74,15 +74,16 @@ class EngineCase:
 
     @property
     def bare_fp8_cast(self) -> bool:
-        """SGLang's pool stores ``(k / k_scale).to(fp8)`` with no clamp; the others clamp to +-448."""
-        return self.engine == "sglang" and self.cache_dtype == torch.float8_e4m3fn
+        """SGLang's pool and vLLM's ``reshape_and_cache_flash.forward_native`` (a uint8 cache)
+        store ``(k / k_scale).to(fp8)`` with no clamp; the others clamp to +-448."""
+        return (self.engine == "sglang" and self.cache_dtype == torch.float8_e4m3fn) or self.cache_dtype == torch.uint8
 
     def expected_on(self, device_type: str) -> tuple[int, str]:
         """(fused calls per layer, a fragment of the near miss where none) on ``device_type``:
-        a bare fp8 cast is the op's clamped cast only where torch's cast saturates
-        (``_compat.e4m3_cast_saturates``: torch 2.13 on the CPU, not torch 2.11 on CUDA)."""
-        if self.bare_fp8_cast and not e4m3_cast_saturates(device_type):
-            return 0, "does not saturate"
+        a bare fp8 cast is the op saturating or giving NaN past 464 as torch's cast on that
+        device does (``_compat.e4m3_cast_overflow``), and declined where the cast does neither."""
+        if self.bare_fp8_cast and e4m3_cast_overflow(device_type) is None:
+            return 0, "neither saturation nor NaN past 464"
         return self.expected_fused, self.expected_reason
 
     @property
@@ -104,9 +105,8 @@ ENGINE_CASES: tuple[EngineCase, ...] = (
     EngineCase("vllm-llama-gptj-partial", "vllm", qk_norm=False, is_neox=False, rotary_dim=32, pattern=_BF16),
     EngineCase("vllm-llama-fp8", "vllm", qk_norm=False, cache_dtype=torch.float8_e4m3fn, pattern=_BF16),
     # what vLLM runs under torch.compile: reshape_and_cache_flash.forward_native, fp8 codes held
-    # in a uint8 cache; not matched yet (the op writes bf16 or float8_e4m3fn caches)
-    EngineCase("vllm-llama-fp8-uint8-cache", "vllm", qk_norm=False, cache_dtype=torch.uint8, expected_fused=0,
-               expected_reason="the cache is torch.uint8"),
+    # in a uint8 cache, written by a bare cast (no clamp)
+    EngineCase("vllm-llama-fp8-uint8-cache", "vllm", qk_norm=False, cache_dtype=torch.uint8, pattern=_BF16),
     EngineCase("sglang-qwen3-token-pool", "sglang", pattern=_QK_BF16),
     EngineCase("sglang-llama-fp8-token-pool", "sglang", qk_norm=False, cache_dtype=torch.float8_e4m3fn, pattern=_BF16),
     EngineCase("gpt-fast-llama", "gpt-fast", qk_norm=False, is_neox=False, pattern="gqa_rope_kv"),

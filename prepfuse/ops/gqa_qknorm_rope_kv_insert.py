@@ -6,7 +6,8 @@ Schema (the contract; ``tests/golden/schemas.txt`` holds it verbatim)::
         Tensor? k_norm_weight, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache,
         Tensor slot_mapping, Tensor? positions, Tensor? cos_sin_cache, Tensor? kv_scale,
         int num_q_heads, int num_kv_heads, bool is_neox, float eps,
-        bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None) -> ()
+        bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None,
+        bool fp8_saturate=True) -> ()
 
 Inputs (``T`` tokens, ``Hq`` query heads, ``Hkv`` kv heads, head size ``D`` in {64, 128,
 256} = ``qkv.size(1) // (Hq + 2*Hkv)``, rotary dim ``R = cos_sin_cache.size(1)`` or
@@ -18,7 +19,8 @@ Inputs (``T`` tokens, ``Hq`` query heads, ``Hkv`` kv heads, head size ``D`` in {
                                                (a weight applied in fp32: Gemma-3's 1 + w);
     k_norm_weight  [D] or None          same   both None (Llama: no norm) or both given
     q_out          [T, Hq, D]           bf16   written: normed and roped q
-    k_cache        [NB, BS, Hkv, D]     bf16 or float8_e4m3fn   written at inserted slots
+    k_cache        [NB, BS, Hkv, D]     bf16, float8_e4m3fn, or uint8 holding e4m3fn codes
+                                               (vLLM's "fp8" cache); written at inserted slots
     v_cache        [NB, BS, Hkv, D]     same shape and dtype as k_cache
     slot_mapping   [T']                 int64  T' <= T; row t goes to slot slot_mapping[t]
                                                (block s // BS, row s % BS); negative skips
@@ -35,7 +37,12 @@ Inputs (``T`` tokens, ``Hq`` query heads, ``Hkv`` kv heads, head size ``D`` in {
                                                any row stride (views of one table, or the
                                                values a model computes, as they lie)
     kv_scale       [1] or [] or None    fp32   per-tensor cache scale, read on the device;
-                                               given iff the caches are fp8
+                                               given iff the caches hold fp8 codes
+    fp8_saturate   bool (default True)         fp8 caches: True saturates at +-448 (the
+                                               clamp vLLM's scaled_convert applies); False
+                                               stores NaN where a value rounds past 448
+                                               (|x| > 464: torch's non-saturating cast, a
+                                               bare ``.to(float8_e4m3fn)`` on torch 2.11 CUDA)
 
 Q and K path, per token and head (x: one head's D values, as fp32)::
 
@@ -54,7 +61,8 @@ Q and K path, per token and head (x: one head's D values, as fp32)::
 
 V path: v as is. Cache store of k and v rows at inserted slots: bf16 as is, or fp8
 ``e4m3(clamp(fp32(bf16 value) / kv_scale, -448, 448))``, round to nearest even (vLLM's
-``scaled_convert``: a true division, saturating). Bytes of other slots, skipped rows and
+``scaled_convert``: a true division, saturating); with ``fp8_saturate=False`` the NaN code
+(0x7F, 0xFF below zero) where ``|x| > 464``, as c10's ``fp8e4m3fn_from_fp32_value`` rounds. Bytes of other slots, skipped rows and
 rows t >= T' are never written.
 
 Rounding, against the Hugging Face code a pattern pass will replace:
@@ -98,7 +106,14 @@ from prepfuse.ops._math import rope_gptj, rope_neox
 
 HEAD_DIMS = (64, 128, 256)
 FP8_MAX = 448.0
-CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+# how k and v reach the cache (the kernel's CACHE_FP8): bf16 as is; e4m3fn codes saturating
+# at +-448 (vLLM's scaled_convert, torch 2.13's cast); or NaN where a value rounds past 448,
+# |x| > 464 (c10's fp8e4m3fn_from_fp32_value: torch 2.11's CUDA cast, ``fp8_saturate=False``)
+FP8_OFF, FP8_SATURATE, FP8_OVERFLOW_NAN = 0, 1, 2
+FP8_OVERFLOW = 464.0  # the midpoint of 448 and 480 (the code past 448): ties go to 448
+# caches of e4m3fn codes: as float8_e4m3fn, or as the uint8 bytes vLLM allocates for "fp8"
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+CACHE_DTYPES = (torch.bfloat16, *FP8_CACHE_DTYPES)
 # bf16: applied to the bf16-rounded normed value (Qwen3); fp32: in fp32 before one rounding (Gemma-3)
 NORM_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -106,7 +121,7 @@ SCHEMA = (
     "gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, "
     "Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor? positions, "
     "Tensor? cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps, "
-    "bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None) -> ()"
+    "bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None, bool fp8_saturate=True) -> ()"
 )
 # the cos and sin operands' dtypes: read as fp32 (a bf16 value widens exactly)
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
@@ -141,17 +156,23 @@ if has_triton():
         values,  # bf16, or fp32 (rounded to bf16 here: the model's bf16 result)
         mask,
         scale_ptr,  # [1] fp32 kv_scale (unread unless QUANT_FP8)
-        QUANT_FP8: tl.constexpr,  # store e4m3fn codes of bf16(values) / kv_scale
+        QUANT_FP8: tl.constexpr,  # FP8_OFF: bf16; else e4m3fn codes of bf16(values) / kv_scale (FP8_*)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
-        """Store values as bf16, or as the fp8 cache codes of their bf16 rounding."""
+        """Store values as bf16, or as the fp8 cache codes of their bf16 rounding:
+        saturating at +-448 (FP8_SATURATE), or NaN where the value rounds past 448
+        (FP8_OVERFLOW_NAN: |x| > 464, the midpoint to the next binade's first step)."""
         if values.dtype == tl.float32:
             values = _to_bf16(values, SOFT_ROUNDING)
-        if QUANT_FP8:
+        if QUANT_FP8 != 0:
             scale = tl.load(scale_ptr)
             # a true, correctly rounded division (vLLM's scaled_convert), not x * (1/scale)
             scaled = tl.div_rn(values.to(tl.float32), scale)
-            tl.store(ptrs, _to_e4m3_bits(_clamp_e4m3(scaled), SOFT_ROUNDING), mask=mask)
+            codes = _to_e4m3_bits(_clamp_e4m3(scaled), SOFT_ROUNDING)
+            if QUANT_FP8 == 2:  # FP8_OVERFLOW_NAN: the NaN code with the value's sign
+                sign = ((scaled.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+                codes = tl.where(tl.abs(scaled) > 464.0, sign | 0x7F, codes)
+            tl.store(ptrs, codes, mask=mask)
         else:
             tl.store(ptrs, values, mask=mask)
 
@@ -173,7 +194,7 @@ if has_triton():
         HAS_NORM: tl.constexpr,  # apply the weighted RMSNorm first
         W_FP32: tl.constexpr,  # the norm weight is fp32, applied in fp32 before one rounding
         FULL_COS_SIN: tl.constexpr,  # the rows hold R entries (one per dim), else R/2 (one per pair)
-        QUANT_FP8: tl.constexpr,  # store fp8 cache codes (k), else bf16 (q_out, a bf16 cache)
+        QUANT_FP8: tl.constexpr,  # FP8_*: store fp8 cache codes (k), or FP8_OFF: bf16 (q_out, a bf16 cache)
         BLOCK_H: tl.constexpr,  # rows of src and dst (heads of one or more tokens)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
@@ -321,7 +342,7 @@ if has_triton():
         W_FP32: tl.constexpr,  # the norm weights are fp32 (applied in fp32, one rounding)
         FULL_COS_SIN: tl.constexpr,  # cos and sin rows hold R entries, else R/2
         HAS_POSITIONS: tl.constexpr,  # token t reads row positions[t], else row t
-        CACHE_FP8: tl.constexpr,  # caches hold e4m3fn codes scaled by kv_scale
+        CACHE_FP8: tl.constexpr,  # FP8_OFF: bf16 caches; else e4m3fn codes scaled by kv_scale (FP8_*)
         BLOCK_H: tl.constexpr,  # heads per program and token
         TOKENS: tl.constexpr,  # tokens per program (a power of two)
         Q_COLS: tl.constexpr,  # programs per token on q: cdiv(Hq, BLOCK_H)
@@ -435,7 +456,8 @@ def cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin) -> tuple[torch.Tensor,
 
 def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, *, launch_config: tuple[int, ...] | None = None,
+    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, *,
+    launch_config: tuple[int, ...] | None = None,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
@@ -447,7 +469,7 @@ def launch_gqa_kernel(
     if num_tokens == 0:
         return
     cos, sin, rot_dim = cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     config = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads), fp8,
                                              bool(full_cos_sin))
     block_h, num_warps, tokens = (*config, 1)[:3]  # a pair: one token per program
@@ -477,7 +499,7 @@ def launch_gqa_kernel(
         W_FP32=has_norm and q_norm_weight.dtype == torch.float32,
         FULL_COS_SIN=bool(full_cos_sin),
         HAS_POSITIONS=positions is not None,
-        CACHE_FP8=fp8,
+        CACHE_FP8=(FP8_SATURATE if fp8_saturate else FP8_OVERFLOW_NAN) if fp8 else FP8_OFF,
         BLOCK_H=block_h,
         TOKENS=tokens,
         Q_COLS=q_cols,
@@ -515,11 +537,19 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neo
     return torch.cat((rotated, rest), dim=-1).to(torch.bfloat16)
 
 
-def quantize_cache_reference(x: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """bf16 rows as the cache stores them: bf16, or e4m3fn of ``clamp(x / scale, +-448)``."""
+def quantize_cache_reference(x: torch.Tensor, kv_scale: torch.Tensor | None, saturate: bool = True) -> torch.Tensor:
+    """bf16 rows as the cache stores them: bf16, or e4m3fn of ``clamp(x / scale, +-448)``
+    (a uint8 cache takes these codes' bytes: ``insert_cache_reference`` writes bytes);
+    without ``saturate``, the NaN code with the value's sign where ``|x / scale| > 464``
+    (written as bits: torch's own cast saturates on some versions and devices, not others)."""
     if kv_scale is None:
         return x
-    return (x.float() / kv_scale.float().reshape(())).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scaled = x.float() / kv_scale.float().reshape(())
+    codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if saturate:
+        return codes
+    nan_codes = torch.where(scaled.signbit(), 0xFF, 0x7F).to(torch.uint8)
+    return torch.where(scaled.abs() > FP8_OVERFLOW, nan_codes, codes.view(torch.uint8)).view(torch.float8_e4m3fn)
 
 
 def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, *,
@@ -538,7 +568,7 @@ def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch
 
 def sources_reference(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, *, as_baseline: bool = False,
+    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, *, as_baseline: bool = False,
 ) -> None:
     """Both GQA ops in plain PyTorch, unchecked (``define_op`` runs the checks first), from
     q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``: the separate op's reference as it stands, the
@@ -557,7 +587,7 @@ def sources_reference(
     q_vals, k_rows, v_rows = prepared_heads_reference(
         q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
         q_norm_weight, k_norm_weight, cos[positions].float(), sin[positions].float(), kv_scale,
-        slot_mapping.shape[0], is_neox, eps, full_cos_sin=full_cos_sin,
+        slot_mapping.shape[0], is_neox, eps, full_cos_sin=full_cos_sin, fp8_saturate=fp8_saturate,
     )
     q_out.copy_(q_vals)
     insert_cache_reference(k_cache, k_rows, slot_mapping, as_baseline=as_baseline)
@@ -571,10 +601,10 @@ def on_qkv_columns(impl):
 
     def on_qkv(qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
                cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, cos=None,
-               sin=None, **options):
+               sin=None, fp8_saturate=True, **options):
         q, k, v = split_qkv_columns(qkv, num_q_heads, num_kv_heads)
         impl(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-             cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin, cos, sin, **options)
+             cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, **options)
 
     on_qkv.__name__ = on_qkv.__qualname__ = f"{impl.__name__}_on_qkv_columns"
     on_qkv.__doc__ = f"``{impl.__name__}`` on qkv's column ranges (``on_qkv_columns``); inputs are not checked here."
@@ -601,6 +631,7 @@ def prepared_heads_reference(
     eps: float,
     *,
     full_cos_sin: bool = False,
+    fp8_saturate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them)
     from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]`` and each token's fp32 ``cos`` and
@@ -611,7 +642,8 @@ def prepared_heads_reference(
         k = rms_norm_reference(k, k_norm_weight, eps)
     q = rope_reference(q, cos, sin, is_neox, full=full_cos_sin)
     k = rope_reference(k[:n_insert], cos[:n_insert], sin[:n_insert], is_neox, full=full_cos_sin)
-    return q, quantize_cache_reference(k, kv_scale), quantize_cache_reference(v[:n_insert], kv_scale)
+    return (q, quantize_cache_reference(k, kv_scale, fp8_saturate),
+            quantize_cache_reference(v[:n_insert], kv_scale, fp8_saturate))
 
 
 # --------------------------------------------------------------------------------------
@@ -620,6 +652,7 @@ def prepared_heads_reference(
 def check_inputs(
     qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
     cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, cos=None, sin=None,
+    fp8_saturate=True,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
@@ -642,14 +675,15 @@ def check_inputs(
         f"qkv: head size {head_dim} (width {width} / {n_heads} heads) is not one of {HEAD_DIMS}",
     )
     check_prep_args(q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-                    kv_scale, is_neox, eps, full_cos_sin, cos, sin, num_tokens=num_tokens, num_q_heads=num_q_heads,
+                    kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, num_tokens=num_tokens,
+                    num_q_heads=num_q_heads,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, device=device, source="qkv")
     check_unit_last_stride("qkv", qkv)
 
 
 def check_prep_args(
     q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
-    is_neox, eps, full_cos_sin, cos, sin, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device, source: str,
+    is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device, source: str,
 ) -> None:
     """Everything but the q/k/v source (both GQA ops): dtypes, shapes, devices and strides
     against the token count, heads and head size the source gave (``source`` names it)."""
@@ -671,7 +705,8 @@ def check_prep_args(
     check_size("q_out", q_out, 2, head_dim, "the head size D")
     if not isinstance(k_cache, torch.Tensor) or k_cache.dtype not in CACHE_DTYPES:
         got = k_cache.dtype if isinstance(k_cache, torch.Tensor) else type(k_cache).__name__
-        raise ValueError(f"k_cache: expected dtype torch.bfloat16 or torch.float8_e4m3fn, got {got}")
+        raise ValueError(f"k_cache: expected dtype torch.bfloat16, torch.float8_e4m3fn or torch.uint8 (e4m3fn "
+                         f"codes), got {got}")
     check_tensor("k_cache", k_cache, dtype=k_cache.dtype, ndim=4, device=device)
     check_size("k_cache", k_cache, 2, num_kv_heads, "num_kv_heads")
     check_size("k_cache", k_cache, 3, head_dim, "the head size D")
@@ -683,8 +718,9 @@ def check_prep_args(
         slot_mapping.shape[0] <= num_tokens,
         f"slot_mapping: has {slot_mapping.shape[0]} rows, more than T={num_tokens} tokens",
     )
-    if not isinstance(full_cos_sin, bool):
-        raise ValueError(f"full_cos_sin: must be a bool, got {full_cos_sin!r}")
+    for name, flag in (("full_cos_sin", full_cos_sin), ("fp8_saturate", fp8_saturate)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: must be a bool, got {flag!r}")
     tables = check_cos_sin(cos_sin_cache, cos, sin, full_cos_sin, head_dim, device)
     if positions is None:
         require(tables[0].shape[0] >= num_tokens,
@@ -693,9 +729,10 @@ def check_prep_args(
     else:
         check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
         check_size("positions", positions, 0, num_tokens, f"T, {source}'s token count")
-    if k_cache.dtype == torch.float8_e4m3fn:
+    if k_cache.dtype in FP8_CACHE_DTYPES:
         if kv_scale is None:
-            raise ValueError("kv_scale: an fp8 cache needs a device fp32 scale tensor of shape [1] or [], got None")
+            raise ValueError(f"kv_scale: an fp8 cache ({k_cache.dtype}) needs a device fp32 scale tensor of shape "
+                             "[1] or [], got None")
         check_tensor("kv_scale", kv_scale, dtype=torch.float32, ndim=kv_scale.dim(), device=device)
         require(
             (kv_scale.dim() <= 1) & (kv_scale.numel() == 1),

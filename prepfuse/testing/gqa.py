@@ -38,12 +38,14 @@ class GqaInputs:
     full_cos_sin: bool = False  # cos_sin_cache rows are R cos then R sin (``with_full_cos_sin``)
     cos: torch.Tensor | None = None  # the two-table form instead of cos_sin_cache (``with_cos_sin_operands``)
     sin: torch.Tensor | None = None
+    fp8_saturate: bool = True  # False: NaN where an fp8 value rounds past 448 (a bare non-saturating cast)
 
     def args(self) -> tuple:
         return (
             self.qkv, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
             self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale,
             self.num_q_heads, self.num_kv_heads, self.is_neox, self.eps, self.full_cos_sin, self.cos, self.sin,
+            self.fp8_saturate,
         )
 
     @property
@@ -65,7 +67,7 @@ class GqaInputs:
         return (
             *sources, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
             self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale, self.is_neox, self.eps,
-            self.full_cos_sin, self.cos, self.sin,
+            self.full_cos_sin, self.cos, self.sin, self.fp8_saturate,
         )
 
     def fresh_outputs(self) -> "GqaInputs":
@@ -284,7 +286,7 @@ def compare_gqa(a: GqaInputs, b: GqaInputs) -> GqaComparison:
     ulp = bf16_ulp_diff(a.q_out, b.q_out)
     diffs = []
     for x, y in ((a.k_cache, b.k_cache), (a.v_cache, b.v_cache)):
-        if x.dtype == torch.float8_e4m3fn:
+        if x.dtype in (torch.float8_e4m3fn, torch.uint8):  # uint8: e4m3fn codes (vLLM's "fp8" cache)
             diffs.append(e4m3_code_diff(x.view(torch.uint8), y.view(torch.uint8)).flatten())
         else:
             diffs.append(bf16_ulp_diff(x, y).flatten())

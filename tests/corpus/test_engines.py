@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prepfuse._compat import e4m3_cast_overflow
 from prepfuse.backend import PrepfuseBackend
 from prepfuse.models.engine_clients import ENGINE_CASES, build_engine_client, engine_cache_rows
 from prepfuse.testing import max_row_rel_diff
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 CASES = {c.name: c for c in ENGINE_CASES}
 PASS = "fuse_gqa_prep"
 FP8 = torch.float8_e4m3fn
+FP8_CODES = (FP8, torch.uint8)  # a uint8 cache holds e4m3fn codes (vLLM's "fp8" cache)
 
 
 def run(case, backend, **build):
@@ -42,6 +44,22 @@ def run(case, backend, **build):
     with torch.no_grad():
         out = fn(x, positions, slots, caches, kv_scale, block_size)
     return out, engine_cache_rows(case, caches, slots, block_size)
+
+
+def saturated(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp8 rows with each NaN as the 448 of its sign: what a saturating cast stores where a
+    non-saturating one (torch 2.11's eager CUDA cast, and the op with fp8_saturate=False)
+    stores NaN. Inductor's own CUDA code for a bare cast saturates (torch 2.11: eager
+    0x7F, Inductor 0x7E for 470), so rows are compared through this."""
+    return [torch.where(r.isnan(), torch.copysign(torch.full_like(r, 448.0), r), r) for r in rows]
+
+
+def assert_nans_agree(rows, ref_rows, seed) -> None:
+    """The NaN codes two non-saturating casts store: the same, but for values a bf16 ULP
+    apart at 464 (NaN on one side, 448 on the other: at most one in eight)."""
+    for got, want in zip(rows, ref_rows):
+        differ, agree = int((got.isnan() != want.isnan()).sum()), int((got.isnan() & want.isnan()).sum())
+        assert 8 * differ <= agree or not differ, f"seed={seed}: {differ} NaN codes differ, {agree} agree"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -59,12 +77,15 @@ def test_engine_spelling_fuses(name):
     if not expected_fused:  # declined by name; the code runs as Inductor compiles it
         assert declined and all(expected_reason in why for why in declined), declined
         # fp8 rows: Inductor rotates in fp32 where eager rounds in bf16, one e4m3 code apart
-        bound = 2**-3 if case.cache_dtype in (FP8, torch.uint8) else 2**-6
+        bound = 2**-3 if case.cache_dtype in FP8_CODES else 2**-6
         assert max_row_rel_diff(rows, ref_rows) <= bound, f"seed={seed}"
         return
     assert matched == [case.pattern] * 2 and not declined, (matched, declined)
-    fp8 = case.cache_dtype == FP8
+    fp8 = case.cache_dtype in FP8_CODES
     first, second = (2**-3, 2**-3) if fp8 else (2**-6, 2**-5)
+    if fp8:
+        assert_nans_agree(rows, ref_rows, seed)
+        rows, ref_rows = saturated(rows), saturated(ref_rows)
     if case.pattern.endswith("+bf16_rope") or fp8:  # rows per layer: k, v of layer 0, then of layer 1
         assert max_row_rel_diff(rows[:2], ref_rows[:2]) <= first, f"seed={seed}"
         assert max_row_rel_diff(rows[2:], ref_rows[2:]) <= second, f"seed={seed}"
@@ -80,9 +101,9 @@ def test_engine_spelling_fuses(name):
 def test_engine_spelling_matches_inductor(name, device):
     """The fused op against Inductor's own code for the unfused layers, same weights and
     inputs: both rotate bf16 values in fp32 and round once. On CUDA the fused op is the
-    Triton kernel, and it must be fused there too, except where torch's fp8 cast on that
-    device does not saturate and the code does not clamp (then the pass declines by name:
-    torch 2.11's CUDA cast turns |x| >= 480 into NaN, the op's into 448)."""
+    Triton kernel, and it must be fused there too. A bare fp8 cast stores NaN past 464 where
+    torch's eager cast does (torch 2.11 on CUDA), and Inductor's own code saturates there:
+    NaN is compared as 448 (``saturated``)."""
     case = CASES[name]
     prepfuse = PrepfuseBackend()
     (out, rows), (ind_out, ind_rows) = (run(case, b, seed=1234, device=device) for b in (prepfuse, "inductor"))
@@ -92,23 +113,55 @@ def test_engine_spelling_matches_inductor(name, device):
     if not expected_fused:
         declined = [r.why for r in report.near_misses(PASS)]
         assert declined and all(expected_reason in why for why in declined), declined
-    fp8 = case.cache_dtype == FP8
+    fp8 = case.cache_dtype in FP8_CODES
+    if fp8:
+        rows, ind_rows = saturated(rows), saturated(ind_rows)
     assert max_row_rel_diff(rows[:2], ind_rows[:2]) <= (2**-3 if fp8 else 2**-7)
     assert max_row_rel_diff(rows[2:], ind_rows[2:]) <= (2**-3 if fp8 else 2**-6)
     torch.testing.assert_close(out.float(), ind_out.float(), rtol=0.02, atol=0.02)
 
 
-def test_bare_fp8_cast_declines_by_name_where_the_cast_does_not_saturate(monkeypatch):
-    """SGLang's unclamped ``(k / s).to(fp8)`` is the op's clamped cast only where torch's
-    cast saturates. Where it does not (torch 2.11 on CUDA; here the gate is made to say so on
-    the CPU) the pass declines with the reason, and the layer runs as Inductor compiles it."""
+BARE_CASTS = [n for n, c in CASES.items() if c.bare_fp8_cast]
+
+
+@pytest.mark.parametrize("name", BARE_CASTS)
+def test_bare_fp8_cast_takes_the_devices_overflow(monkeypatch, name):
+    """SGLang's and vLLM's unclamped ``(k / s).to(fp8)`` store what torch's cast on the
+    graph's device makes of values past 448: the op saturating where the cast saturates
+    (torch 2.13 on the CPU), ``fp8_saturate=False`` (NaN past 464) where it gives NaN (torch
+    2.11 on CUDA). Made to say "nan" on a CPU whose cast saturates, the gate is wrong, and
+    the probes (whose edge values overflow) catch it: the pass declines at validation."""
+    from prepfuse.fx_passes.fusion import gqa_patterns
+
+    backend = PrepfuseBackend({"record_graphs": True})
+    run(CASES[name], backend, seed=4321, num_layers=1)
+    report = backend.reports[0]
+    assert report.matched_counts.get(PASS, 0) == 1, report.format(verbose=True)  # one layer
+    # the recorded graph's call: every argument positional, fp8_saturate the last
+    calls = [line for line in report.graph.splitlines() if "= prepfuse.gqa_qknorm_rope_kv_insert." in line]
+    assert len(calls) == 1 and calls[0].endswith(f", {e4m3_cast_overflow('cpu') == 'saturate'})"), calls
+
+    wrong = "nan" if e4m3_cast_overflow("cpu") == "saturate" else "saturate"
+    monkeypatch.setattr(gqa_patterns, "e4m3_cast_overflow", lambda device_type: wrong)
+    backend = PrepfuseBackend()
+    run(CASES[name], backend, seed=4321, num_layers=1)
+    report = backend.reports[0]
+    assert report.matched_counts.get(PASS, 0) == 0, report.format(verbose=True)
+    declined = [r.why for r in report.near_misses(PASS)]
+    assert declined and all(w.startswith("validation: k_cache differs") for w in declined), declined
+
+
+@pytest.mark.parametrize("name", BARE_CASTS)
+def test_bare_fp8_cast_declines_by_name_where_the_cast_is_neither(monkeypatch, name):
+    """Where torch's cast makes something else of values past 448 (or cannot be probed),
+    the pass declines with the reason, and the layer runs as Inductor compiles it."""
     from prepfuse.fx_passes.fusion import gqa_patterns
     from prepfuse.models import engine_clients
 
     for module in (gqa_patterns, engine_clients):
-        monkeypatch.setattr(module, "e4m3_cast_saturates", lambda device_type: False)
-    case = CASES["sglang-llama-fp8-token-pool"]
-    assert case.expected_on("cpu") == (0, "does not saturate")
+        monkeypatch.setattr(module, "e4m3_cast_overflow", lambda device_type: None)
+    case = CASES[name]
+    assert case.expected_on("cpu") == (0, "neither saturation nor NaN past 464")
     backend = PrepfuseBackend()
     (_, rows), (_, ind_rows) = (run(case, b, seed=4321) for b in (backend, "inductor"))
     report = backend.reports[0]

@@ -19,6 +19,7 @@ import torch
 from prepfuse.backend import PrepfuseBackend, PrepfuseOptions
 from prepfuse.fx_passes.fusion import gqa_patterns
 from prepfuse.fx_passes.matching import cache_writes
+from prepfuse.fx_passes.matching.recognizers import NoMatch
 from prepfuse.fx_passes.matching.validation import NUM_PROBES
 from prepfuse.models import dsv4_indexer as indexer_model
 from prepfuse.models.dsv4_indexer import IndexerSpelling
@@ -130,3 +131,60 @@ def test_validate_option():
     probe, off = (PrepfuseBackend({"validate": v}).pass_manager() for v in ("probe", "off"))
     assert probe.uuid() != off.uuid()
     assert {p.validate for p in off.passes} == {"off"} and {p.validate for p in probe.passes} == {"probe"}
+
+
+def _fp8(values) -> torch.Tensor:
+    """fp8 values from floats, NaN as the NaN code of its sign (0x7F, 0xFF)."""
+    t = torch.tensor(values)
+    codes = t.nan_to_num(0.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    nan_codes = torch.where(t.signbit(), 0xFF, 0x7F).to(torch.uint8)
+    return torch.where(t.isnan(), nan_codes, codes).view(torch.float8_e4m3fn)
+
+
+NAN, NEG_NAN = float("nan"), -float("nan")
+
+
+def test_nan_past_448_is_one_step_where_both_casts_give_nan():
+    """Two non-saturating casts a bf16 ULP apart at 464 put one value on either side: NaN
+    against 448 counts as the one e4m3 step it is; a saturating cast against a
+    non-saturating one (448 where the other gives NaN at every overflow) is still a mismatch."""
+    from prepfuse.fx_passes.matching.validation import _compare
+
+    region = [NAN] * 8 + [NEG_NAN] * 8 + [1.0, 448.0]
+    near_464 = [NAN] * 8 + [NEG_NAN] * 8 + [1.0, NAN]  # the last value a ULP past 464 here
+    _compare("k_cache", _fp8(near_464).reshape(1, -1), _fp8(region).reshape(1, -1), probe=1)
+    _compare("k_cache", _fp8(region).reshape(1, -1), _fp8(near_464).reshape(1, -1), probe=1)
+    saturating = [448.0] * 8 + [-448.0] * 8 + [1.0, 448.0]
+    for got, want in ((saturating, region), (region, saturating)):
+        with pytest.raises(NoMatch, match="k_cache differs"):
+            _compare("k_cache", _fp8(got).reshape(1, -1), _fp8(want).reshape(1, -1), probe=1)
+    wrong_sign = [NAN] * 8 + [NEG_NAN] * 8 + [1.0, NEG_NAN]
+    with pytest.raises(NoMatch, match="k_cache differs"):
+        _compare("k_cache", _fp8(wrong_sign).reshape(1, -1), _fp8(region).reshape(1, -1), probe=1)
+
+
+def test_a_byte_cache_of_e4m3_codes_is_compared_as_fp8_values():
+    """A uint8 cache holding e4m3fn codes (vLLM's "fp8" cache) is compared as the values
+    (``codes``): codes 0x13 and 0x15 are two steps apart as bytes, and well inside the
+    bound of a row whose largest value is 448."""
+    from prepfuse.fx_passes.matching.validation import _compare
+
+    want = torch.tensor([[0x13, 0x7E]], dtype=torch.uint8)
+    got = torch.tensor([[0x15, 0x7E]], dtype=torch.uint8)
+    with pytest.raises(NoMatch, match="bound one code step"):
+        _compare("k_cache", got, want, probe=0)
+    _compare("k_cache", got, want, probe=0, codes=torch.float8_e4m3fn)
+
+
+def test_an_fp8_rows_nan_counts_as_448_for_its_bound():
+    """A row a non-saturating cast overflowed (NaN codes) still holds values past 448: the
+    bound of its other values is 2^-6 of 448 plus one step, as in the saturated row."""
+    from prepfuse.fx_passes.matching.validation import _compare
+
+    want = _fp8([NAN] * 8 + [36.0]).reshape(1, -1)
+    got = _fp8([NAN] * 8 + [22.0]).reshape(1, -1)  # 14 apart: inside 448 / 64 + 36 / 8 = 11.5? no
+    with pytest.raises(NoMatch, match="k_cache differs"):
+        _compare("k_cache", got, want, probe=1)
+    _compare("k_cache", _fp8([NAN] * 8 + [28.0]).reshape(1, -1), want, probe=1)  # 8 apart: inside
+    with pytest.raises(NoMatch, match="k_cache differs"):  # a row of small values keeps its small bound
+        _compare("k_cache", _fp8([1.0] * 8 + [28.0]).reshape(1, -1), _fp8([1.0] * 8 + [36.0]).reshape(1, -1), probe=1)

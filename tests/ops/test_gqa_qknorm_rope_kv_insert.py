@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from prepfuse._compat import has_triton, triton_interpret_mode
+from prepfuse._compat import e4m3_cast_overflow, has_triton, triton_interpret_mode
 from prepfuse.ops import (
     GQA_QKNORM_ROPE_KV_INSERT,
     gqa_qknorm_rope_kv_insert_reference,
@@ -336,6 +336,56 @@ def test_fp8_store_divides_saturates_and_rounds_to_nearest_even(impl):
     assert codes[:7].tolist() == [0x7E, 0xFE, 0x01, 0x00, 0x02, 0x58, 0x00], f"seed={seed}: {codes[:7].tolist()}"
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_store_without_saturation_gives_nan_past_448(impl):
+    """``fp8_saturate=False`` (what a bare ``.to(float8_e4m3fn)`` does where torch's cast does
+    not saturate: c10's fp8e4m3fn_from_fp32_value, torch 2.11 on CUDA): a value that rounds
+    past 448 is the NaN code with its sign; 464, the tie between 448 and 480, goes to the
+    even 448. kv_scale 0.5, so the stored value is 2v. Where torch's own cast on this device
+    does not saturate, the codes are that cast's, byte for byte."""
+    generator, seed = seeded_generator()
+    inputs = make_gqa_inputs(1, 1, 1, 64, 16, "cpu", generator=generator, cache_dtype=FP8, skip_fraction=0.0)
+    qkv = inputs.qkv.clone()
+    two_v = torch.tensor([448.0, 460.0, 464.0, 466.0, 470.0, 480.0, 1e4, -466.0, float("inf"), -float("inf"),
+                          -464.0, 2.0**-10, 17.0])
+    expected = [0x7E, 0x7E, 0x7E, 0x7F, 0x7F, 0x7F, 0x7F, 0xFF, 0x7F, 0xFF, 0xFE, 0x00, 0x58]
+    v = torch.zeros(64)
+    v[:len(two_v)] = two_v / 2  # each exact in bf16
+    qkv[0, 128:] = v.to(torch.bfloat16)
+    inputs = dataclasses.replace(inputs, qkv=qkv, kv_scale=torch.tensor(0.5), fp8_saturate=False)
+    out = run(impl, to_device(inputs, DEVICE))
+    block, row = divmod(int(inputs.slot_mapping[0]), out.v_cache.shape[1])
+    codes = out.v_cache[block, row, 0].view(torch.uint8).cpu()
+    assert codes[:len(expected)].tolist() == expected, f"seed={seed}: {[hex(c) for c in codes.tolist()]}"
+    if e4m3_cast_overflow(DEVICE) == "nan":
+        torch_codes = two_v.to(DEVICE).to(FP8).view(torch.uint8).cpu()
+        assert codes[:len(expected)].tolist() == torch_codes.tolist(), f"seed={seed}"
+    # saturating (the default) on the same values: +-448 where the other gives NaN
+    saturated = run(impl, to_device(dataclasses.replace(inputs, fp8_saturate=True), DEVICE))
+    sat_codes = saturated.v_cache[block, row, 0].view(torch.uint8).cpu()
+    assert sat_codes[:10].tolist() == [0x7E] * 7 + [0xFE, 0x7E, 0xFE], f"seed={seed}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_uint8_cache_holds_the_fp8_caches_bytes(impl):
+    """vLLM allocates its "fp8" cache as uint8 and writes e4m3fn codes into it: the op takes
+    such a cache and writes into it, byte for byte, what it writes into a float8_e4m3fn one
+    (other bytes untouched), on each implementation (the kernel on CUDA)."""
+    inputs, seed = seeded_gqa_inputs(9, 4, 2, 64, 16, "cpu", cache_dtype=FP8, exact_sum=False)
+    inputs = to_device(inputs, DEVICE)
+    as_fp8_cache = run(impl, inputs)
+    as_bytes = inputs.fresh_outputs()
+    as_bytes = dataclasses.replace(as_bytes, k_cache=as_bytes.k_cache.view(torch.uint8),
+                                   v_cache=as_bytes.v_cache.view(torch.uint8))
+    impl(*as_bytes.args())
+    assert as_bytes.k_cache.dtype == torch.uint8
+    assert torch.equal(bits(as_bytes.q_out), bits(as_fp8_cache.q_out)), f"seed={seed}"
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(getattr(as_bytes, name), getattr(as_fp8_cache, name).view(torch.uint8)), \
+            f"seed={seed}: {name}"
+    assert_untouched(as_bytes, seed)
+
+
 @pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("impl", IMPLS)
@@ -560,6 +610,9 @@ BAD_INPUTS = [
     ("cos_sin_cache-rotary-over-D", "cos_sin_cache", lambda a: {"cos_sin_cache": a["cos_sin_cache"].repeat(1, 2)}),
     ("kv_scale-with-bf16-cache", "kv_scale", lambda a: {"kv_scale": torch.ones(1, device=a["qkv"].device)}),
     ("kv_scale-missing-for-fp8", "kv_scale", with_fp8(lambda a: {"kv_scale": None})),
+    ("kv_scale-missing-for-uint8-codes", "kv_scale", with_fp8(lambda a: {
+        "k_cache": a["k_cache"].view(torch.uint8), "v_cache": a["v_cache"].view(torch.uint8), "kv_scale": None})),
+    ("v_cache-uint8-beside-fp8", "v_cache", with_fp8(lambda a: {"v_cache": a["v_cache"].view(torch.uint8)})),
     ("kv_scale-dtype", "kv_scale", with_fp8(lambda a: {"kv_scale": a["kv_scale"].double()})),
     ("kv_scale-shape", "kv_scale", with_fp8(lambda a: {"kv_scale": torch.ones(2, device=a["qkv"].device)})),
     ("kv_scale-device", "kv_scale",
@@ -606,9 +659,11 @@ def test_fake_impl_does_not_read_index_values(change):
     call_fake(bad_args(change, "cpu"))
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_good_input_passes_fake_impl(fp8):
+@pytest.mark.parametrize("cache", ["bf16", "fp8", "uint8"])
+def test_good_input_passes_fake_impl(cache):
     args = good_args("cpu")
-    if fp8:
+    if cache != "bf16":
         args.update(as_fp8(args))
+    if cache == "uint8":  # vLLM's "fp8" cache: e4m3fn codes held as bytes
+        args.update(k_cache=args["k_cache"].view(torch.uint8), v_cache=args["v_cache"].view(torch.uint8))
     call_fake(args)

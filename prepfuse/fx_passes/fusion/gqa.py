@@ -191,6 +191,9 @@ class FuseGqaPrepPass(PrepfusePass):
         output. Returns the buffer both caches are views of, if they are (else None)."""
         expect(val(k_write.cache).dtype == val(v_write.cache).dtype and k_write.kv_scale is v_write.kv_scale,
                "write: k and v caches differ in dtype or kv_scale")
+        expect(k_write.saturate == v_write.saturate,
+               f"write: fp8 values past 448 {'saturate' if k_write.saturate else 'become NaN'} in the k cache and "
+               f"{'saturate' if v_write.saturate else 'become NaN'} in the v cache (one clamped, one a bare cast)")
         expect(tuple(shape(k_write.cache)) == tuple(shape(v_write.cache)), "write: k and v caches differ in shape")
         expect(k_write.layout == v_write.layout,
                f"write: the k cache is laid out {k_write.layout}, the v cache {v_write.layout}")
@@ -229,7 +232,8 @@ class FuseGqaPrepPass(PrepfusePass):
         args = dict(**sources, q_norm_weight=q.norm_weight, k_norm_weight=k.norm_weight,
                     q_out=q_out_buffer(emit, q), k_cache=k_write.cache, v_cache=v_write.cache,
                     slot_mapping=_slot_mapping(emit, k_write), **cos_sin_args(emit, q.cos_sin, q.source, q.rotary_dim),
-                    kv_scale=k_write.kv_scale, **counts, is_neox=q.is_neox, eps=q.eps if q.eps is not None else 0.0)
+                    kv_scale=k_write.kv_scale, **counts, is_neox=q.is_neox, eps=q.eps if q.eps is not None else 0.0,
+                    **({} if k_write.saturate else {"fp8_saturate": False}))
         if k_write.rows_per_slot_at_run_time or v_write.rows_per_slot_at_run_time:
             # an index_put of T rows at T' slots: T' == T at run time, which the graph does not
             # show (two dynamic sizes); the op inserts the first T' rows, so say it: an assert
@@ -263,7 +267,9 @@ class FuseGqaPrepPass(PrepfusePass):
         new_q = as_layout(emit, q_out, q.layout, q.prepared)
         note = ""
         if self.validate == "probe":
-            checked = [Checked("q_out", q.prepared, new_q)] + [Checked(n, old, new) for n, (old, new) in zip(names, written)]
+            codes = torch.float8_e4m3fn if val(args["k_cache"]).dtype == torch.uint8 else None  # vLLM's "fp8"
+            checked = [Checked("q_out", q.prepared, new_q)] + [
+                Checked(n, old, new, codes) for n, (old, new) in zip(names, written)]
             cache = op_view("k_cache")
             capacity = cache.shape[0] * cache.shape[1]
             if isinstance(k_write.slots, BlockRows):  # probed as one slot each: distinct (block, row) pairs

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from prepfuse._compat import e4m3_cast_saturates, inductor_drops_narrowing_round_trips
+from prepfuse._compat import e4m3_cast_overflow, inductor_drops_narrowing_round_trips
 from prepfuse.fx_passes.matching.cache_writes import first_rows_of
 from prepfuse.fx_passes.matching.cos_sin import CosSin, cos_sin_operand
 from prepfuse.fx_passes.matching.layouts import (
@@ -40,7 +40,8 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
 __all__ = ["NoMatch", "Heads", "CacheWrite", "SliceRows", "match_heads", "match_cache_write", "slot_count", "slot_nodes", "is_cache_write", "rounding_dropped",
            "unsupported_cache_write"]
 
-CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+# caches the op writes: bf16, e4m3fn, and uint8 bytes of e4m3fn codes (vLLM's "fp8" cache)
+CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)
 
 
 @dataclass
@@ -86,6 +87,9 @@ class CacheWrite:
     rows: torch.fx.Node  # bf16 [n, Hkv, D] or [T, Hkv, D] (first n inserted), before quantisation
     #   (fp32 where Inductor removed their bf16 round trip: ``rounding_dropped``)
     kv_scale: torch.fx.Node | None
+    # fp8: values past 448 saturate (a clamp, or a bare cast where torch's saturates); False:
+    # NaN past 464, a bare cast where torch's gives NaN (the op's ``fp8_saturate``)
+    saturate: bool = True
     # rows and slots have sizes the graph cannot tell equal (two dynamic dims: an engine's
     # T and T'); index_put needs them equal, and the call asserts so at run time
     rows_per_slot_at_run_time: bool = False
@@ -291,7 +295,7 @@ def is_cache_write(node) -> bool:
 
 
 def _is_graph_cache(cache) -> bool:
-    """``cache`` looks like a KV cache: a 4-d bf16/fp8/fp16 graph input or a view of one (fp16
+    """``cache`` looks like a KV cache: a 4-d bf16/fp8/uint8/fp16 graph input or a view of one (fp16
     so that the cache's dtype is the reason given, not silence)."""
     root = view_chain(cache)[0] if isinstance(cache, torch.fx.Node) else None
     return (isinstance(root, torch.fx.Node) and root.op == "placeholder" and len(shape(cache)) == 4
@@ -324,48 +328,58 @@ def unsupported_cache_write(node) -> str | None:
     return None
 
 
-def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """(bf16 rows, kv_scale) for ``(rows.float() / kv_scale).clamp(-448, 448).to(e4m3)``
+def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node, bool]:
+    """(bf16 rows, kv_scale, saturate) for ``(rows.float() / kv_scale).clamp(-448, 448).to(e4m3)``
     (the fp32 rows where Inductor dropped their bf16 round trip: ``rounding_dropped``), or
-    with no clamp where torch's cast to e4m3fn saturates (``_compat.e4m3_cast_saturates``:
-    torch 2.13's CPU cast makes 480 and inf 448, torch 2.11's CUDA cast makes them NaN), so
-    that SGLang's bare ``(k / k_scale).to(fp8)`` is the same math; the probes check it on
-    the graph's own torch (validation). ``rows / kv_scale`` with bf16
-    rows divides in fp32 (type promotion), as ``rows.float() / kv_scale`` does."""
+    the bare ``(k / k_scale).to(fp8)`` of SGLang and vLLM's ``forward_native``, whose values
+    past 448 are what torch's cast on the graph's device makes of them
+    (``_compat.e4m3_cast_overflow``: torch 2.13's CPU cast saturates, the op's default;
+    torch 2.11's CUDA cast gives NaN past 464, the op's ``fp8_saturate=False``); the probes
+    check it on the graph's own torch (validation). ``rows / kv_scale`` with bf16 rows
+    divides in fp32 (type promotion), as ``rows.float() / kv_scale`` does."""
     clamped = convert_source(values, torch.float8_e4m3fn)
     expect(clamped is not None, f"fp8: rows {describe(values)} are not a cast to float8_e4m3fn")
     scaled, lo, hi = clamp_bounds(clamped)
     expect((lo, hi) in ((-FP8_MAX, FP8_MAX), (None, None)),
-           f"fp8: clamp to [{lo}, {hi}], expected [-448, 448] (or no clamp where torch's cast saturates)")
+           f"fp8: clamp to [{lo}, {hi}], expected [-448, 448] (or none: torch's cast then decides)")
     device = val(values).device.type
-    expect(lo is not None or e4m3_cast_saturates(device),
-           f"fp8: {describe(values)} is a bare cast to float8_e4m3fn with no clamp, and torch {torch.__version__}'s "
-           f"cast on {device} does not saturate (|x| >= 480 becomes NaN, the op's cast gives 448); "
-           "`.clamp(-448, 448)` before the cast makes it the op's math")
+    overflow = "saturate" if lo is not None else e4m3_cast_overflow(device)
+    expect(overflow is not None,
+           f"fp8: {describe(values)} is a bare cast to float8_e4m3fn with no clamp, and what torch "
+           f"{torch.__version__}'s cast on {device} makes of values past 448 is neither saturation nor NaN past "
+           "464 (see the warning); `.clamp(-448, 448)` before the cast makes it the op's math")
     expect(is_op(scaled, aten.div.Tensor), f"fp8: rows are scaled by {describe(scaled)}; the op divides by kv_scale "
                                            "(a true division: a multiply by 1/kv_scale rounds differently)")
     x, scale = scaled.args[:2]
     sv = val(scale)
     expect(isinstance(scale, torch.fx.Node) and sv.dtype == torch.float32 and sv.numel() == 1 and sv.dim() <= 1,
            f"fp8: divisor {describe(scale)} is not a device fp32 kv_scale of shape [1] or []")
+    saturate = overflow == "saturate"
     if val(x).dtype == torch.bfloat16 and val(scaled).dtype == torch.float32:  # promoted: an fp32 division
-        return x, scale
+        return x, scale, saturate
     rows = convert_source(x, torch.float32)
     if rows is not None and val(rows).dtype == torch.bfloat16:  # bf16 rows widened: exactly their values
-        return rows, scale
+        return rows, scale, saturate
     expect(rounding_dropped(x), f"fp8: {describe(x)} is not bf16 rows cast to fp32")
-    return x, scale
+    return x, scale, saturate
 
 
-def _unquantised_rows(values, cache_dtype) -> tuple[torch.fx.Node, torch.fx.Node | None]:
-    """(the bf16 rows, kv_scale or None) a cache write stores: through the fp8 quantisation
-    into an e4m3 cache (``_fp8_rows``), as they are into a bf16 one."""
-    scale = None
+def _unquantised_rows(values, cache_dtype) -> tuple[torch.fx.Node, torch.fx.Node | None, bool]:
+    """(the bf16 rows, kv_scale or None, saturate) a cache write stores: through the fp8
+    quantisation into an e4m3 cache (``_fp8_rows``), as they are into a bf16 one."""
+    scale, saturate = None, True
+    if cache_dtype == torch.uint8:  # vLLM's "fp8" cache: e4m3fn codes stored as their bytes
+        codes = values.args[0] if is_op(values, aten.view.dtype) else None
+        expect(codes is not None and val(codes).dtype == torch.float8_e4m3fn and len(values.args) == 2,
+               f"write: rows {describe(values)} into a uint8 cache are not float8_e4m3fn codes viewed as uint8 "
+               "(`.to(torch.float8_e4m3fn).view(torch.uint8)`): the op writes e4m3fn codes into uint8 caches")
+        values = codes
+        cache_dtype = torch.float8_e4m3fn
     if cache_dtype == torch.float8_e4m3fn:
-        values, scale = _fp8_rows(values)
+        values, scale, saturate = _fp8_rows(values)
     expect(val(values).dtype == torch.bfloat16 or (scale is not None and rounding_dropped(values)),
            f"write: rows are {val(values).dtype}, the op writes bfloat16 values")
-    return values, scale
+    return values, scale, saturate
 
 
 def slot_count(slots) -> object:
@@ -408,7 +422,8 @@ def _slice_write(put: torch.fx.Node) -> CacheWrite:
     cache, src = put.args[:2]
     dim, start, end, _ = slice_params(put.args[2:], put.kwargs)
     cv = val(cache)
-    expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
+    expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16, float8_e4m3fn or "
+                                     "uint8 (e4m3fn codes) caches")
     expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")
     values = src
     if is_op(src, aten.copy.default):  # x[..] = rows: the rows copied into the slice, then scattered
@@ -435,8 +450,8 @@ def _slice_write(put: torch.fx.Node) -> CacheWrite:
                f"positions {describe(start)}:{describe(end)}")
     expect(all(isinstance(n, int) for n in cv.shape), f"write: a {list(cv.shape)} cache of dynamic size; the op's "
                                                       "slots b * S + position need B and S as numbers")
-    values, scale = _unquantised_rows(values, cv.dtype)
-    return CacheWrite(put, cache, SliceRows(start or 0, end), values, scale, layout=layout, per_sequence=True)
+    values, scale, saturate = _unquantised_rows(values, cv.dtype)
+    return CacheWrite(put, cache, SliceRows(start or 0, end), values, scale, saturate, layout=layout, per_sequence=True)
 
 
 def _is_sequence_index(node, batch) -> bool:
@@ -489,9 +504,9 @@ def _sequence_positions_write(put: torch.fx.Node, cache: torch.fx.Node, indices)
            f"{list(pv.shape)}")
     expect(all(isinstance(n, int) for n in cv.shape), f"write: a {list(cv.shape)} cache of dynamic size; the op's "
                                                       "slots b * S + position need B and S as numbers")
-    values, scale = _unquantised_rows(values, cv.dtype)
-    return CacheWrite(put, cache, positions, values, scale, layout="heads_first" if heads_first else "paged",
-                      per_sequence=True)
+    values, scale, saturate = _unquantised_rows(values, cv.dtype)
+    return CacheWrite(put, cache, positions, values, scale, saturate,
+                      layout="heads_first" if heads_first else "paged", per_sequence=True)
 
 
 def match_cache_write(put: torch.fx.Node) -> CacheWrite:
@@ -512,7 +527,8 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     cache, indices = put.args[:2]
     values = put_rows(put)  # [n, Hkv, D], also for a single slot
     cv = val(cache)
-    expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16 or float8_e4m3fn caches")
+    expect(cv.dtype in CACHE_DTYPES, f"write: the cache is {cv.dtype}, the op writes bfloat16, float8_e4m3fn or "
+                                     "uint8 (e4m3fn codes) caches")
     expect(cv.stride(-1) == 1, f"write: the cache has strides {tuple(cv.stride())}, the op writes dense head rows")
     if cv.dim() == 4 and len(indices) == 3 and indices[0] is None and indices[1] is None and \
             isinstance(indices[2], torch.fx.Node) and len(shape(values)) in (3, 4):
@@ -535,8 +551,8 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
         expect(isinstance(cv.shape[0], int) and isinstance(cv.shape[2], int),
                f"write: a {list(cv.shape)} cache of a dynamic number of sequences or positions; the op's slots "
                "b * S + pos need both as numbers")
-        values, scale = _unquantised_rows(values, cv.dtype)
-        return CacheWrite(put, cache, slots, values, scale, layout=layout, per_sequence=True)
+        values, scale, saturate = _unquantised_rows(values, cv.dtype)
+        return CacheWrite(put, cache, slots, values, scale, saturate, layout=layout, per_sequence=True)
     if cv.dim() == 4 and len(indices) in (2, 3) and (_is_sequence_index(indices[0], cv.shape[0]) or all(
             isinstance(indices[i], torch.fx.Node) and len(shape(indices[i])) == 2 for i in (0, -1))):
         return _sequence_positions_write(put, cache, indices)
@@ -579,9 +595,9 @@ def match_cache_write(put: torch.fx.Node) -> CacheWrite:
     expect(not (at_run_time and isinstance(rows_n, int) and isinstance(slots_n, int)),
            f"write: {rows_n} rows for {slots_n} slots, not one row per slot")
     values = first_rows_of(values, slots_n)  # rows[:n], sliced after quantisation
-    values, scale = _unquantised_rows(values, cv.dtype)
+    values, scale, saturate = _unquantised_rows(values, cv.dtype)
     while is_op(values, *CONVERTS) and val(values.args[0]).dtype == torch.bfloat16:
         values = values.args[0]  # a no-op cast kept by the graph
-    return CacheWrite(written, cache, slots, first_rows_of(values, slots_n), scale,
+    return CacheWrite(written, cache, slots, first_rows_of(values, slots_n), scale, saturate,
                       rows_per_slot_at_run_time=at_run_time and first_rows_of(values, slots_n) is values,
                       layout=layout)
