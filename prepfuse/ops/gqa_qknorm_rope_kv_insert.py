@@ -62,8 +62,8 @@ Q and K path, per token and head (x: one head's D values, as fp32)::
 V path: v as is. Cache store of k and v rows at inserted slots: bf16 as is, or fp8
 ``e4m3(clamp(fp32(bf16 value) / kv_scale, -448, 448))``, round to nearest even (vLLM's
 ``scaled_convert``: a true division, saturating); with ``fp8_saturate=False`` the NaN code
-(0x7F, 0xFF below zero) where ``|x| > 464``, as c10's ``fp8e4m3fn_from_fp32_value`` rounds. Bytes of other slots, skipped rows and
-rows t >= T' are never written.
+(0x7F, 0xFF below zero) where ``|x| > 464``, as c10's ``fp8e4m3fn_from_fp32_value`` rounds.
+Bytes of other slots, skipped rows and rows t >= T' are never written.
 
 Rounding, against the Hugging Face code a pattern pass will replace:
 
@@ -676,14 +676,15 @@ def check_inputs(
     )
     check_prep_args(q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
                     kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, num_tokens=num_tokens,
-                    num_q_heads=num_q_heads,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim, device=device, source="qkv")
+                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
+                    source="qkv")
     check_unit_last_stride("qkv", qkv)
 
 
 def check_prep_args(
     q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
-    is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device, source: str,
+    is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device,
+    source: str,
 ) -> None:
     """Everything but the q/k/v source (both GQA ops): dtypes, shapes, devices and strides
     against the token count, heads and head size the source gave (``source`` names it)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_CACHE_DTYPES
 from prepfuse.testing.common import (
     Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
     seeded_generator,
@@ -286,7 +287,7 @@ def compare_gqa(a: GqaInputs, b: GqaInputs) -> GqaComparison:
     ulp = bf16_ulp_diff(a.q_out, b.q_out)
     diffs = []
     for x, y in ((a.k_cache, b.k_cache), (a.v_cache, b.v_cache)):
-        if x.dtype in (torch.float8_e4m3fn, torch.uint8):  # uint8: e4m3fn codes (vLLM's "fp8" cache)
+        if x.dtype in FP8_CACHE_DTYPES:  # uint8: e4m3fn codes (vLLM's "fp8" cache)
             diffs.append(e4m3_code_diff(x.view(torch.uint8), y.view(torch.uint8)).flatten())
         else:
             diffs.append(bf16_ulp_diff(x, y).flatten())

@@ -35,13 +35,10 @@ from prepfuse.fx_passes.matching.recognizers import (
     slice_params, view_chain, weighted_rms_norm,
 )
 from prepfuse.fx_passes.matching.validation import read_as_rounded
-from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import CACHE_DTYPES, FP8_MAX, HEAD_DIMS
 
 __all__ = ["NoMatch", "Heads", "CacheWrite", "SliceRows", "match_heads", "match_cache_write", "slot_count", "slot_nodes", "is_cache_write", "rounding_dropped",
            "unsupported_cache_write"]
-
-# caches the op writes: bf16, e4m3fn, and uint8 bytes of e4m3fn codes (vLLM's "fp8" cache)
-CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)
 
 
 @dataclass
