@@ -17,6 +17,8 @@
 #   profile - Nsight Compute (SpeedOfLight, memory, occupancy, warp stalls) of each op's kernel on the
 #             benchmarks' inputs (bench/profile_kernels.py), ncu's text tarred into $OUT/ncu.tgz;
 #             PREPFUSE_PROFILE_RUNS="case:T case:T" picks the runs
+#   dupes - duplicated slots: torn rows with no dedupe, the scan and the row locks, and what each
+#           costs (bench/duplicate_slots.py; JSON and benchmarks_duplicate_slots.md into $OUT)
 #   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
 #   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
 #   demo  - the README's main command's python part
@@ -109,6 +111,10 @@ for what in "${steps[@]}"; do
                 "/tmp/ncu/${case_name}_T${tokens}.txt" | tee -a "$log"
         done
         tar -C /tmp/ncu -czf "$OUT/ncu.tgz" .
+        ;;
+    dupes)
+        step dupes
+        python3 bench/duplicate_slots.py --out-dir "$OUT" --docs "$OUT/benchmarks_duplicate_slots.md" ${PREPFUSE_DUPES_ARGS:-} 2>&1 | tail -n 80 | tee -a "$log" || status=1
         ;;
     micro)
         step micro

@@ -11,9 +11,10 @@ position -1 to the table's last row:
 - a position is clamped into ``[0, P)``;
 - a row whose slot is negative or not below the cache's slot count is skipped;
 - a slot given to several tokens is written whole by the last of them (its data and
-  scale bytes, its k and v): never a row mixed from two tokens. The kernels write such a
-  slot from several programs at once, so there the row is one of the writers' or a mix;
-  docs/ops.md says so.
+  scale bytes, its k and v): never a row mixed from two tokens. The kernels do the same
+  (``_duplicate_slots``): the last writer up to ``SCAN_MAX`` inserted rows; beyond, each
+  row is written under its slot's lock, so the row is one writer's whole row (on the GPU
+  any one of them, under the CPU interpreter the last).
 """
 
 from __future__ import annotations

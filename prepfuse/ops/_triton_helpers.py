@@ -10,10 +10,40 @@ its own namespace (triton resolves a called jit function through the caller's gl
 from __future__ import annotations
 
 from prepfuse._compat import has_triton
+from prepfuse.ops._duplicate_slots import N_ROW_LOCKS
 
 if has_triton():
     import triton
     import triton.language as tl
+
+    _ROW_LOCK_WORDS = tl.constexpr(N_ROW_LOCKS)
+
+    @triton.jit
+    def _last_writer(slot_ptr, t, slot, n_insert, SCAN: tl.constexpr):
+        """Whether no inserted row after row ``t`` names ``slot``: the scan rule of
+        ``_duplicate_slots`` (the last of a slot's writers stores it), one vector load of the
+        whole slot_mapping (``SCAN >= n_insert`` lanes), issued beside the row's own loads."""
+        i = tl.arange(0, SCAN)
+        later = tl.load(slot_ptr + i, mask=(i > t) & (i < n_insert), other=-1)
+        return tl.sum((later == slot).to(tl.int32), axis=0) == 0
+
+    @triton.jit
+    def _lock_row(locks_ptr, slot):
+        """Take slot ``slot``'s row lock (word ``slot % N_ROW_LOCKS`` of the table,
+        ``_duplicate_slots``), spinning while another program holds it. One thread does the
+        atomic; the barrier that hands its result to the others orders their stores after
+        it, as Triton's layer-norm tutorial relies on."""
+        lock = locks_ptr + slot % _ROW_LOCK_WORDS
+        while tl.atomic_cas(lock, 0, 1, sem="acquire") != 0:
+            pass
+
+    @triton.jit
+    def _unlock_row(locks_ptr, slot):
+        """Release the lock once every thread of the program has stored its part of the row:
+        the barrier puts all of them before the releasing atomic, whose release order puts
+        them before the next holder's stores."""
+        tl.debug_barrier()
+        tl.atomic_xchg(locks_ptr + slot % _ROW_LOCK_WORDS, 0, sem="release")
 
     @triton.jit
     def _to_bf16(x, SOFT_ROUNDING: tl.constexpr):

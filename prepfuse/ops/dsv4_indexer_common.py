@@ -74,6 +74,7 @@ from prepfuse.ops._checks import (
     check_unit_last_stride,
     require,
 )
+from prepfuse.ops import _duplicate_slots
 from prepfuse.ops._indices import clamped_positions, written_rows
 
 HEAD_DIM = 128
@@ -102,11 +103,14 @@ if has_triton():
         _ceil_log2_ratio,
         _exp2_int,
         _finite,
+        _last_writer,
+        _lock_row,
         _max_keep_nan,
         _rope_pairs_split,
         _to_bf16,
         _to_e2m1_code,
         _to_e4m3_bits,
+        _unlock_row,
     )
 
     @triton.jit
@@ -185,6 +189,7 @@ if has_triton():
         pos_ptr,  # [T] int64
         k_pos_ptr,  # [Tk] int64
         cos_sin_ptr,  # [P, 64] fp32
+        locks_ptr,  # [N_ROW_LOCKS] int32 row locks (_duplicate_slots; read with DEDUPE_LOCK)
         H,  # indexer heads
         n_q_programs,  # T * N_QCOLS: programs that prepare q; the rest insert k rows
         n_insert,  # Tk': rows of k inserted into the cache
@@ -207,6 +212,8 @@ if has_triton():
         N_QCOLS: tl.constexpr,  # programs per token on the q side: cdiv(H, BLOCK_H)
         MXFP4: tl.constexpr,  # the format: mxfp4, else fp8
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+        DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
+        SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= Tk')
     ):
         # A 1-D grid: programs [0, T * N_QCOLS) rotate, quantise and store BLOCK_H heads of
         # one token's q (columns fastest, so q streams in address order); the Tk programs
@@ -256,10 +263,16 @@ if has_triton():
             k_row = k_ptr + r * stride_kt + tl.zeros([1, 1], dtype=tl.int64)
             k_ne, k_no, k_re, k_ro = _load_rotated_pairs(k_row, d64 >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
             slot = tl.load(slot_ptr + r, mask=r < n_insert, other=-1)
-            if (slot >= 0) & (slot < n_slots):
+            write = (slot >= 0) & (slot < n_slots)
+            if DEDUPE == 1:  # the last row naming the slot writes it (_duplicate_slots)
+                write = write & _last_writer(slot_ptr, r, slot, n_insert, SCAN)
+            if write:
                 blk = slot // block_size
                 row = slot % block_size
                 block = cache_ptr + blk * stride_cache_block
+                if DEDUPE == 2:  # the row's data and scale bytes come from one k row (_duplicate_slots);
+                    # taken before the math, so that the atomic's round trip overlaps the loads'
+                    _lock_row(locks_ptr, slot)
                 if MXFP4:
                     nope_packed, nope_scales = _quant_mxfp4_half(k_ne, k_no)
                     rope_packed, rope_scales = _quant_mxfp4_half(k_re, k_ro)
@@ -279,6 +292,8 @@ if has_triton():
                     b = tl.arange(0, 4)[None, :]
                     bits = scale_bits[:, None]
                     tl.store(block + block_size * 128 + row * 4 + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8))
+                if DEDUPE == 2:
+                    _unlock_row(locks_ptr, slot)
 
 
 def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
@@ -306,8 +321,10 @@ def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
 def launch_indexer_kernel(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
     cos_sin_cache, weights_scale, block_size, *, mxfp4: bool, launch_config: tuple[int, int] | None = None,
+    dedupe: str | None = None,
 ) -> None:
     """The one launch of both ops (q side and k side together). Inputs are not checked here.
+    ``dedupe`` overrides ``_duplicate_slots.dedupe_mode`` (the benchmark and a GPU test use it).
 
     ``q_out`` and ``q_scale`` are passed as byte views; ``q_scale`` is ignored for fp8.
     Traffic per token: reads 256*H (q) + 2-4*H (weights) + 256 (cos/sin) bytes, writes
@@ -324,7 +341,7 @@ def launch_indexer_kernel(
     scale_bytes = q_scale if q_scale is not None else q_bytes  # a placeholder the fp8 branch never touches
     _dsv4_indexer_rope_quant_insert_kernel[(n_q_programs + num_k,)](
         q, weights, k, q_bytes, scale_bytes, weights_out, k_cache, slot_mapping, positions, k_positions,
-        cos_sin_cache,
+        cos_sin_cache, _duplicate_slots.row_locks(k_cache.device),
         num_heads, n_q_programs, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), weights.stride(0), k.stride(0),
         q_bytes.stride(0), q_bytes.stride(1), scale_bytes.stride(0), scale_bytes.stride(1),
@@ -334,6 +351,8 @@ def launch_indexer_kernel(
         N_QCOLS=n_qcols,
         MXFP4=mxfp4,
         SOFT_ROUNDING=triton_interpret_mode(),
+        DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
+        SCAN=_duplicate_slots.scan_block(slot_mapping),
         num_warps=num_warps,
     )
 

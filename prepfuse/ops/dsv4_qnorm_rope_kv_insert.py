@@ -49,6 +49,7 @@ import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
+from prepfuse.ops import _duplicate_slots
 from prepfuse.ops._indices import clamped_positions, written_rows
 from prepfuse.ops._library import define_op
 from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj, ue8m0_bytes
@@ -77,7 +78,9 @@ if has_triton():
     import triton
     import triton.language as tl
 
-    from prepfuse.ops._triton_helpers import _amax, _finite, _rope_pairs_split, _to_bf16, _to_e4m3_bits
+    from prepfuse.ops._triton_helpers import (
+        _amax, _finite, _last_writer, _lock_row, _rope_pairs_split, _to_bf16, _to_e4m3_bits, _unlock_row,
+    )
 
     @triton.jit
     def _rope_pairs(y, cs_row, SOFT_ROUNDING: tl.constexpr):
@@ -95,6 +98,7 @@ if has_triton():
         slot_ptr,  # [T'] int64
         pos_ptr,  # [T] int64
         cos_sin_ptr,  # [P, 64] fp32
+        locks_ptr,  # [N_ROW_LOCKS] int32 row locks (_duplicate_slots; read with DEDUPE_LOCK)
         H,  # real query heads
         HP,  # padded query heads (q_out.size(1))
         n_insert,  # T': rows of kv inserted into the cache
@@ -113,6 +117,8 @@ if has_triton():
         N_COLS: tl.constexpr,  # programs per token: 1 (kv) + cdiv(HP, BLOCK_H) (q)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
         ROPE_U16: tl.constexpr,  # cache base and stride even: store RoPE bytes as uint16
+        DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
+        SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
     ):
         # A 1-D grid of T * N_COLS programs, N_COLS = 1 + cdiv(HP, BLOCK_H): column 0
         # inserts token t's kv row, the others each normalise, rotate and store BLOCK_H
@@ -137,11 +143,17 @@ if has_triton():
             x = tl.load(kv_row + r[:, None] * 64 + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
             pe = tl.load(kv_row + 448 + tl.arange(0, 64)).to(tl.float32)
             slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
-            if (slot >= 0) & (slot < n_slots):
+            write = (slot >= 0) & (slot < n_slots)
+            if DEDUPE == 1:  # the last row naming the slot writes it (_duplicate_slots)
+                write = write & _last_writer(slot_ptr, t, slot, n_insert, SCAN)
+            if write:
                 blk = slot // block_size
                 row = slot % block_size
                 data = cache_ptr + blk * stride_cache_block + row * 576
                 scales = cache_ptr + blk * stride_cache_block + block_size * 576 + row * 8
+                if DEDUPE == 2:  # the row's data and scale bytes come from one token (_duplicate_slots);
+                    # taken before the math, so that the atomic's round trip overlaps the loads'
+                    _lock_row(locks_ptr, slot)
                 # a block holding a NaN or an infinity has no scale: it is stored as NaN
                 # (scale byte 0xFF, every code 0x7F; docs/ops.md, non-finite inputs)
                 amax = _amax(x, 1)
@@ -168,6 +180,8 @@ if has_triton():
                     b = tl.arange(0, 64)
                     tl.store(data + 448 + 2 * b, (bits & 0xFF).to(tl.uint8))
                     tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
+                if DEDUPE == 2:
+                    _unlock_row(locks_ptr, slot)
         elif (col - 1) * BLOCK_H >= H:
             # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
             # none of the norm and RoPE work on zeros that the masked path below would do
@@ -219,12 +233,14 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
 
 def dsv4_qnorm_rope_kv_insert_triton(
     q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *,
-    launch_config: tuple[int, int] | None = None,
+    launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
 ) -> None:
     """Launch the fused kernel once (q and kv sides together). Inputs are not checked here.
 
     ``launch_config`` overrides ``(BLOCK_H, num_warps)``; the benchmark's sweep uses it
-    to choose ``_launch_config``'s table.
+    to choose ``_launch_config``'s table. ``dedupe`` ("off", "scan", "lock") overrides
+    ``_duplicate_slots.dedupe_mode`` (the benchmark measures each, a GPU test what a write
+    without either does).
     """
     num_tokens, num_heads, _ = q.shape
     padded_heads = q_out.shape[1]
@@ -235,6 +251,7 @@ def dsv4_qnorm_rope_kv_insert_triton(
     grid = (num_tokens * n_cols,)
     _dsv4_qnorm_rope_kv_insert_kernel[grid](
         q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
+        _duplicate_slots.row_locks(k_cache.device),
         num_heads, padded_heads, slot_mapping.shape[0],
         k_cache.shape[0] * block_size, cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1),
@@ -244,6 +261,8 @@ def dsv4_qnorm_rope_kv_insert_triton(
         N_COLS=n_cols,
         SOFT_ROUNDING=triton_interpret_mode(),
         ROPE_U16=k_cache.data_ptr() % 2 == 0 and k_cache.stride(0) % 2 == 0,
+        DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
+        SCAN=_duplicate_slots.scan_block(slot_mapping),
         num_warps=num_warps,
     )
 

@@ -100,6 +100,7 @@ import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
+from prepfuse.ops import _duplicate_slots
 from prepfuse.ops._indices import clamped_positions, written_rows
 from prepfuse.ops._library import define_op
 from prepfuse.ops._math import rope_gptj, rope_neox
@@ -134,7 +135,9 @@ if has_triton():
     import triton
     import triton.language as tl
 
-    from prepfuse.ops._triton_helpers import _clamp_e4m3, _mul_rn, _to_bf16, _to_e4m3_bits
+    from prepfuse.ops._triton_helpers import (
+        _clamp_e4m3, _last_writer, _lock_row, _mul_rn, _to_bf16, _to_e4m3_bits, _unlock_row,
+    )
 
     @triton.jit
     def _weighted(x, rstd, w_ptr, dims, HAS_NORM: tl.constexpr, W_FP32: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
@@ -299,6 +302,54 @@ if has_triton():
                 _store_values(dst + r, rot, keep, scale_ptr, QUANT_FP8, SOFT_ROUNDING)
 
     @triton.jit
+    def _insert_kv_column(
+        c,  # the kv column: k heads c * HEADS + hb for c < KV_COLS, else v heads (c - KV_COLS) * HEADS + hb
+        hb,  # [ROWS] each row's head within the column
+        k_src,  # [ROWS] pointers to each row's token's k heads (k_ptr + t * stride_kt)
+        v_src,  # [ROWS] the same for v
+        k_dst,  # [ROWS] pointers to each row's slot in k_cache (block and row applied, head 0)
+        v_dst,  # [ROWS] the same in v_cache
+        insert,  # [ROWS] whether the row's slot is written
+        k_w_ptr,  # [D] k norm weight (unread without HAS_NORM)
+        cos_row,  # [ROWS] each row's token's row of the cos table
+        sin_row,  # [ROWS] the same of the sin table
+        Hkv,  # kv heads
+        stride_kh,  # elements between heads of k_cache
+        stride_vh,  # elements between heads of v_cache
+        eps,  # RMSNorm epsilon
+        scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
+        HEAD_DIM: tl.constexpr,
+        ROT_DIM: tl.constexpr,
+        ROT_PAD: tl.constexpr,
+        IS_NEOX: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        W_FP32: tl.constexpr,
+        FULL_COS_SIN: tl.constexpr,
+        CACHE_FP8: tl.constexpr,
+        HEADS: tl.constexpr,  # kv heads per column
+        ROWS: tl.constexpr,  # rows of the tile (tokens x heads)
+        KV_COLS: tl.constexpr,  # k columns (as many v columns follow)
+        SOFT_ROUNDING: tl.constexpr,
+    ):
+        """One k or v column of the cache insert: k rows normed, rotated and stored, v rows
+        copied or quantised (the kernel's separate k and v programs, and each step of the
+        locked program that writes a whole slot)."""
+        if c < KV_COLS:
+            heads = c * HEADS + hb
+            _norm_rope_store_heads(
+                k_src + heads * HEAD_DIM, k_dst + heads * stride_kh, heads < Hkv, insert, k_w_ptr, cos_row, sin_row,
+                eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, ROWS,
+                SOFT_ROUNDING,
+            )
+        else:
+            heads = (c - KV_COLS) * HEADS + hb
+            real = (heads < Hkv)[:, None]
+            d = tl.arange(0, HEAD_DIM)[None, :]
+            v = tl.load((v_src + heads * HEAD_DIM)[:, None] + d, mask=real)
+            _store_values((v_dst + heads * stride_vh)[:, None] + d, v, tl.where(insert[:, None], real, False),
+                          scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+
+    @triton.jit
     def _gqa_qknorm_rope_kv_insert_kernel(
         q_ptr,  # [T, Hq * D] bf16: q heads (qkv's first columns, or a separate q)
         k_ptr,  # [T, Hkv * D] bf16: k heads
@@ -313,6 +364,7 @@ if has_triton():
         cos_ptr,  # [P, R/2] fp32 or bf16 ([P, R] with FULL_COS_SIN): the cos table
         sin_ptr,  # the sin table, like cos
         scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
+        locks_ptr,  # [N_ROW_LOCKS] int32 row locks (_duplicate_slots; read with DEDUPE_LOCK)
         Hq,  # query heads
         Hkv,  # kv heads
         n_tokens,  # T
@@ -346,8 +398,12 @@ if has_triton():
         BLOCK_H: tl.constexpr,  # heads per program and token
         TOKENS: tl.constexpr,  # tokens per program (a power of two)
         Q_COLS: tl.constexpr,  # programs per token on q: cdiv(Hq, BLOCK_H)
-        KV_COLS: tl.constexpr,  # programs per token on k, and again on v: cdiv(Hkv, BLOCK_H)
+        KV_COLS: tl.constexpr,  # programs per token on k, and again on v: cdiv(Hkv, BLOCK_H); with
+        # DEDUPE 2 the steps of the one kv program on k, and again on v: cdiv(Hkv, KV_BLOCK)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+        DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
+        SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
+        KV_BLOCK: tl.constexpr,  # with DEDUPE 2: kv heads per step of the token's one kv program
     ):
         # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
         # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
@@ -357,16 +413,18 @@ if has_triton():
         # TOKENS * BLOCK_H rows (row r: token r // BLOCK_H, head r % BLOCK_H). q and k
         # columns share the norm and rotation code (_norm_rope_store_heads), v columns only
         # copy or quantise. Rows of tokens past T read token T - 1 and store nothing. (T is
-        # not capped at 65535 on a 1-D grid.)
+        # not capped at 65535 on a 1-D grid.) With DEDUPE 2 a token has one kv column.
         pid = tl.program_id(0).to(tl.int64)
-        n_cols = Q_COLS + 2 * KV_COLS
+        if DEDUPE == 2:
+            n_cols = Q_COLS + 1
+        else:
+            n_cols = Q_COLS + 2 * KV_COLS
         col = pid % n_cols
         r = tl.arange(0, TOKENS * BLOCK_H)
         t = (pid // n_cols) * TOKENS + r // BLOCK_H
         live = t < n_tokens
         t = tl.minimum(t, n_tokens - 1)
         hb = r % BLOCK_H
-        d = tl.arange(0, HEAD_DIM)
         # Out-of-range positions are rejected on the host when it can read them; here
         # they are clamped only so that no read leaves the tables.
         if HAS_POSITIONS:
@@ -384,31 +442,53 @@ if has_triton():
                 HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, False, TOKENS * BLOCK_H,
                 SOFT_ROUNDING,
             )
+        elif DEDUPE == 2:
+            # TOKENS = 1 and a single kv column (the launcher's rule with DEDUPE 2): this
+            # program writes token t's whole slot, k and v of every kv head, KV_BLOCK heads
+            # a step, under the slot's lock, so that a slot two tokens name holds one of
+            # them (_duplicate_slots). The row loads follow the lock's atomic, one round trip.
+            tok = pid // n_cols
+            slot = tl.load(slot_ptr + tok, mask=tok < n_insert, other=-1)
+            if (slot >= 0) & (slot < n_slots):
+                _lock_row(locks_ptr, slot)
+                kh = tl.arange(0, KV_BLOCK)
+                at = tok + tl.zeros([KV_BLOCK], dtype=tl.int64)  # the token, once per row
+                if HAS_POSITIONS:
+                    kv_pos = tl.minimum(tl.maximum(tl.load(pos_ptr + at), 0), max_pos - 1)
+                else:
+                    kv_pos = tl.minimum(at, max_pos - 1)
+                k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr + kh * 0
+                v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr + kh * 0
+                for c in tl.static_range(2 * KV_COLS):
+                    _insert_kv_column(
+                        c, kh, k_ptr + at * stride_kt, v_ptr + at * stride_vt, k_dst, v_dst, kh >= 0, k_w_ptr,
+                        cos_ptr + kv_pos * stride_cos, sin_ptr + kv_pos * stride_sin, Hkv, stride_kh, stride_vh,
+                        eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN,
+                        CACHE_FP8, KV_BLOCK, KV_BLOCK, KV_COLS, SOFT_ROUNDING,
+                    )
+                _unlock_row(locks_ptr, slot)
         else:
             # The slot only addresses the stores: its load is issued beside the row's,
             # not before it (no branch on it), so a k or v program waits on one round
             # trip to memory, not two; a skipped slot's rows load and store nothing.
             slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
             insert = live & (slot >= 0) & (slot < n_slots)
+            if DEDUPE == 1:
+                # TOKENS = 1 (the launcher's rule): the rows are one token's, which stores
+                # them only if no later row names its slot; its k and v programs decide alike
+                tok = pid // n_cols
+                tok_slot = tl.load(slot_ptr + tok, mask=tok < n_insert, other=-1)
+                insert = tl.where(_last_writer(slot_ptr, tok, tok_slot, n_insert, SCAN), insert, False)
             slot = tl.where(insert, slot, 0)
             blk = slot // block_size
             slot_row = slot % block_size
-            if col < Q_COLS + KV_COLS:
-                heads = (col - Q_COLS) * BLOCK_H + hb
-                _norm_rope_store_heads(
-                    k_ptr + t * stride_kt + heads * HEAD_DIM,
-                    k_cache_ptr + blk * stride_kb + slot_row * stride_kr + heads * stride_kh, heads < Hkv,
-                    insert, k_w_ptr, cos_row, sin_row, eps, scale_ptr,
-                    HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
-                    TOKENS * BLOCK_H, SOFT_ROUNDING,
-                )
-            else:
-                heads = (col - Q_COLS - KV_COLS) * BLOCK_H + hb
-                real = (heads < Hkv)[:, None]
-                v = tl.load(v_ptr + t[:, None] * stride_vt + heads[:, None] * HEAD_DIM + d[None, :], mask=real)
-                v_dst = (v_cache_ptr + (blk * stride_vb + slot_row * stride_vr + heads * stride_vh)[:, None]
-                         + d[None, :])
-                _store_values(v_dst, v, tl.where(insert[:, None], real, False), scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+            _insert_kv_column(
+                col - Q_COLS, hb, k_ptr + t * stride_kt, v_ptr + t * stride_vt,
+                k_cache_ptr + blk * stride_kb + slot_row * stride_kr,
+                v_cache_ptr + blk * stride_vb + slot_row * stride_vr, insert, k_w_ptr, cos_row, sin_row, Hkv,
+                stride_kh, stride_vh, eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32,
+                FULL_COS_SIN, CACHE_FP8, BLOCK_H, TOKENS * BLOCK_H, KV_COLS, SOFT_ROUNDING,
+            )
 
 
 def _launch_config(num_tokens: int, head_dim: int, max_heads: int, cache_fp8: bool = False,
@@ -457,13 +537,15 @@ def cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin) -> tuple[torch.Tensor,
 def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
     kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, *,
-    launch_config: tuple[int, ...] | None = None,
+    launch_config: tuple[int, ...] | None = None, dedupe: str | None = None,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
     ``k_cache``. ``launch_config``, for a benchmark sweep: ``(BLOCK_H, num_warps)`` or
-    ``(BLOCK_H, num_warps, TOKENS)`` in place of ``_launch_config``'s. Inputs are not
-    checked here."""
+    ``(BLOCK_H, num_warps, TOKENS)`` in place of ``_launch_config``'s (TOKENS is 1 where a
+    duplicated slot is scanned for or locked); ``dedupe`` ("off", "scan", "lock") overrides
+    ``_duplicate_slots.dedupe_mode`` (the benchmark measures each, a GPU test what a write
+    without either does). Inputs are not checked here."""
     num_tokens, num_q_heads, head_dim = q_out.shape
     num_kv_heads = k_cache.shape[2]
     if num_tokens == 0:
@@ -474,18 +556,28 @@ def launch_gqa_kernel(
                                              bool(full_cos_sin))
     block_h, num_warps, tokens = (*config, 1)[:3]  # a pair: one token per program
     q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
+    mode = _duplicate_slots.dedupe_mode(slot_mapping, dedupe)
+    # under the row locks one program per token writes its slot (k and v, every kv head) in
+    # steps of about 1024 values, the large-T tile; a scan or a lock reads one token a program
+    kv_block = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim))
+    if mode != _duplicate_slots.DEDUPE_OFF:
+        tokens = 1
+    locked = mode == _duplicate_slots.DEDUPE_LOCK
+    if locked:
+        kv_cols = triton.cdiv(num_kv_heads, kv_block)
     has_norm = q_norm_weight is not None
     # unread placeholders for absent optional tensors (the constexprs keep them unread)
     q_w = q_norm_weight if has_norm else q
     k_w = k_norm_weight if has_norm else q
     scale = kv_scale if fp8 else cos
     block_size = k_cache.shape[1]
-    grid = (triton.cdiv(num_tokens, tokens) * (q_cols + 2 * kv_cols),)
+    grid = (triton.cdiv(num_tokens, tokens) * (q_cols + (1 if locked else 2 * kv_cols)),)
     _gqa_qknorm_rope_kv_insert_kernel[grid](
         q, k, v, q_w, k_w, q_out,
         k_cache.view(torch.uint8) if fp8 else k_cache,
         v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping, slot_mapping if positions is None else positions, cos, sin, scale,
+        _duplicate_slots.row_locks(k_cache.device),
         num_q_heads, num_kv_heads, num_tokens, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos.shape[0],
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -505,6 +597,9 @@ def launch_gqa_kernel(
         Q_COLS=q_cols,
         KV_COLS=kv_cols,
         SOFT_ROUNDING=triton_interpret_mode(),
+        DEDUPE=mode,
+        SCAN=_duplicate_slots.scan_block(slot_mapping),
+        KV_BLOCK=kv_block,
         num_warps=num_warps,
     )
 

@@ -17,7 +17,7 @@ from prepfuse.testing import (
     compare_dsv4, compare_dsv4_indexer, compare_gqa, make_dsv4_indexer_inputs, make_dsv4_inputs, seeded_gqa_inputs,
     with_cache_layout,
 )
-from tests.ops.impls import IMPLS
+from prepfuse.testing.impls import IMPLS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not has_triton(), reason="triton is not installed")

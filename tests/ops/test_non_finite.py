@@ -25,7 +25,7 @@ import torch
 from prepfuse._compat import has_triton
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, NOPE_DIM, SCALE_BYTES
 from prepfuse.testing import make_dsv4_indexer_inputs, seeded_dsv4_inputs, seeded_generator, seeded_gqa_inputs
-from tests.ops.impls import IMPLS
+from prepfuse.testing.impls import IMPLS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not has_triton(), reason="triton is not installed")

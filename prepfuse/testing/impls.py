@@ -1,6 +1,7 @@
-"""Each op's two implementations, by name, for the tests that run every op alike
-(``test_edge_shapes.py``, ``test_index_values.py``): the checked plain-PyTorch reference and
-the unchecked Triton launch (the CPU interpreter here, the kernel on CUDA)."""
+"""Each op's two implementations, by name, for what runs every op alike (the tests
+``tests/ops/test_edge_shapes.py``, ``test_index_values.py``, ``test_non_finite.py``; the
+row-lock benchmark and sanitize script): the checked plain-PyTorch reference and the
+unchecked Triton launch (the CPU interpreter without a GPU, the kernel on CUDA)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from prepfuse.ops import (
     gqa_qknorm_rope_kv_insert_triton,
 )
 
+__all__ = ["IMPLS", "implementations"]
+
 # op: (reference, kernel launch)
 IMPLS = {
     "dsv4": (dsv4_qnorm_rope_kv_insert_reference, dsv4_qnorm_rope_kv_insert_triton),
@@ -22,3 +25,9 @@ IMPLS = {
     "indexer-fp8": (dsv4_indexer_rope_fp8_insert_reference, dsv4_indexer_rope_fp8_insert_triton),
     "indexer-mxfp4": (dsv4_indexer_rope_mxfp4_insert_reference, dsv4_indexer_rope_mxfp4_insert_triton),
 }
+
+
+def implementations(case: str) -> tuple:
+    """(reference, kernel launch) of ``case``: an op's name in ``IMPLS``, or "gqa-fp8" (the GQA
+    op on an fp8 cache: the same two implementations)."""
+    return IMPLS["gqa" if case == "gqa-fp8" else case]
