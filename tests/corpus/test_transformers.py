@@ -81,6 +81,21 @@ def test_client_fuses_as_expected(name):
     torch.testing.assert_close(out.float(), ref.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.expected_fused])
+def test_client_fuses_a_decode_step(name):
+    """T=1 under static shapes (an engine's CUDA graph of batch size one): every case that
+    fuses fuses both layers there too. Hugging Face's paged cache squeezes its batch of one,
+    so its [1, Hkv, D] rows at T=1 were read as the [1, 1, Hkv, D] in front of the squeeze,
+    and the pass saw no candidate at all and said nothing (fused 0, no near miss)."""
+    backend = PrepfuseBackend()
+    out, caches, ref, ref_caches, args = compiled_run(CASES[name], backend, num_tokens=1)
+    report = backend.reports[0]
+    assert report.matched_counts.get(PASS, 0) == 2, report.format(verbose=True)
+    slots = args[2]
+    assert_rows_close(written(caches[:1], slots), written(ref_caches[:1], slots), rtol=2**-6)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.expected_fused])
 def test_client_matches_inductor(name, device):

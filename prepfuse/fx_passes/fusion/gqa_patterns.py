@@ -291,11 +291,11 @@ def is_cache_write(node) -> bool:
     return not accumulate and len(cache) in (3, 4) and (len(rows) == 3 or sequences)
 
 
-def _is_graph_cache(cache) -> bool:
-    """``cache`` looks like a KV cache: a 4-d bf16/fp8/uint8/fp16 graph input or a view of one (fp16
-    so that the cache's dtype is the reason given, not silence)."""
+def _is_graph_cache(cache, ranks: tuple[int, ...] = (4,)) -> bool:
+    """``cache`` looks like a KV cache: a bf16/fp8/uint8/fp16 graph input or a view of one, of
+    one of ``ranks`` dims (fp16 so that the cache's dtype is the reason given, not silence)."""
     root = view_chain(cache)[0] if isinstance(cache, torch.fx.Node) else None
-    return (isinstance(root, torch.fx.Node) and root.op == "placeholder" and len(shape(cache)) == 4
+    return (isinstance(root, torch.fx.Node) and root.op == "placeholder" and len(shape(cache)) in ranks
             and val(cache).dtype in (*CACHE_DTYPES, torch.float16))
 
 
@@ -306,7 +306,8 @@ def unsupported_cache_write(node) -> str | None:
     if not is_op(node, aten.index_copy.default, aten.index_put.default, aten.slice_scatter.default):
         return None
     cache = node.args[0]
-    if not _is_graph_cache(cache):
+    # index assignment also writes token pools, [N, Hkv, D]
+    if not _is_graph_cache(cache, (3, 4) if is_op(node, aten.index_put.default) else (4,)):
         return None
     sizes = tuple(shape(cache))
     if is_op(node, aten.index_copy.default):
@@ -317,12 +318,17 @@ def unsupported_cache_write(node) -> str | None:
         return (f"write: a slice [{describe(start)}:{describe(end)}:{step}] of dim {dim} of a {list(sizes)} cache "
                 "overwritten (slice_scatter); the pass matches slices of consecutive positions of a static cache, "
                 "`cache[:, :, start:end] = k` of [B, Hkv, S, D] or `cache[:, start:end] = k` of [B, S, Hkv, D]")
+    if is_cache_write(node):
+        return None
     rows = put_rows(node)
-    if len(shape(rows)) == 4:  # not one row per sequence (is_cache_write): broadcast across the batch
-        return (f"write: rows {list(shape(rows))} written at {[describe(i) for i in node.args[1]]} of a "
-                f"{list(sizes)} cache of {sizes[0]} sequences: the same rows for every sequence (broadcast), "
-                "not one set of rows per sequence")
-    return None
+    where = f"written at {[describe(i) for i in node.args[1]]} of a {list(sizes)} cache"
+    if len(node.args) > 3 and node.args[3] or node.kwargs.get("accumulate", False):
+        return f"write: rows {list(shape(rows))} {where} are added (index_put with accumulate=True), not stored"
+    if len(shape(rows)) == 4 and len(sizes) == 4:  # not one row per sequence: broadcast across the batch
+        return (f"write: rows {list(shape(rows))} {where} of {sizes[0]} sequences: the same rows for every "
+                "sequence (broadcast), not one set of rows per sequence")
+    return (f"write: rows {list(shape(rows))} {where}: not one [n, Hkv, D] row per index (the pass matches "
+            "[NB, bs, Hkv, D] paged caches and [N, Hkv, D] token pools written that way)")
 
 
 def _fp8_rows(values) -> tuple[torch.fx.Node, torch.fx.Node, bool]:

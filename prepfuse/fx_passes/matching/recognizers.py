@@ -672,14 +672,18 @@ def put_rows(put) -> torch.fx.Node:
     With a single index (one token, or one slot, under static shapes) torch's index_put
     decomposition reshapes the ``[1, ...]`` rows to ``[...]``, which broadcast over the
     single index: look through that reshape (seen for every pattern at T=1). Only where the
-    index is known to select one row: rows of a batch of one, ``[1, T, H, D]`` reshaped to
-    ``[T, H, D]`` for T slots, are the reshaped rows themselves.
+    index is known to select one row and the values lack a dim of the rows (the indices'
+    dims, then the cache's dims no index takes): rows of a batch of one, ``[1, T, H, D]``
+    reshaped to ``[T, H, D]`` for T slots, are the reshaped rows themselves, at T=1 too
+    (Hugging Face's paged cache squeezes its batch of one before ``index_copy_``).
     """
     values = put.args[2]
-    first = next((i for i in put.args[1] if isinstance(i, torch.fx.Node)), None)
-    count = shape(first)[0] if first is not None and shape(first) else 1  # rows the index selects
-    if same_size(count, 1) and is_op(values, aten.reshape.default, aten.view.default, aten.squeeze.dim,
-                                     aten.squeeze.default):
+    indices = [i for i in put.args[1] if isinstance(i, torch.fx.Node)]
+    count = shape(indices[0])[0] if indices and shape(indices[0]) else 1  # rows the index selects
+    # the rows' dims: the indices' (broadcast) dims, then the cache's dims no index takes
+    row_dims = max((len(shape(i)) for i in indices), default=0) + len(shape(put.args[0])) - len(indices)
+    if same_size(count, 1) and len(shape(values)) == row_dims - 1 and is_op(
+            values, aten.reshape.default, aten.view.default, aten.squeeze.dim, aten.squeeze.default):
         rows = values.args[0]
         if tuple(shape(rows)) == (1, *shape(values)):
             return rows

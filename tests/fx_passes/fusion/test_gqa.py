@@ -656,13 +656,26 @@ def _broadcast_write(k, cache, pos):
     return cache.sum()
 
 
+def _added_to_pool(k, cache, pos):
+    cache.view(-1, HKV, D).index_put_((pos,), k[0].transpose(0, 1), accumulate=True)
+    return cache.sum()
+
+
+def _one_head_into_pool(k, cache, pos):
+    cache.view(-1, HKV, D)[pos, torch.zeros_like(pos)] = k[0, 0]  # head 0's [n, D] rows into [N, Hkv, D]
+    return cache.sum()
+
+
 @pytest.mark.parametrize("fn, words", [
     (_sliced_write, "slice_scatter"),
     (_broadcast_write, "the same rows for every sequence"),
-], ids=["slice", "broadcast"])
+    (_added_to_pool, "accumulate=True"),
+    (_one_head_into_pool, "not one [n, Hkv, D] row per index"),
+], ids=["slice", "broadcast", "accumulate", "one-head"])
 def test_unfused_sequence_cache_writes_are_declined_by_name(fn, words):
     """The report says where the match stopped, for the cache forms other engines use
-    (before, these writes gave no near miss at all)."""
+    (before, these writes gave no near miss at all; token-pool writes that were no
+    candidate neither)."""
     backend = PrepfuseBackend({"passes": (PASS,)})
     k, cache, pos = torch.randn(2, HKV, 3, D).to(torch.bfloat16), torch.zeros(2, HKV, 16, D).to(torch.bfloat16), \
         torch.tensor([1, 4, 6])
