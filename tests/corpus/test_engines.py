@@ -96,6 +96,29 @@ def test_engine_spelling_fuses(name):
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=0.05, atol=0.05, msg=f"seed={seed}")
 
 
+# the fp8 cases with a bf16 rotation (each engine's own cast: clamped, bare, into uint8)
+WIDE_FP8 = ["vllm-llama-fp8", "vllm-llama-fp8-uint8-cache", "sglang-llama-fp8-token-pool"]
+
+
+@pytest.mark.parametrize("name", WIDE_FP8)
+def test_fp8_cases_fuse_at_a_production_width(name):
+    """Llama-3-8B's widths (hidden 4096, 32 q heads, 8 kv heads of 128), T=64: validation's
+    edge probe runs the 4096-wide projection on rows of 32x-scaled values, the fp8 rows
+    saturate, and bf16 RoPE against the op's fp32 one moves a small, cancelled value by
+    ~2^-7 of magnitudes near 2300 (22 against 36 in a row of 448s). Bounded by the row's
+    largest value after the cast (448) that was declined on every such case (the H200's
+    clients run, 2026-12-02); the bound of a saturated row is now the magnitude before the
+    cast (``Checked.before_cast``)."""
+    case = CASES[name]
+    if not case.expected_on("cpu")[0]:
+        pytest.skip(f"{name} is declined by name on this torch's CPU cast")
+    backend = PrepfuseBackend()
+    run(case, backend, num_tokens=64, hidden=4096, heads=32, kv_heads=8, head_dim=128, num_layers=1,
+        num_blocks=5, block_size=16, seed=64)
+    report = backend.reports[0]
+    assert report.matched_counts.get(PASS, 0) == 1, [r.why for r in report.near_misses(PASS)]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.expected_fused])
 def test_engine_spelling_matches_inductor(name, device):

@@ -188,3 +188,21 @@ def test_an_fp8_rows_nan_counts_as_448_for_its_bound():
     _compare("k_cache", _fp8([NAN] * 8 + [28.0]).reshape(1, -1), want, probe=1)  # 8 apart: inside
     with pytest.raises(NoMatch, match="k_cache differs"):  # a row of small values keeps its small bound
         _compare("k_cache", _fp8([1.0] * 8 + [28.0]).reshape(1, -1), _fp8([1.0] * 8 + [36.0]).reshape(1, -1), probe=1)
+
+
+def test_a_saturated_fp8_row_is_bounded_by_its_values_before_the_cast():
+    """22 against 36 in a row of 448s (the H200's Llama-3-8B-wide fp8 cases): outside the
+    bound of 448, inside that of the rows' largest |value| before the cast (2300: 36 + 4.5),
+    which only a row the cast saturated takes; a row of small values keeps its own bound."""
+    from prepfuse.fx_passes.matching.validation import _compare
+
+    want = _fp8([448.0] * 8 + [36.0]).reshape(1, -1)
+    got = _fp8([448.0] * 8 + [22.0]).reshape(1, -1)
+    with pytest.raises(NoMatch, match="k_cache differs"):
+        _compare("k_cache", got, want, probe=1)
+    _compare("k_cache", got, want, probe=1, before_cast=2300.0)
+    with pytest.raises(NoMatch, match="k_cache differs"):  # 26 apart: outside 1000 / 64 + 36 / 8 = 20.1
+        _compare("k_cache", _fp8([448.0] * 8 + [10.0]).reshape(1, -1), want, probe=1, before_cast=1000.0)
+    with pytest.raises(NoMatch, match="k_cache differs"):
+        _compare("k_cache", _fp8([1.0] * 8 + [22.0]).reshape(1, -1), _fp8([1.0] * 8 + [36.0]).reshape(1, -1),
+                 probe=1, before_cast=2300.0)

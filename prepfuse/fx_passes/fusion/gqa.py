@@ -268,8 +268,12 @@ class FuseGqaPrepPass(PrepfusePass):
         note = ""
         if self.validate == "probe":
             codes = torch.float8_e4m3fn if val(args["k_cache"]).dtype == torch.uint8 else None  # vLLM's "fp8"
+            # fp8 rows before their cast, for the bound of a row the cast saturated
+            before = {w.put: ((w.rows, w.kv_scale),) for w in (k_write, v_write) if w.kv_scale is not None}
+            if shared is not None and before:
+                before = {shared.written: before[k_write.put] + before[v_write.put]}
             checked = [Checked("q_out", q.prepared, new_q)] + [
-                Checked(n, old, new, codes) for n, (old, new) in zip(names, written)]
+                Checked(n, old, new, codes, before.get(old, ())) for n, (old, new) in zip(names, written)]
             cache = op_view("k_cache")
             capacity = cache.shape[0] * cache.shape[1]
             if isinstance(k_write.slots, BlockRows):  # probed as one slot each: distinct (block, row) pairs
