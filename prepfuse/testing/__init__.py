@@ -5,7 +5,9 @@ Checks follow one rule: fresh random data every run, outputs poisoned before the
 was not shows up, and a byte that should not have been written shows up too.
 
 One module per family (``dsv4``, ``gqa``, ``dsv4_indexer``), what they share (``common``) and
-the demo's quick GPU timing (``timing``); and the kit for engine teams' own ops and passes:
+the demo's quick GPU timing (``timing``); each op's reference and kernel by name (``impls``)
+and whether a duplicated slot's row is whole (``duplicate_slots``), imported by their module;
+and the kit for engine teams' own ops and passes:
 golden files for graph tests (``golden``), pass tests beside eager (``passes``), schema drift
 (``drift``) and functionalization checks (``functionalization``), imported by their module;
 the rest is exported here too.
