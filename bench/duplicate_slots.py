@@ -49,28 +49,27 @@ TORN_CALLS = 10
 def cases() -> dict:
     """name -> (make(T, device) fresh inputs with distinct slots, kernel launch taking
     dedupe=); the indexer inserts T/4 key rows (its benchmark's Tk)."""
-    from prepfuse.ops import (
-        dsv4_indexer_rope_fp8_insert_triton, dsv4_indexer_rope_mxfp4_insert_triton, dsv4_qnorm_rope_kv_insert_triton,
-        gqa_qknorm_rope_kv_insert_triton,
-    )
     from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
+    from prepfuse.testing.impls import implementations
+
+    dsv4, gqa = implementations("dsv4")[1], implementations("gqa")[1]
 
     def indexer(fmt):
         return lambda t, dev: make_dsv4_indexer_inputs(fmt, t, 64, 64, dev, num_k=max(1, t // 4), skip_fraction=0.0)
 
     return {
         "dsv4 H=64": (lambda t, dev: make_dsv4_inputs(t, 64, 64, 64, dev, skip_fraction=0.0),
-                      dsv4_qnorm_rope_kv_insert_triton),
+                      dsv4),
         "dsv4 H=16": (lambda t, dev: make_dsv4_inputs(t, 16, 64, 64, dev, skip_fraction=0.0),
-                      dsv4_qnorm_rope_kv_insert_triton),
+                      dsv4),
         "qwen3-8b": (lambda t, dev: make_gqa_inputs(t, 32, 8, 128, 16, dev, skip_fraction=0.0),
-                     gqa_qknorm_rope_kv_insert_triton),
+                     gqa),
         "qwen3-8b-fp8": (lambda t, dev: make_gqa_inputs(t, 32, 8, 128, 16, dev, skip_fraction=0.0, cache_dtype=FP8),
-                         gqa_qknorm_rope_kv_insert_triton),
+                         gqa),
         "llama-3-8b": (lambda t, dev: make_gqa_inputs(t, 32, 8, 128, 16, dev, skip_fraction=0.0, norm=False),
-                       gqa_qknorm_rope_kv_insert_triton),
-        "indexer fp8": (indexer("fp8"), dsv4_indexer_rope_fp8_insert_triton),
-        "indexer mxfp4": (indexer("mxfp4"), dsv4_indexer_rope_mxfp4_insert_triton),
+                       gqa),
+        "indexer fp8": (indexer("fp8"), implementations("indexer-fp8")[1]),
+        "indexer mxfp4": (indexer("mxfp4"), implementations("indexer-mxfp4")[1]),
     }
 
 
@@ -93,7 +92,7 @@ def input_bytes(inputs) -> int:
     return sum(v.numel() * v.element_size() for v in vars(inputs).values() if isinstance(v, torch.Tensor))
 
 
-def run(args) -> dict:
+def run(args) -> tuple[dict, Path]:
     info = harness.device_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +137,13 @@ def run(args) -> dict:
             harness.write_json(path, data)
     data["elapsed_s"] = round(time.time() - t_start, 1)
     harness.write_json(path, data)
-    return data
+    return data, path
+
+
+def write_reports(data: dict, json_path: Path, docs_path: Path) -> None:
+    md = render_markdown(data, json_path.name)
+    docs_path.write_text(md)
+    print(md)
 
 
 def render_markdown(data: dict, json_name: str) -> str:
@@ -195,8 +200,6 @@ def scan_pays_up_to(cost: dict) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default=str(HERE / "results"))
     parser.add_argument("--docs", default=str(harness.REPO_ROOT / "docs" / "benchmarks_duplicate_slots.md"))
@@ -207,18 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-torn", dest="torn", action="store_false", help="only the cost part")
     parser.add_argument("--name-suffix", default="")
     args = parser.parse_args(argv)
-    if args.from_json:
-        path = Path(args.from_json)
-        Path(args.docs).write_text(render_markdown(json.loads(path.read_text()), path.name))
-        return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
-        return 2
-    data = run(args)
-    path = Path(args.out_dir) / f"duplicate_slots_{data['device_slug']}{args.name_suffix}.json"
-    md = render_markdown(data, path.name)
-    Path(args.docs).write_text(md)
-    print(md)
+    done = harness.from_json_or_cuda(args, write_reports)
+    if done is not None:
+        return done
+    write_reports(*run(args), Path(args.docs))
     return 0
 
 
