@@ -332,8 +332,8 @@ if has_triton():
         SOFT_ROUNDING: tl.constexpr,
     ):
         """One k or v column of the cache insert: k rows normed, rotated and stored, v rows
-        copied or quantised (the kernel's separate k and v programs, and each step of the
-        locked program that writes a whole slot)."""
+        copied or quantised (the kernel's separate k and v programs; the k part of each step
+        of the locked program that writes a whole slot)."""
         if c < KV_COLS:
             heads = c * HEADS + hb
             _norm_rope_store_heads(
@@ -399,11 +399,12 @@ if has_triton():
         TOKENS: tl.constexpr,  # tokens per program (a power of two)
         Q_COLS: tl.constexpr,  # programs per token on q: cdiv(Hq, BLOCK_H)
         KV_COLS: tl.constexpr,  # programs per token on k, and again on v: cdiv(Hkv, BLOCK_H); with
-        # DEDUPE 2 the steps of the one kv program on k, and again on v: cdiv(Hkv, KV_BLOCK)
+        # DEDUPE 2 the steps of the one kv program (k and v of KV_BLOCK heads each): cdiv(Hkv, KV_BLOCK)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
         KV_BLOCK: tl.constexpr,  # with DEDUPE 2: kv heads per step of the token's one kv program
+        STRIDE_UNIT: tl.constexpr,  # stride_qt, stride_kt and stride_vt are in units of this many elements
     ):
         # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
         # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
@@ -420,19 +421,37 @@ if has_triton():
         else:
             n_cols = Q_COLS + 2 * KV_COLS
         col = pid % n_cols
+        tok = pid // n_cols
         r = tl.arange(0, TOKENS * BLOCK_H)
-        t = (pid // n_cols) * TOKENS + r // BLOCK_H
-        live = t < n_tokens
-        t = tl.minimum(t, n_tokens - 1)
         hb = r % BLOCK_H
+        if TOKENS == 1:
+            # every row is token tok (< T: the grid has one set of columns per token): its
+            # position is one scalar load, not one per row
+            t = tok
+            live = hb >= 0
+        else:
+            t = tok * TOKENS + r // BLOCK_H
+            live = t < n_tokens
+            t = tl.minimum(t, n_tokens - 1)
         # Out-of-range positions are rejected on the host when it can read them; here
         # they are clamped only so that no read leaves the tables.
         if HAS_POSITIONS:
             pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
         else:
             pos = tl.minimum(t, max_pos - 1)
-        cos_row = cos_ptr + pos * stride_cos
-        sin_row = sin_ptr + pos * stride_sin
+        # With one token a program, the cos and sin rows are loaded once, as [1, R/2], and
+        # broadcast over the heads. A [BLOCK_H, R/2] tile of equal addresses (one pointer a
+        # row, as TOKENS > 1 needs) keeps the products in the row loads' register layout,
+        # but costs registers: on the H200 it was no faster with a bf16 cache (Qwen3-8B
+        # T=16384: 118.3 us either way) and slower with fp8 (123.0 against 116.6 us).
+        cos_row = cos_ptr + pos * stride_cos + tl.zeros([1], dtype=tl.int32)
+        sin_row = sin_ptr + pos * stride_sin + tl.zeros([1], dtype=tl.int32)
+        # token strides arrive divided by STRIDE_UNIT, so that the row loads vectorise
+        # where a token stride is a multiple of 16 bytes but not of 16 elements (a slice
+        # of a wider buffer): triton only marks an int argument divisible by 16
+        stride_qt *= STRIDE_UNIT
+        stride_kt *= STRIDE_UNIT
+        stride_vt *= STRIDE_UNIT
 
         if col < Q_COLS:
             heads = col * BLOCK_H + hb
@@ -446,26 +465,27 @@ if has_triton():
             # TOKENS = 1 and a single kv column (the launcher's rule with DEDUPE 2): this
             # program writes token t's whole slot, k and v of every kv head, KV_BLOCK heads
             # a step, under the slot's lock, so that a slot two tokens name holds one of
-            # them (_duplicate_slots). The row loads follow the lock's atomic, one round trip.
-            tok = pid // n_cols
-            slot = tl.load(slot_ptr + tok, mask=tok < n_insert, other=-1)
+            # them (_duplicate_slots). Each step's v rows are loaded before the lock is
+            # taken and k is worked, so their round trip overlaps the atomic's and k's.
+            slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
             if (slot >= 0) & (slot < n_slots):
-                _lock_row(locks_ptr, slot)
                 kh = tl.arange(0, KV_BLOCK)
-                at = tok + tl.zeros([KV_BLOCK], dtype=tl.int64)  # the token, once per row
-                if HAS_POSITIONS:
-                    kv_pos = tl.minimum(tl.maximum(tl.load(pos_ptr + at), 0), max_pos - 1)
-                else:
-                    kv_pos = tl.minimum(at, max_pos - 1)
-                k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr + kh * 0
-                v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr + kh * 0
-                for c in tl.static_range(2 * KV_COLS):
+                d = tl.arange(0, HEAD_DIM)[None, :]
+                k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr
+                v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr
+                for c in tl.static_range(KV_COLS):
+                    heads = c * KV_BLOCK + kh
+                    real = (heads < Hkv)[:, None]
+                    v = tl.load((v_ptr + t * stride_vt + heads * HEAD_DIM)[:, None] + d, mask=real)
+                    if c == 0:
+                        _lock_row(locks_ptr, slot)
                     _insert_kv_column(
-                        c, kh, k_ptr + at * stride_kt, v_ptr + at * stride_vt, k_dst, v_dst, kh >= 0, k_w_ptr,
-                        cos_ptr + kv_pos * stride_cos, sin_ptr + kv_pos * stride_sin, Hkv, stride_kh, stride_vh,
-                        eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN,
-                        CACHE_FP8, KV_BLOCK, KV_BLOCK, KV_COLS, SOFT_ROUNDING,
+                        c, kh, k_ptr + t * stride_kt, v_ptr, k_dst, v_dst, kh >= 0, k_w_ptr,
+                        cos_row, sin_row, Hkv, stride_kh, stride_vh, eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32,
+                        FULL_COS_SIN, CACHE_FP8, KV_BLOCK, KV_BLOCK, KV_COLS, SOFT_ROUNDING,
                     )
+                    _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real, scale_ptr, CACHE_FP8,
+                                  SOFT_ROUNDING)
                 _unlock_row(locks_ptr, slot)
         else:
             # The slot only addresses the stores: its load is issued beside the row's,
@@ -476,9 +496,7 @@ if has_triton():
             if DEDUPE == 1:
                 # TOKENS = 1 (the launcher's rule): the rows are one token's, which stores
                 # them only if no later row names its slot; its k and v programs decide alike
-                tok = pid // n_cols
-                tok_slot = tl.load(slot_ptr + tok, mask=tok < n_insert, other=-1)
-                insert = tl.where(_last_writer(slot_ptr, tok, tok_slot, n_insert, SCAN), insert, False)
+                insert = tl.where(_last_writer(slot_ptr, t, slot, n_insert, SCAN), insert, False)
             slot = tl.where(insert, slot, 0)
             blk = slot // block_size
             slot_row = slot % block_size
@@ -491,31 +509,40 @@ if has_triton():
             )
 
 
-def _launch_config(num_tokens: int, head_dim: int, max_heads: int, cache_fp8: bool = False,
-                   full_cos_sin: bool = False) -> tuple[int, int, int]:
+def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True) -> tuple[int, int, int]:
     """(heads per program and token, warps per program, tokens per program), from the H200
     sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
     ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200*.json``).
 
-    Large T is bandwidth bound and the kernel's per-value work is not small (norm, two
-    roundings, the rotation, fp8 division): about 1024 values (8 heads of 128) per program.
-    With bf16 caches one warp carries them best (Qwen3-8B, T=16384: 122.0 us against 125.7
-    on four warps and 134-152 at 16 heads); the fp8 quantisation wants four warps (128.6 us
-    against 182.3 on one, 143.5 on two; T=4096: 34.6 against 49.5), and so do full-width
-    cos/sin, four per-row loads (129.6 us against 131.9; T=4096: 34.6 against 36.9). At
-    T <= 4 one head per program on one warp spreads a token over the most programs (latency
-    bound: T=1 1.94 us against 2.23 on two warps); in between, 256 values per program on
-    one warp (T=64: 2.72 against 3.08 on two). Several tokens per program (one tile of tokens x heads) was no
-    faster anywhere it was measured (T=16384: 126.9 us at 8 heads x 2 tokens on four warps,
-    132.5 at 4 x 2 on one), so one token per program it is.
+    Large T is bandwidth bound: about 2048 values (16 heads of 128) per program, on two
+    warps with the norm (Qwen3-8B T=16384: bf16 cache 118.3 us, fp8 116.6, against 119.0
+    and 123.2 at 8 heads on one warp and 120.7 / 128.4 on four warps) and on four without
+    it, whose lighter programs want more of them in flight (Llama-3-8B: 107.0 us against
+    111.7 on two warps; T=4096: 29.4 against 31.6). This is the kernel whose rows load as
+    16-byte vectors (``stride_unit``); the sweep before it had picked 8 heads on one warp
+    (bf16) and four warps (fp8: 141.8 us at 8/4 now). At T <= 4 one head per program on
+    one warp spreads a token over the most programs (latency bound: T=1 2.02 us against
+    2.0-2.4 on every other mix of 1-4 heads and 1-4 warps); in between, 256 values per
+    program on one warp (T=64: 2.72 against 3.08 on two). Several tokens per program (one
+    tile of tokens x heads) was no faster anywhere it was measured (T=16384: 126.9 us at
+    8 heads x 2 tokens on four warps, 132.5 at 4 x 2 on one), so one token per program it is.
     """
     if num_tokens <= 4:
         block_h, num_warps = 1, 1
     elif num_tokens <= 128:
         block_h, num_warps = max(1, 256 // head_dim), 1
     else:
-        block_h, num_warps = max(1, 1024 // head_dim), 4 if cache_fp8 or full_cos_sin else 1
+        block_h, num_warps = max(1, 2048 // head_dim), 2 if has_norm else 4
     return min(block_h, max(1, triton.next_power_of_2(max_heads))), num_warps, 1
+
+
+def stride_unit(*strides: int) -> int:
+    """The largest of 16, 8, 4, 2, 1 that divides every stride: the kernel takes the token
+    strides in these units and multiplies them back by a constexpr. Triton marks an int
+    argument only as divisible by 16 or not, so a bf16 token stride of 6168 (a view of a
+    wider buffer, 16-byte aligned rows) left every row load a scalar 2-byte load: 32 load
+    instructions a thread where 4 vector ones do."""
+    return next(u for u in (16, 8, 4, 2, 1) if all(s % u == 0 for s in strides))
 
 
 def split_qkv_columns(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
@@ -552,8 +579,8 @@ def launch_gqa_kernel(
         return
     cos, sin, rot_dim = cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin)
     fp8 = k_cache.dtype in FP8_CACHE_DTYPES
-    config = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads), fp8,
-                                             bool(full_cos_sin))
+    config = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads),
+                                             q_norm_weight is not None)
     block_h, num_warps, tokens = (*config, 1)[:3]  # a pair: one token per program
     q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     mode = _duplicate_slots.dedupe_mode(slot_mapping, dedupe)
@@ -572,6 +599,7 @@ def launch_gqa_kernel(
     scale = kv_scale if fp8 else cos
     block_size = k_cache.shape[1]
     grid = (triton.cdiv(num_tokens, tokens) * (q_cols + (1 if locked else 2 * kv_cols)),)
+    unit = stride_unit(q.stride(0), k.stride(0), v.stride(0))
     _gqa_qknorm_rope_kv_insert_kernel[grid](
         q, k, v, q_w, k_w, q_out,
         k_cache.view(torch.uint8) if fp8 else k_cache,
@@ -579,7 +607,7 @@ def launch_gqa_kernel(
         slot_mapping, slot_mapping if positions is None else positions, cos, sin, scale,
         _duplicate_slots.row_locks(k_cache.device),
         num_q_heads, num_kv_heads, num_tokens, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos.shape[0],
-        q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), q_out.stride(1),
+        q.stride(0) // unit, k.stride(0) // unit, v.stride(0) // unit, q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cos.stride(0), sin.stride(0), eps, block_size,
@@ -600,6 +628,7 @@ def launch_gqa_kernel(
         DEDUPE=mode,
         SCAN=_duplicate_slots.scan_block(slot_mapping),
         KV_BLOCK=kv_block,
+        STRIDE_UNIT=unit,
         num_warps=num_warps,
     )
 

@@ -33,7 +33,7 @@ from prepfuse.ops import (
     gqa_qknorm_rope_kv_insert_reference,
     gqa_qknorm_rope_kv_insert_triton,
 )
-from prepfuse.ops.gqa_qknorm_rope_kv_insert import rms_norm_reference
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import rms_norm_reference, split_qkv_columns, stride_unit
 from tests.ops.bad_inputs import assert_rejected, changed
 from prepfuse.testing import (
     CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, make_gqa_inputs, seeded_generator,
@@ -481,6 +481,25 @@ def test_triton_interpreter_launch_configs(launch_config, rope):
     gqa_qknorm_rope_kv_insert_triton(*actual.args(), launch_config=launch_config)
     assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
     assert_untouched(actual, seed)
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize("pad, unit", [(0, 16), (8, 8), (4, 4), (2, 2), (1, 1)], ids=lambda v: str(v))
+def test_triton_interpreter_token_strides_in_units(pad, unit):
+    """qkv's token stride reaches the kernel divided by ``stride_unit`` (so that rows of a
+    16-byte aligned view vectorise) and is multiplied back in the kernel: every unit, down
+    to an odd stride, reads the same rows, bit for bit."""
+    inputs, seed = seeded_gqa_inputs(5, 4, 2, 64, 16, "cpu", cache_dtype=FP8)
+    width = inputs.qkv.shape[1]
+    wide = torch.zeros(inputs.qkv.shape[0], width + pad, dtype=inputs.qkv.dtype)
+    wide[:, :width] = inputs.qkv
+    inputs = dataclasses.replace(inputs, qkv=wide[:, :width])
+    q, k, v = split_qkv_columns(inputs.qkv, 4, 2)
+    assert stride_unit(q.stride(0), k.stride(0), v.stride(0)) == unit
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = run(gqa_qknorm_rope_kv_insert_triton, inputs)
+    assert compare_gqa(expected, actual).exact(), f"seed={seed}, unit {unit}: {compare_gqa(expected, actual)}"
 
 
 @needs_triton
