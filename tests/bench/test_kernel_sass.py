@@ -1,0 +1,33 @@
+"""``bench/kernel_sass.py`` without a GPU: it compiles a benchmark case's kernel for sm_90
+and its summary shows the GQA kernel's row loads as 16-byte vectors on the benchmark's
+inputs, whose token stride (6168) is a multiple of 16 bytes but not of 16 elements. Before
+``stride_unit`` every row load there was a scalar ``LDG.E.U16`` (32 a thread)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prepfuse._compat import has_triton
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernel_sass.py"
+
+
+@pytest.mark.skipif(not has_triton(), reason="needs triton (its ptxas and nvdisasm)")
+def test_gqa_rows_load_as_vectors(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "gqa-llama3-8b", "16", "--launch-config", "8,1", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = dict(re.findall(r"(LDG\.E[.A-Z0-9]*) (\d+)", result.stdout))
+    assert int(counts.get("LDG.E.128", 0)) >= 4, result.stdout
+    assert "LDG.E.U16" not in counts, result.stdout
+    assert (tmp_path / "gqa-llama3-8b_T16.sass").stat().st_size > 0
