@@ -19,6 +19,8 @@
 #             PREPFUSE_PROFILE_RUNS="case:T case:T" picks the runs
 #   dupes - duplicated slots: torn rows with no dedupe, the scan and the row locks, and what each
 #           costs (bench/duplicate_slots.py; JSON and benchmarks_duplicate_slots.md into $OUT)
+#   floor - what a decode-sized launch costs: a ladder of tiny Triton kernels beside each op at T=1
+#           (bench/decode_floor.py; JSON into $OUT)
 #   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
 #   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
 #   demo  - the README's main command's python part
@@ -115,6 +117,10 @@ for what in "${steps[@]}"; do
     dupes)
         step dupes
         python3 bench/duplicate_slots.py --out-dir "$OUT" --docs "$OUT/benchmarks_duplicate_slots.md" ${PREPFUSE_DUPES_ARGS:-} 2>&1 | tail -n 80 | tee -a "$log" || status=1
+        ;;
+    floor)
+        step floor
+        python3 bench/decode_floor.py --out-dir "$OUT" 2>&1 | tail -n 16 | tee -a "$log" || status=1
         ;;
     micro)
         step micro

@@ -1,0 +1,126 @@
+"""What a decode-sized (T=1) launch costs, step by step: from one tiny kernel to each fused op.
+
+The performance issue asks every fused op at T=1 to come within 0.5 us of one tiny kernel
+in a graph (``harness.measure_tiny_graph``). This script times, in one run and by the
+harness's method (CUDA-graph replay of back-to-back calls, median per call), a ladder of
+Triton kernels that each add one thing a fused op does at T=1, then the ops themselves:
+
+- ``torch add_``: the harness floor (one element, one PyTorch kernel);
+- ``copy 1 program``: one warp loads 128 bf16 and stores them;
+- ``copy 48 programs``: the GQA op's T=1 grid (Qwen3-8B: 32 q + 8 k + 8 v heads), one head each;
+- ``gather 48``: each program first loads an int64 index (the slot), then its row at it;
+- ``chain 48``: a position load, then a table row at that position (cos/sin), then the row;
+- ``norm 48``: ``copy 48`` plus a correctly rounded RMSNorm of the row (sum, sqrt_rn, div_rn);
+- each op at T=1 on the benchmarks' inputs (``bench/profile_kernels.py``'s cases).
+
+The difference between neighbouring rows is what that step costs; the JSON keeps them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import harness
+import torch
+import triton
+import triton.language as tl
+
+HERE = Path(__file__).resolve().parent
+HEAD_DIM = 128
+PROGRAMS = 48
+
+
+@triton.jit
+def _copy_kernel(src, dst, D: tl.constexpr):
+    p = tl.program_id(0)
+    d = tl.arange(0, D)
+    tl.store(dst + p * D + d, tl.load(src + p * D + d))
+
+
+@triton.jit
+def _gather_kernel(src, dst, index, D: tl.constexpr):
+    p = tl.program_id(0)
+    d = tl.arange(0, D)
+    row = tl.load(index + p)
+    tl.store(dst + row * D + d, tl.load(src + p * D + d))
+
+
+@triton.jit
+def _chain_kernel(src, dst, pos_ptr, table, D: tl.constexpr):
+    p = tl.program_id(0)
+    d = tl.arange(0, D)
+    pos = tl.load(pos_ptr)
+    x = tl.load(src + p * D + d).to(tl.float32)
+    c = tl.load(table + pos * D + d)
+    tl.store(dst + p * D + d, (x * c).to(tl.bfloat16))
+
+
+@triton.jit
+def _norm_kernel(src, dst, eps, D: tl.constexpr):
+    p = tl.program_id(0)
+    d = tl.arange(0, D)
+    x = tl.load(src + p * D + d).to(tl.float32)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+    tl.store(dst + p * D + d, (x * rstd).to(tl.bfloat16))
+
+
+def ladder() -> dict:
+    dev = harness.DEVICE
+    src = torch.randn(PROGRAMS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    index = torch.randperm(PROGRAMS, device=dev)
+    pos = torch.tensor([3], device=dev)
+    table = torch.randn(16, HEAD_DIM, device=dev)
+    x = torch.ones(1, device=dev)
+    return {
+        "torch add_ (harness floor)": lambda: x.add_(1.0),
+        "copy 1 program": lambda: _copy_kernel[(1,)](src, dst, HEAD_DIM, num_warps=1),
+        "copy 48 programs": lambda: _copy_kernel[(PROGRAMS,)](src, dst, HEAD_DIM, num_warps=1),
+        "gather 48 (index, then row)": lambda: _gather_kernel[(PROGRAMS,)](src, dst, index, HEAD_DIM, num_warps=1),
+        "chain 48 (position, then table row)": lambda: _chain_kernel[(PROGRAMS,)](src, dst, pos, table, HEAD_DIM,
+                                                                                  num_warps=1),
+        "norm 48 (sum, sqrt_rn, div_rn)": lambda: _norm_kernel[(PROGRAMS,)](src, dst, 1e-6, HEAD_DIM, num_warps=1),
+    }
+
+
+def op_rows(cases: list[str]) -> dict:
+    import profile_kernels
+
+    rows = {}
+    for case in cases:
+        launch, inputs, gate = profile_kernels.CASES[case](1)
+        ok, _ = gate()
+        if not ok:
+            raise SystemExit(f"{case}: the fused op's gate failed at T=1; no time is reported")
+        rows[f"op {case}"] = (lambda launch=launch, inputs=inputs: launch(inputs))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="gqa-qwen3-8b,gqa-qwen3-8b-fp8,gqa-llama3-8b,dsv4-h64,indexer-fp8,indexer-mxfp4")
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--name-suffix", default="")
+    args = p.parse_args(argv)
+    harness.spin_up_clocks()
+    rows = {**ladder(), **op_rows([c for c in args.cases.split(",") if c])}
+    results = {}
+    for name, fn in rows.items():
+        fn()
+        torch.cuda.synchronize()
+        graphs = harness.capture_graphs(lambda _: fn(), [None], warmup=2)
+        results[name] = harness.time_graphs(graphs, target_ms=5, min_replays=200, max_replays=200)
+        print(f"{name:45s} {results[name]['us_median']:6.2f} us", flush=True)
+    data = {"device": harness.device_info(), "per_call_us": {k: v["us_median"] for k, v in results.items()},
+            "stats": results}
+    out = Path(args.out_dir) / f"decode_floor_{harness.slugify(torch.cuda.get_device_name())}{args.name_suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
