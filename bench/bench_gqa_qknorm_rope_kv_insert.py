@@ -228,7 +228,7 @@ def run_sweep(args) -> dict:
             k = harness.rotation_copies(nbytes, info["l2_bytes"], 0.25)
             gate = make_inputs(t, model, skip_fraction=0.1)
             copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
-            heuristic = _launch_config(t, d, max(hq, hkv), model[5])
+            heuristic = _launch_config(t, d, max(hq, hkv), model[5], model[6] == FP8, t > 1024)
             rows = []
             for bh, w, tp in itertools.product(args.sweep_block_h, args.sweep_warps, args.sweep_tokens):
                 fn = lambda inp, c=(bh, w, tp): gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=c)  # noqa: E731

@@ -509,7 +509,8 @@ if has_triton():
             )
 
 
-def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True) -> tuple[int, int, int]:
+def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True, cache_fp8: bool = False,
+                   locked: bool = True) -> tuple[int, int, int]:
     """(heads per program and token, warps per program, tokens per program), from the H200
     sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
     ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200*.json``).
@@ -526,11 +527,19 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: boo
     program on one warp (T=64: 2.72 against 3.08 on two). Several tokens per program (one
     tile of tokens x heads) was no faster anywhere it was measured (T=16384: 126.9 us at
     8 heads x 2 tokens on four warps, 132.5 at 4 x 2 on one), so one token per program it is.
+
+    An fp8 cache without the row locks (``locked``: more than 1024 inserted rows, whose kv
+    program works KV_BLOCK heads a step) keeps 8 heads on four warps: there the k and v
+    programs take BLOCK_H heads too, 16 of Qwen3-8B's 8 kv heads is half a tile of masked
+    rows, each thread quantises twice the values, and T=512 took 12.68 us on 16/2 against
+    6.55 on 8/4 the run before (bf16 5.63 on 16/2 against 6.13 on 8/1: kept).
     """
     if num_tokens <= 4:
         block_h, num_warps = 1, 1
     elif num_tokens <= 128:
         block_h, num_warps = max(1, 256 // head_dim), 1
+    elif cache_fp8 and not locked:
+        block_h, num_warps = max(1, 1024 // head_dim), 4
     else:
         block_h, num_warps = max(1, 2048 // head_dim), 2 if has_norm else 4
     return min(block_h, max(1, triton.next_power_of_2(max_heads))), num_warps, 1
@@ -579,11 +588,11 @@ def launch_gqa_kernel(
         return
     cos, sin, rot_dim = cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin)
     fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    mode = _duplicate_slots.dedupe_mode(slot_mapping, dedupe)
     config = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads),
-                                             q_norm_weight is not None)
+                                             q_norm_weight is not None, fp8, mode == _duplicate_slots.DEDUPE_LOCK)
     block_h, num_warps, tokens = (*config, 1)[:3]  # a pair: one token per program
     q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
-    mode = _duplicate_slots.dedupe_mode(slot_mapping, dedupe)
     # under the row locks one program per token writes its slot (k and v, every kv head) in
     # steps of about 1024 values, the large-T tile; a scan or a lock reads one token a program
     kv_block = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim))

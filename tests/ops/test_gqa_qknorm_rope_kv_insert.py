@@ -686,3 +686,19 @@ def test_good_input_passes_fake_impl(cache):
     if cache == "uint8":  # vLLM's "fp8" cache: e4m3fn codes held as bytes
         args.update(k_cache=args["k_cache"].view(torch.uint8), v_cache=args["v_cache"].view(torch.uint8))
     call_fake(args)
+
+
+@needs_triton
+def test_launch_table():
+    """The H200 sweeps' choices (docs/ops.md): one head a program at decode, 16 heads of 128
+    at large T (two warps with the norm, four without), but 8 heads on four warps for an fp8
+    cache whose k and v programs take the q tile's heads (no row locks)."""
+    from prepfuse.ops.gqa_qknorm_rope_kv_insert import _launch_config
+
+    assert _launch_config(1, 128, 32) == (1, 1, 1)
+    assert _launch_config(64, 128, 32) == (2, 1, 1)
+    assert _launch_config(16384, 128, 32, has_norm=True) == (16, 2, 1)
+    assert _launch_config(16384, 128, 32, has_norm=False) == (16, 4, 1)
+    assert _launch_config(512, 128, 32, cache_fp8=True, locked=False) == (8, 4, 1)
+    assert _launch_config(16384, 128, 32, cache_fp8=True, locked=True) == (16, 2, 1)
+    assert _launch_config(16384, 256, 4) == (4, 2, 1)  # capped at the heads there are
