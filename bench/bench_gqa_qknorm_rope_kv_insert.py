@@ -212,6 +212,7 @@ def run_sweep(args) -> dict:
     """Time the fused kernel alone at each (BLOCK_H, num_warps, tokens per program); print
     the best per shape beside the op's ``_launch_config`` choice. Each configuration is
     gated first."""
+    from prepfuse.ops._duplicate_slots import DEDUPE_LOCK, dedupe_mode
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import _launch_config, gqa_qknorm_rope_kv_insert_triton
 
     info = harness.device_info()
@@ -228,7 +229,8 @@ def run_sweep(args) -> dict:
             k = harness.rotation_copies(nbytes, info["l2_bytes"], 0.25)
             gate = make_inputs(t, model, skip_fraction=0.1)
             copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
-            heuristic = _launch_config(t, d, max(hq, hkv), model[5], model[6] == FP8, t > 1024)
+            locked = dedupe_mode(copies[0].slot_mapping) == DEDUPE_LOCK
+            heuristic = _launch_config(t, d, max(hq, hkv), model[5], model[6] == FP8, locked)
             rows = []
             for bh, w, tp in itertools.product(args.sweep_block_h, args.sweep_warps, args.sweep_tokens):
                 fn = lambda inp, c=(bh, w, tp): gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=c)  # noqa: E731

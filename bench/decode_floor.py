@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         graphs = harness.capture_graphs(lambda _: fn(), [None], warmup=2)
         results[name] = harness.time_graphs(graphs, target_ms=5, min_replays=200, max_replays=200)
         print(f"{name:45s} {results[name]['us_median']:6.2f} us", flush=True)
-    data = {"device": harness.device_info(), "per_call_us": {k: v["us_median"] for k, v in results.items()},
-            "stats": results}
-    out = Path(args.out_dir) / f"decode_floor_{harness.slugify(torch.cuda.get_device_name())}{args.name_suffix}.json"
+    info = harness.device_info()
+    data = {"device": info, "per_call_us": {k: v["us_median"] for k, v in results.items()}, "stats": results}
+    out = Path(args.out_dir) / f"decode_floor_{info['device_slug']}{args.name_suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print("wrote", out)

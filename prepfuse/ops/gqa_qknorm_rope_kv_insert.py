@@ -186,7 +186,7 @@ if has_triton():
         head_mask,  # [BLOCK_H] which of them are real heads
         store_ok,  # [BLOCK_H] which rows to store (a k row whose slot is skipped: loads, no store)
         w_ptr,  # [D] bf16 norm weight (unread without HAS_NORM)
-        cos_row,  # [BLOCK_H] each row's token's row of the cos table (fp32 or bf16)
+        cos_row,  # [BLOCK_H] each row's token's row of the cos table (fp32 or bf16), or [1]: one token's
         sin_row,  # [BLOCK_H] the same rows of the sin table
         eps,  # RMSNorm epsilon
         scale_ptr,  # [1] fp32 kv_scale (unread unless QUANT_FP8)
@@ -311,7 +311,7 @@ if has_triton():
         v_dst,  # [ROWS] the same in v_cache
         insert,  # [ROWS] whether the row's slot is written
         k_w_ptr,  # [D] k norm weight (unread without HAS_NORM)
-        cos_row,  # [ROWS] each row's token's row of the cos table
+        cos_row,  # [ROWS] each row's token's row of the cos table, or [1]: one token's
         sin_row,  # [ROWS] the same of the sin table
         Hkv,  # kv heads
         stride_kh,  # elements between heads of k_cache
@@ -332,8 +332,7 @@ if has_triton():
         SOFT_ROUNDING: tl.constexpr,
     ):
         """One k or v column of the cache insert: k rows normed, rotated and stored, v rows
-        copied or quantised (the kernel's separate k and v programs; the k part of each step
-        of the locked program that writes a whole slot)."""
+        copied or quantised (the kernel's separate k and v programs)."""
         if c < KV_COLS:
             heads = c * HEADS + hb
             _norm_rope_store_heads(
@@ -479,10 +478,10 @@ if has_triton():
                     v = tl.load((v_ptr + t * stride_vt + heads * HEAD_DIM)[:, None] + d, mask=real)
                     if c == 0:
                         _lock_row(locks_ptr, slot)
-                    _insert_kv_column(
-                        c, kh, k_ptr + t * stride_kt, v_ptr, k_dst, v_dst, kh >= 0, k_w_ptr,
-                        cos_row, sin_row, Hkv, stride_kh, stride_vh, eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32,
-                        FULL_COS_SIN, CACHE_FP8, KV_BLOCK, KV_BLOCK, KV_COLS, SOFT_ROUNDING,
+                    _norm_rope_store_heads(
+                        k_ptr + t * stride_kt + heads * HEAD_DIM, k_dst + heads * stride_kh, heads < Hkv, kh >= 0,
+                        k_w_ptr, cos_row, sin_row, eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM,
+                        W_FP32, FULL_COS_SIN, CACHE_FP8, KV_BLOCK, SOFT_ROUNDING,
                     )
                     _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real, scale_ptr, CACHE_FP8,
                                   SOFT_ROUNDING)
@@ -594,7 +593,7 @@ def launch_gqa_kernel(
     block_h, num_warps, tokens = (*config, 1)[:3]  # a pair: one token per program
     q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     # under the row locks one program per token writes its slot (k and v, every kv head) in
-    # steps of about 1024 values, the large-T tile; a scan or a lock reads one token a program
+    # steps of about 1024 values; a scan or a lock reads one token a program
     kv_block = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim))
     if mode != _duplicate_slots.DEDUPE_OFF:
         tokens = 1
