@@ -125,6 +125,33 @@ if has_triton():
             )
 
     @triton.jit
+    def _e4m3_quotient(x, s, SOFT_ROUNDING: tl.constexpr):
+        """``x / s`` for fp32 ``x`` holding bf16 values and one fp32 scalar ``s``, exact where
+        it decides an e4m3 code: ``RN(x / s)`` for quotients of magnitude in [2^-20, 2^20),
+        else ``RN(x * (1/s))``, which rounds to the same code (below 2^-20: zero of x/s's
+        sign; from 2^20: past 464, saturated or NaN).
+
+        One correction step after the product with the reciprocal, ``q0 = RN(x * r)``,
+        ``q1 = RN(q0 + RN(x - s * q0) * r)`` (two FMAs), in place of a correctly rounded
+        division per value (``div.rn``: a MUFU reciprocal, Newton steps and a slow-path
+        check each). ``q1 == RN(x / s)`` was checked for every bf16 significand against
+        every fp32 significand of ``s`` (2^30 pairs; ``tests/ops/test_triton_helpers.py``
+        has the reasoning and a GPU check on every bf16 value). The check holds while no
+        step under- or overflows, hence the magnitude window and a division per value
+        when |s| is outside [2^-60, 2^60]. The interpreter divides (numpy has no FMA)."""
+        if SOFT_ROUNDING:
+            return tl.div_rn(x, s)
+        else:
+            r = tl.div_rn(1.0, s)
+            q0 = _mul_rn(x, r, SOFT_ROUNDING)
+            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
+            mag = tl.abs(q0)
+            q = tl.where((mag >= 9.5367431640625e-07) & (mag < 1048576.0), q1, q0)
+            if (tl.abs(s) < 8.673617379884035e-19) | (tl.abs(s) > 1.152921504606847e18):
+                q = tl.div_rn(x, s)
+            return q
+
+    @triton.jit
     def _rope_pairs_split(y, cs_row, SOFT_ROUNDING: tl.constexpr):
         """GPT-J RoPE of the last dim (64 values, pairs (2p, 2p+1)) of fp32 ``y [..., 64]``:
         the rotated pairs as two fp32 tensors ``(e', o') [..., 32]``.

@@ -56,3 +56,94 @@ def test_e2m1_code_matches_the_reference_at_every_edge():
         f"{bad.numel()} values encoded differently (interpreter: {triton_interpret_mode()}), first: "
         + ", ".join(f"{x[i].item()!r}: {got[i].item()} != {expected[i].item()}" for i in bad[:5])
     )
+
+
+if has_triton():
+    from prepfuse.ops._triton_helpers import _clamp_e4m3, _e4m3_quotient, _to_e4m3_bits
+
+    @triton.jit
+    def _e4m3_quotient_kernel(x_ptr, s_ptr, q_ptr, code_ptr, n, SOFT_ROUNDING: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
+        q = _e4m3_quotient(x, tl.load(s_ptr + tl.program_id(1)), SOFT_ROUNDING)
+        out = tl.program_id(1) * n + i
+        tl.store(q_ptr + out, q, mask=i < n)
+        tl.store(code_ptr + out, _to_e4m3_bits(_clamp_e4m3(q), SOFT_ROUNDING), mask=i < n)
+
+
+def every_bf16() -> torch.Tensor:
+    """Every bf16 bit pattern but NaNs' payload variety: all finite values, +-inf, one NaN."""
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = values[torch.isfinite(values)]
+    return torch.cat((finite, torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=torch.bfloat16)))
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 ``RN(a * b + c)`` for fp32 tensors, exactly: the product is exact in float64 (48
+    bits), the sum's rounding error is recovered (TwoSum) and folded in by rounding to odd
+    at 53 bits, after which one rounding to fp32 (24 bits) is the correct one."""
+    prod = a.double() * b.double()
+    c = c.double()
+    hi = prod + c
+    back = hi - prod
+    err = (prod - (hi - back)) + (c - back)
+    odd = (hi.view(torch.int64) & 1) == 1
+    toward = torch.nextafter(hi, torch.where(err > 0, torch.inf, -torch.inf).double())
+    return torch.where((err == 0) | odd, hi, toward).float()
+
+
+def one_step_quotient(x: torch.Tensor, s: float) -> torch.Tensor:
+    """``_e4m3_quotient``'s GPU arithmetic with exactly emulated fp32 FMAs: r = RN(1/s),
+    q0 = RN(x*r), q1 = RN(q0 + RN(x - s*q0) * r)."""
+    s = torch.full_like(x, s)
+    r = 1.0 / s
+    q0 = x * r
+    return fma32(fma32(-q0, s, x), r, q0)
+
+
+# quotients where the correction decides: the one-step result is RN(x / s) exactly
+WINDOW = (2.0**-20, 2.0**20)
+SCALES = [3.0 / 448.0, 1.0, 0.5, 1.0 / 3.0, 0.0123, 1.9999999, 7.1e-5, 2.0**60, 2.0**-60]
+
+
+def test_one_correction_step_divides_every_bf16_value_exactly():
+    """The claim ``_e4m3_quotient`` rests on, in plain arithmetic, for every bf16 value and
+    random scales (``bench/e4m3_quotient_exhaustive.py`` checks every fp32 significand of s).
+    Fails for the product alone: RN(x * RN(1/s)) is one ULP off for 27% of significand pairs."""
+    x = every_bf16().float()
+    x = x[torch.isfinite(x) & (x != 0)]
+    gen = torch.Generator().manual_seed(0)
+    scales = SCALES + (2.0 ** (torch.rand(64, generator=gen) * 80 - 40)).tolist()
+    off_by_product = 0
+    for s in scales:
+        want = x / torch.tensor(s, dtype=torch.float32)
+        window = (want.abs() >= WINDOW[0]) & (want.abs() < WINDOW[1])
+        got = one_step_quotient(x, s)
+        bad = window & (got.view(torch.int32) != want.view(torch.int32))
+        assert not bad.any(), f"s={s!r}: {int(bad.sum())} quotients differ, first x={x[bad][:3].tolist()}"
+        product = (x.double() * (1.0 / torch.tensor(s, dtype=torch.float32)).double()).float()
+        off_by_product += int((window & (product != want)).sum())
+    assert off_by_product > 0  # the correction step is what makes them exact
+
+
+def test_e4m3_quotient_matches_division_on_every_bf16_value():
+    """The kernel helper against torch's x / s: bit for bit inside the window, the same e4m3
+    code everywhere (saturating at +-448, NaN kept), for every bf16 value and the scales
+    above, including the two outside [2^-60, 2^60) that take the division per value."""
+    x = every_bf16()
+    scales = torch.tensor(SCALES + [2.0**61, 2.0**-61], dtype=torch.float32)
+    n = x.numel()
+    q = torch.empty(scales.numel(), n, dtype=torch.float32, device=DEVICE)
+    codes = torch.empty(scales.numel(), n, dtype=torch.uint8, device=DEVICE)
+    block = 4096
+    _e4m3_quotient_kernel[(triton.cdiv(n, block), scales.numel())](
+        x.to(DEVICE), scales.to(DEVICE), q, codes, n, SOFT_ROUNDING=triton_interpret_mode(), BLOCK=block,
+    )
+    want = x.float()[None, :] / scales[:, None]
+    window = (want.abs() >= WINDOW[0]) & (want.abs() < WINDOW[1])
+    got = q.cpu()
+    bad = window & (got.view(torch.int32) != want.view(torch.int32))
+    assert not bad.any(), f"{int(bad.sum())} quotients differ from x / s (interpreter: {triton_interpret_mode()})"
+    want_codes = want.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = codes.cpu() != want_codes
+    assert not bad.any(), f"{int(bad.sum())} e4m3 codes differ (interpreter: {triton_interpret_mode()})"
