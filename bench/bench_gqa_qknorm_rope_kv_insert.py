@@ -7,7 +7,9 @@ Run from the repository root on a CUDA machine::
     PYTHONPATH=. python bench/bench_gqa_qknorm_rope_kv_insert.py --from-json bench/results/<file>.json
 
 Model rows (``MODELS``): Qwen3-8B heads (32 q, 8 kv, D 128, full NeoX rotary, q/k norm)
-with a bf16 and with an fp8 cache, and Llama-3-8B heads (no norm, bf16 cache), block 16.
+with a bf16 and with an fp8 cache, Llama-3-8B heads (no norm, bf16 cache), the operand
+forms and cache layouts of Qwen3-8B, and the other head dims (Llama-3.2-1B's 64 and
+Gemma-3-12B's 256, each with both caches), block 16.
 Implementations, as in ``bench_dsv4_qnorm_rope_kv_insert.py`` (whose timing code this
 script imports, so both use one method): ``fused`` (the op through the dispatcher),
 ``eager`` (``prepfuse.models.gqa_prep_unfused``) and ``compile`` (that function under
@@ -63,6 +65,12 @@ MODELS = {
     "qwen3-8b-heads-first": (32, 8, 128, 128, True, True, torch.bfloat16, "heads-first"),
     "qwen3-8b-token-pool": (32, 8, 128, 128, True, True, torch.bfloat16, "token-pool"),
     "qwen3-8b-cos-sin-operands": (32, 8, 128, 128, True, True, torch.bfloat16, "operands"),
+    # the other head dims the kernel takes: Llama-3.2-1B's 64, Gemma-3-12B's 256 (its q/k
+    # norm here with bf16 weights; Gemma's fp32 1 + w reads 1 KB more a call)
+    "llama3.2-1b": (32, 8, 64, 64, True, False, torch.bfloat16),
+    "llama3.2-1b-fp8": (32, 8, 64, 64, True, False, FP8),
+    "gemma3-12b": (16, 8, 256, 256, True, True, torch.bfloat16),
+    "gemma3-12b-fp8": (16, 8, 256, 256, True, True, FP8),
 }
 
 
@@ -166,7 +174,7 @@ def run_benchmark(args) -> dict:
     path = out_dir / f"{OP}_{info['device_slug']}{args.name_suffix}.json"
     harness.allow_recompiles()
     data = {"op": f"prepfuse::{OP}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **info, "block_size": BLOCK_SIZE, "models": {k: list(map(str, v)) for k, v in MODELS.items()}, "rows": []}
+            **info, "block_size": BLOCK_SIZE, "models": {k: list(map(str, MODELS[k])) for k in args.models}, "rows": []}
     data["copy_bandwidth"] = harness.measure_copy_bandwidth(4 << 30)
     copy_bw = data["copy_bandwidth"]["GBps"]
     print(f"{info['device']}: copy bandwidth {copy_bw:.0f} GB/s ({data['copy_bandwidth']['method']})", flush=True)
@@ -209,9 +217,9 @@ def run_benchmark(args) -> dict:
 
 
 def run_sweep(args) -> dict:
-    """Time the fused kernel alone at each (BLOCK_H, num_warps, tokens per program); print
-    the best per shape beside the op's ``_launch_config`` choice. Each configuration is
-    gated first."""
+    """Time the fused kernel alone at each (BLOCK_H, num_warps, tokens per program, register
+    cap); print the best per shape beside the op's ``_launch_config`` choice. Each
+    configuration is gated first."""
     from prepfuse.ops._duplicate_slots import DEDUPE_LOCK, dedupe_mode
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import _launch_config, gqa_qknorm_rope_kv_insert_triton
 
@@ -230,12 +238,13 @@ def run_sweep(args) -> dict:
             gate = make_inputs(t, model, skip_fraction=0.1)
             copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
             locked = dedupe_mode(copies[0].slot_mapping) == DEDUPE_LOCK
-            heuristic = _launch_config(t, d, max(hq, hkv), model[5], model[6] == FP8, locked)
+            heuristic = _launch_config(t, d, max(hq, hkv), model[5], locked)
             rows = []
-            for bh, w, tp in itertools.product(args.sweep_block_h, args.sweep_warps, args.sweep_tokens):
-                fn = lambda inp, c=(bh, w, tp): gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=c)  # noqa: E731
+            for bh, w, tp, nreg in itertools.product(args.sweep_block_h, args.sweep_warps, args.sweep_tokens,
+                                                     args.sweep_maxnreg):
+                fn = lambda inp, c=(bh, w, tp, nreg): gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=c)  # noqa: E731
                 row = {"model": name, "T": t, "BLOCK_H": bh, "num_warps": w, "tokens_per_program": tp,
-                       "heuristic": (bh, w, tp) == tuple(heuristic)}
+                       "maxnreg": nreg, "heuristic": (bh, w, tp) == tuple(heuristic) and nreg == 0}
                 try:
                     row["correct"], _ = _gate(fn, gate, model)
                     graphs = harness.capture_graphs(fn, copies, warmup=2)
@@ -248,7 +257,8 @@ def run_sweep(args) -> dict:
             timed = [r for r in rows if "us_median" in r and r["correct"]]
             best = min(timed, key=lambda r: r["us_median"])
             heur = next((r for r in rows if r["heuristic"]), {})  # {} where the sweep leaves it out
-            best_config = [best["BLOCK_H"], best["num_warps"], best["tokens_per_program"]]
+            best_config = [best["BLOCK_H"], best["num_warps"], best["tokens_per_program"]] + (
+                [best["maxnreg"]] if best["maxnreg"] else [])
             data["best"].append({"model": name, "T": t, "best": best_config, "us": best["us_median"],
                                  "heuristic": list(heuristic), "heuristic_us": heur.get("us_median")})
             print(f"{name:13s} T={t:5d}: best {'/'.join(map(str, best_config))} {best['us_median']:.2f} us; "
@@ -283,6 +293,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             f"{'q/k norm' if v[5] == 'True' else 'no norm'}, {v[6].replace('torch.', '')} cache"
             f"{FORM_NOTES.get(operand_form(v), '')}"
             for k, v in data["models"].items()),
+        *(f"- **Note:** {note}" for note in data.get("notes", [])),
         "",
         "| model | T | fused us | GB/s | % copy BW | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
@@ -357,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-warps", type=harness.parse_int_list, default=list(SWEEP_NUM_WARPS))
     p.add_argument("--sweep-tokens", type=harness.parse_int_list, default=list(SWEEP_TOKENS),
                    help="tokens per program (powers of two)")
+    p.add_argument("--sweep-maxnreg", type=lambda s: [int(v) for v in s.split(",")], default=[0],
+                   help="registers a thread at most (0: the compiler's choice)")
     p.add_argument("--from-json", default=None)
     args = p.parse_args(argv)
     for m in args.models:

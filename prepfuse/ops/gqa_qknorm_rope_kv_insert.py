@@ -136,7 +136,7 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
-        _clamp_e4m3, _last_writer, _lock_row, _mul_rn, _to_bf16, _to_e4m3_bits, _unlock_row,
+        _clamp_e4m3, _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _to_bf16, _to_e4m3_bits, _unlock_row,
     )
 
     @triton.jit
@@ -169,8 +169,9 @@ if has_triton():
             values = _to_bf16(values, SOFT_ROUNDING)
         if QUANT_FP8 != 0:
             scale = tl.load(scale_ptr)
-            # a true, correctly rounded division (vLLM's scaled_convert), not x * (1/scale)
-            scaled = tl.div_rn(values.to(tl.float32), scale)
+            # the codes of a true, correctly rounded division (vLLM's scaled_convert), not
+            # of x * (1/scale): the product and one FMA correction (_e4m3_quotient)
+            scaled = _e4m3_quotient(values.to(tl.float32), scale, SOFT_ROUNDING)
             codes = _to_e4m3_bits(_clamp_e4m3(scaled), SOFT_ROUNDING)
             if QUANT_FP8 == 2:  # FP8_OVERFLOW_NAN: the NaN code with the value's sign
                 sign = ((scaled.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
@@ -180,10 +181,56 @@ if has_triton():
             tl.store(ptrs, values, mask=mask)
 
     @triton.jit
-    def _norm_rope_store_heads(
+    def _load_heads(
         src,  # [BLOCK_H] pointers to the first of each row's D bf16 values (a head of a token)
-        dst,  # [BLOCK_H] pointers to each row's first destination element
         head_mask,  # [BLOCK_H] which of them are real heads
+        HEAD_DIM: tl.constexpr,
+        ROT_DIM: tl.constexpr,
+        ROT_PAD: tl.constexpr,
+        IS_NEOX: tl.constexpr,
+    ):
+        """The rows' values as ``_norm_rope_store_loaded`` works them, fp32 ``(x, a, b)``: ``x``
+        the whole row ``[BLOCK_H, D]`` where the norm or the unrotated dims need it (else 0.0),
+        ``a`` and ``b`` the pair operands: NeoX's two halves of the rotated dims ``[BLOCK_H,
+        R/2]``, GPT-J's rotated dims ``[BLOCK_H, R]`` in ``a`` (split in registers later; ``b``
+        0.0), or with a rotary dim that is no power of two each lane's value and its pair
+        partner's ``[BLOCK_H, ROT_PAD]`` (lane j of NeoX pairs with j +- R/2, of GPT-J with
+        j ^ 1). Loading apart from the arithmetic lets the locked kv program issue its rows'
+        loads before it takes the lock."""
+        HALF: tl.constexpr = ROT_DIM // 2
+        head_mask = head_mask[:, None]
+        src = src[:, None]
+        x = 0.0
+        b = 0.0
+        if ROT_PAD != ROT_DIM or ROT_DIM < HEAD_DIM or not IS_NEOX:
+            x = tl.load(src + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask, other=0.0).to(tl.float32)
+        if ROT_PAD != ROT_DIM:
+            j = tl.arange(0, ROT_PAD)
+            if IS_NEOX:
+                partner = tl.where(j < HALF, j + HALF, j - HALF)
+            else:
+                partner = j ^ 1
+            a = tl.load(src + j[None, :], mask=head_mask, other=0.0).to(tl.float32)
+            b = tl.load(src + partner[None, :], mask=head_mask, other=0.0).to(tl.float32)
+        elif IS_NEOX:
+            # the pairs (i, i + R/2) are the two halves of the rotated dims: two contiguous
+            # loads (L1 hits after the row's load where there is one)
+            i = tl.arange(0, HALF)[None, :]
+            a = tl.load(src + i, mask=head_mask, other=0.0).to(tl.float32)
+            b = tl.load(src + i + HALF, mask=head_mask, other=0.0).to(tl.float32)
+        elif ROT_DIM == HEAD_DIM:
+            a = x
+        else:
+            a = tl.load(src + tl.arange(0, ROT_DIM)[None, :], mask=head_mask, other=0.0).to(tl.float32)
+        return x, a, b
+
+    @triton.jit
+    def _norm_rope_store_loaded(
+        x,  # fp32 rows of _load_heads: the whole row where needed, else 0.0
+        a,  # fp32 pair operands of _load_heads
+        b,  # fp32 pair partners of _load_heads (NeoX, or a rotary dim that is no power of two)
+        dst,  # [BLOCK_H] pointers to each row's first destination element
+        head_mask,  # [BLOCK_H] which rows are real heads
         store_ok,  # [BLOCK_H] which rows to store (a k row whose slot is skipped: loads, no store)
         w_ptr,  # [D] bf16 norm weight (unread without HAS_NORM)
         cos_row,  # [BLOCK_H] each row's token's row of the cos table (fp32 or bf16), or [1]: one token's
@@ -201,8 +248,8 @@ if has_triton():
         BLOCK_H: tl.constexpr,  # rows of src and dst (heads of one or more tokens)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
-        """Norm and rotate BLOCK_H rows (heads) and store them: rotated dims [0, R), then (partial
-        rotary) the normed dims [R, D) as they are.
+        """Norm and rotate BLOCK_H loaded rows (heads) and store them: rotated dims [0, R),
+        then (partial rotary) the normed dims [R, D) as they are.
 
         A NeoX pair's two values are loaded and stored where they lie (the rotated dims'
         two halves), not split off a loaded row with a permute. That form was no slower
@@ -213,30 +260,29 @@ if has_triton():
         HALF: tl.constexpr = ROT_DIM // 2
         d = tl.arange(0, HEAD_DIM)[None, :]
         head_mask = head_mask[:, None]
-        # the store mask; loads use head_mask alone (a where, not an &: the CPU
-        # interpreter's & of a loaded scalar's comparison gives no boolean mask)
+        # the store mask (a where, not an &: the CPU interpreter's & of a loaded scalar's
+        # comparison gives no boolean mask)
         keep = tl.where(store_ok[:, None], head_mask, False)
-        src = src[:, None]
         dst = dst[:, None]
         # rows of one token read one cos/sin row: one load's threads ask for the same addresses
         cos_row = cos_row[:, None]
         sin_row = sin_row[:, None]
         rstd = 1.0
-        if ROT_PAD != ROT_DIM or ROT_DIM < HEAD_DIM or not IS_NEOX:
-            x = tl.load(src + d, mask=head_mask, other=0.0).to(tl.float32)
-            if HAS_NORM:
+        if HAS_NORM:
+            if ROT_PAD == ROT_DIM and ROT_DIM == HEAD_DIM and IS_NEOX:  # the halves are the whole row
+                mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) * (1.0 / HEAD_DIM)
+            else:
                 mean_sq = tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM)  # D is a power of 2: exact scaling
-                # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
-                rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
-            if ROT_DIM < HEAD_DIM:
-                _store_values(dst + d, _weighted(x, rstd, w_ptr, d, HAS_NORM, W_FP32, SOFT_ROUNDING),
-                              keep & (d >= ROT_DIM), scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+            # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
+        if ROT_DIM < HEAD_DIM:
+            _store_values(dst + d, _weighted(x, rstd, w_ptr, d, HAS_NORM, W_FP32, SOFT_ROUNDING),
+                          keep & (d >= ROT_DIM), scale_ptr, QUANT_FP8, SOFT_ROUNDING)
         if ROT_PAD != ROT_DIM:
             # a rotary dim that is no power of two (R = 44, 96 of D = 128): each lane j < R
-            # reads its pair partner and its cos/sin column itself, since pairs cannot be
-            # split off a padded tile in registers. Lane j of NeoX pairs with j +- R/2, of
-            # GPT-J with j ^ 1; both use column j % (R/2) resp. j // 2. Same products, same
-            # roundings as the paths below.
+            # holds its own value and its pair partner's (_load_heads), since pairs cannot be
+            # split off a padded tile in registers; both use cos/sin column j % (R/2) (NeoX)
+            # resp. j // 2 (GPT-J). Same products, same roundings as the paths below.
             j = tl.arange(0, ROT_PAD)
             if IS_NEOX:
                 first = j < HALF
@@ -247,10 +293,8 @@ if has_triton():
                 partner = j ^ 1
                 column = j // 2
             in_rot = j < ROT_DIM
-            xj = tl.load(src + j[None, :], mask=head_mask, other=0.0).to(tl.float32)
-            xp = tl.load(src + partner[None, :], mask=head_mask, other=0.0).to(tl.float32)
-            xj = _weighted(xj, rstd, w_ptr, j[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
-            xp = _weighted(xp, rstd, w_ptr, partner[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
+            xj = _weighted(a, rstd, w_ptr, j[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
+            xp = _weighted(b, rstd, w_ptr, partner[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
             entry = j if FULL_COS_SIN else column  # lane j's own entry of R-wide cos/sin, else its pair's
             cos = tl.load(cos_row + entry[None, :], mask=in_rot[None, :], other=0.0).to(tl.float32)
             sin = tl.load(sin_row + entry[None, :], mask=in_rot[None, :], other=0.0).to(tl.float32)
@@ -261,23 +305,14 @@ if has_triton():
         else:
             i = tl.arange(0, HALF)
             if IS_NEOX:
-                # the pairs (i, i + R/2) are the two halves of the rotated dims: two
-                # contiguous loads (L1 hits after the row's load where there is one)
                 ia = i[None, :]
                 ib = ia + HALF
-                a = tl.load(src + ia, mask=head_mask, other=0.0).to(tl.float32)
-                b = tl.load(src + ib, mask=head_mask, other=0.0).to(tl.float32)
-                if HAS_NORM and ROT_DIM == HEAD_DIM:  # the halves are the whole row
-                    mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) * (1.0 / HEAD_DIM)
-                    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
             else:
                 # GPT-J pairs (2i, 2i + 1) are neighbours: split off the row in registers
                 # (a thread holds both of a pair, so no value changes lanes)
                 ia = 2 * i[None, :]
                 ib = ia + 1
-                r = tl.arange(0, ROT_DIM)[None, :]
-                xr = x if ROT_DIM == HEAD_DIM else tl.load(src + r, mask=head_mask, other=0.0).to(tl.float32)
-                a, b = tl.split(tl.reshape(xr, [BLOCK_H, HALF, 2]))
+                a, b = tl.split(tl.reshape(a, [BLOCK_H, HALF, 2]))
             a = _weighted(a, rstd, w_ptr, ia, HAS_NORM, W_FP32, SOFT_ROUNDING)
             b = _weighted(b, rstd, w_ptr, ib, HAS_NORM, W_FP32, SOFT_ROUNDING)
             if FULL_COS_SIN:  # a and b each read their own dim's entry of the R-wide cos and sin
@@ -300,6 +335,21 @@ if has_triton():
                 rot = tl.reshape(tl.join(a_rot, b_rot), [BLOCK_H, ROT_DIM])
                 r = tl.arange(0, ROT_DIM)[None, :]
                 _store_values(dst + r, rot, keep, scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+
+    @triton.jit
+    def _norm_rope_store_heads(
+        src, dst, head_mask, store_ok, w_ptr, cos_row, sin_row, eps, scale_ptr,
+        HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
+        HAS_NORM: tl.constexpr, W_FP32: tl.constexpr, FULL_COS_SIN: tl.constexpr, QUANT_FP8: tl.constexpr,
+        BLOCK_H: tl.constexpr, SOFT_ROUNDING: tl.constexpr,
+    ):
+        """Load BLOCK_H rows (``_load_heads``: src ``[BLOCK_H]`` row pointers, head_mask the
+        real heads), norm, rotate and store them (``_norm_rope_store_loaded``): a q or k column."""
+        x, a, b = _load_heads(src, head_mask, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
+        _norm_rope_store_loaded(
+            x, a, b, dst, head_mask, store_ok, w_ptr, cos_row, sin_row, eps, scale_ptr, HEAD_DIM, ROT_DIM,
+            ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, QUANT_FP8, BLOCK_H, SOFT_ROUNDING,
+        )
 
     @triton.jit
     def _insert_kv_column(
@@ -326,7 +376,7 @@ if has_triton():
         W_FP32: tl.constexpr,
         FULL_COS_SIN: tl.constexpr,
         CACHE_FP8: tl.constexpr,
-        HEADS: tl.constexpr,  # kv heads per column
+        HEADS: tl.constexpr,  # kv heads per column (KV_BLOCK)
         ROWS: tl.constexpr,  # rows of the tile (tokens x heads)
         KV_COLS: tl.constexpr,  # k columns (as many v columns follow)
         SOFT_ROUNDING: tl.constexpr,
@@ -347,6 +397,48 @@ if has_triton():
             v = tl.load((v_src + heads * HEAD_DIM)[:, None] + d, mask=real)
             _store_values((v_dst + heads * stride_vh)[:, None] + d, v, tl.where(insert[:, None], real, False),
                           scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+
+    @triton.jit
+    def _token_rows(
+        tok,  # the program's token block: tokens tok * TOKENS + [0, TOKENS)
+        n_tokens,  # T
+        pos_ptr,  # [T] int64 (unread without HAS_POSITIONS)
+        max_pos,  # P: rows of the cos and sin tables
+        cos_ptr,  # the cos table
+        sin_ptr,  # the sin table
+        stride_cos,  # elements between rows of the cos table
+        stride_sin,  # elements between rows of the sin table
+        HEADS: tl.constexpr,  # heads per token of the tile
+        TOKENS: tl.constexpr,  # tokens of the tile (a power of two)
+        HAS_POSITIONS: tl.constexpr,  # token t reads row positions[t], else row t
+    ):
+        """The rows of a program's TOKENS x HEADS tile (row r: token r // HEADS, head r % HEADS):
+        ``(t, hb, live, cos_row, sin_row)``, each row's token (clamped to T - 1), head within
+        the column, whether the token exists, and its token's cos and sin table rows. With one
+        token a program, t, the position and the table rows are scalars ([1]-shaped pointers,
+        broadcast over the heads): one load each, not one per row. A [HEADS, R/2] tile of
+        equal addresses (one pointer a row, as TOKENS > 1 needs) keeps the products in the
+        row loads' register layout but costs registers: on the H200 it was no faster with a
+        bf16 cache (Qwen3-8B T=16384: 118.3 us either way) and slower with fp8 (123.0
+        against 116.6 us)."""
+        r = tl.arange(0, TOKENS * HEADS)
+        hb = r % HEADS
+        if TOKENS == 1:
+            t = tok  # < T: the grid has one set of columns per token
+            live = hb >= 0
+        else:
+            t = tok * TOKENS + r // HEADS
+            live = t < n_tokens
+            t = tl.minimum(t, n_tokens - 1)
+        # Out-of-range positions are rejected on the host when it can read them; here
+        # they are clamped only so that no read leaves the tables.
+        if HAS_POSITIONS:
+            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
+        else:
+            pos = tl.minimum(t, max_pos - 1)
+        cos_row = cos_ptr + pos * stride_cos + tl.zeros([1], dtype=tl.int32)
+        sin_row = sin_ptr + pos * stride_sin + tl.zeros([1], dtype=tl.int32)
+        return t, hb, live, cos_row, sin_row
 
     @triton.jit
     def _gqa_qknorm_rope_kv_insert_kernel(
@@ -394,26 +486,26 @@ if has_triton():
         FULL_COS_SIN: tl.constexpr,  # cos and sin rows hold R entries, else R/2
         HAS_POSITIONS: tl.constexpr,  # token t reads row positions[t], else row t
         CACHE_FP8: tl.constexpr,  # FP8_OFF: bf16 caches; else e4m3fn codes scaled by kv_scale (FP8_*)
-        BLOCK_H: tl.constexpr,  # heads per program and token
+        BLOCK_H: tl.constexpr,  # q heads per program and token
         TOKENS: tl.constexpr,  # tokens per program (a power of two)
         Q_COLS: tl.constexpr,  # programs per token on q: cdiv(Hq, BLOCK_H)
-        KV_COLS: tl.constexpr,  # programs per token on k, and again on v: cdiv(Hkv, BLOCK_H); with
-        # DEDUPE 2 the steps of the one kv program (k and v of KV_BLOCK heads each): cdiv(Hkv, KV_BLOCK)
+        KV_COLS: tl.constexpr,  # programs per token on k, and again on v: cdiv(Hkv, KV_BLOCK); with
+        # DEDUPE 2 the steps of the one kv program (k and v of KV_BLOCK heads each)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
-        KV_BLOCK: tl.constexpr,  # with DEDUPE 2: kv heads per step of the token's one kv program
+        KV_BLOCK: tl.constexpr,  # kv heads per token of a k or v tile (with DEDUPE 2: per step)
         STRIDE_UNIT: tl.constexpr,  # stride_qt, stride_kt and stride_vt are in units of this many elements
     ):
         # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
         # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
         # together read TOKENS tokens' qkv rows front to back (q, k and v are three base
         # pointers: column ranges of one fused qkv, or separate projections); each column
-        # handles BLOCK_H heads of one kind for each of its TOKENS tokens, as one tile of
-        # TOKENS * BLOCK_H rows (row r: token r // BLOCK_H, head r % BLOCK_H). q and k
-        # columns share the norm and rotation code (_norm_rope_store_heads), v columns only
-        # copy or quantise. Rows of tokens past T read token T - 1 and store nothing. (T is
-        # not capped at 65535 on a 1-D grid.) With DEDUPE 2 a token has one kv column.
+        # handles BLOCK_H q heads (KV_BLOCK k or v heads) of each of its TOKENS tokens, as
+        # one tile of rows (_token_rows). q and k columns share the norm and rotation code
+        # (_norm_rope_store_heads), v columns only copy or quantise. Rows of tokens past T
+        # read token T - 1 and store nothing. (T is not capped at 65535 on a 1-D grid.)
+        # With DEDUPE 2 a token has one kv column.
         pid = tl.program_id(0).to(tl.int64)
         if DEDUPE == 2:
             n_cols = Q_COLS + 1
@@ -421,30 +513,6 @@ if has_triton():
             n_cols = Q_COLS + 2 * KV_COLS
         col = pid % n_cols
         tok = pid // n_cols
-        r = tl.arange(0, TOKENS * BLOCK_H)
-        hb = r % BLOCK_H
-        if TOKENS == 1:
-            # every row is token tok (< T: the grid has one set of columns per token): its
-            # position is one scalar load, not one per row
-            t = tok
-            live = hb >= 0
-        else:
-            t = tok * TOKENS + r // BLOCK_H
-            live = t < n_tokens
-            t = tl.minimum(t, n_tokens - 1)
-        # Out-of-range positions are rejected on the host when it can read them; here
-        # they are clamped only so that no read leaves the tables.
-        if HAS_POSITIONS:
-            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
-        else:
-            pos = tl.minimum(t, max_pos - 1)
-        # With one token a program, the cos and sin rows are loaded once, as [1, R/2], and
-        # broadcast over the heads. A [BLOCK_H, R/2] tile of equal addresses (one pointer a
-        # row, as TOKENS > 1 needs) keeps the products in the row loads' register layout,
-        # but costs registers: on the H200 it was no faster with a bf16 cache (Qwen3-8B
-        # T=16384: 118.3 us either way) and slower with fp8 (123.0 against 116.6 us).
-        cos_row = cos_ptr + pos * stride_cos + tl.zeros([1], dtype=tl.int32)
-        sin_row = sin_ptr + pos * stride_sin + tl.zeros([1], dtype=tl.int32)
         # token strides arrive divided by STRIDE_UNIT, so that the row loads vectorise
         # where a token stride is a multiple of 16 bytes but not of 16 elements (a slice
         # of a wider buffer): triton only marks an int argument divisible by 16
@@ -453,6 +521,10 @@ if has_triton():
         stride_vt *= STRIDE_UNIT
 
         if col < Q_COLS:
+            t, hb, live, cos_row, sin_row = _token_rows(
+                tok, n_tokens, pos_ptr, max_pos, cos_ptr, sin_ptr, stride_cos, stride_sin, BLOCK_H, TOKENS,
+                HAS_POSITIONS,
+            )
             heads = col * BLOCK_H + hb
             _norm_rope_store_heads(
                 q_ptr + t * stride_qt + heads * HEAD_DIM, q_out_ptr + t * stride_ot + heads * stride_oh, heads < Hq,
@@ -464,84 +536,103 @@ if has_triton():
             # TOKENS = 1 and a single kv column (the launcher's rule with DEDUPE 2): this
             # program writes token t's whole slot, k and v of every kv head, KV_BLOCK heads
             # a step, under the slot's lock, so that a slot two tokens name holds one of
-            # them (_duplicate_slots). Each step's v rows are loaded before the lock is
-            # taken and k is worked, so their round trip overlaps the atomic's and k's.
-            slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
+            # them (_duplicate_slots). The first step's v and k rows are loaded beside the
+            # slot, before the branch on it and the lock (a skipped slot's rows are read for
+            # nothing): their round trip to memory overlaps the slot's and the atomic's
+            # rather than following them, and only the arithmetic and the stores are held
+            # under the lock. (kv_ names: triton merges a name that both sides of the
+            # branch on col bind, so the k and v tiles' rows cannot reuse the q tile's.)
+            kv_t, kv_hb, kv_live, kv_cos, kv_sin = _token_rows(
+                tok, n_tokens, pos_ptr, max_pos, cos_ptr, sin_ptr, stride_cos, stride_sin, 1, 1, HAS_POSITIONS,
+            )
+            slot = tl.load(slot_ptr + kv_t, mask=kv_t < n_insert, other=-1)
+            kh = tl.arange(0, KV_BLOCK)
+            d = tl.arange(0, HEAD_DIM)[None, :]
+            real = kh < Hkv
+            v = tl.load((v_ptr + kv_t * stride_vt + kh * HEAD_DIM)[:, None] + d, mask=real[:, None])
+            x, a, b = _load_heads(k_ptr + kv_t * stride_kt + kh * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
             if (slot >= 0) & (slot < n_slots):
-                kh = tl.arange(0, KV_BLOCK)
-                d = tl.arange(0, HEAD_DIM)[None, :]
                 k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr
                 v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr
+                _lock_row(locks_ptr, slot)
                 for c in tl.static_range(KV_COLS):
                     heads = c * KV_BLOCK + kh
-                    real = (heads < Hkv)[:, None]
-                    v = tl.load((v_ptr + t * stride_vt + heads * HEAD_DIM)[:, None] + d, mask=real)
-                    if c == 0:
-                        _lock_row(locks_ptr, slot)
-                    _norm_rope_store_heads(
-                        k_ptr + t * stride_kt + heads * HEAD_DIM, k_dst + heads * stride_kh, heads < Hkv, kh >= 0,
-                        k_w_ptr, cos_row, sin_row, eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM,
-                        W_FP32, FULL_COS_SIN, CACHE_FP8, KV_BLOCK, SOFT_ROUNDING,
+                    if c > 0:
+                        real = heads < Hkv
+                        v = tl.load((v_ptr + kv_t * stride_vt + heads * HEAD_DIM)[:, None] + d, mask=real[:, None])
+                        x, a, b = _load_heads(k_ptr + kv_t * stride_kt + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM,
+                                              ROT_PAD, IS_NEOX)
+                    _norm_rope_store_loaded(
+                        x, a, b, k_dst + heads * stride_kh, real, kh >= 0, k_w_ptr, kv_cos, kv_sin, eps,
+                        scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
+                        KV_BLOCK, SOFT_ROUNDING,
                     )
-                    _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real, scale_ptr, CACHE_FP8,
+                    _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real[:, None], scale_ptr, CACHE_FP8,
                                   SOFT_ROUNDING)
                 _unlock_row(locks_ptr, slot)
         else:
             # The slot only addresses the stores: its load is issued beside the row's,
             # not before it (no branch on it), so a k or v program waits on one round
             # trip to memory, not two; a skipped slot's rows load and store nothing.
-            slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
-            insert = live & (slot >= 0) & (slot < n_slots)
+            kv_t, kv_hb, kv_live, kv_cos, kv_sin = _token_rows(
+                tok, n_tokens, pos_ptr, max_pos, cos_ptr, sin_ptr, stride_cos, stride_sin, KV_BLOCK, TOKENS,
+                HAS_POSITIONS,
+            )
+            slot = tl.load(slot_ptr + kv_t, mask=kv_t < n_insert, other=-1)
+            insert = kv_live & (slot >= 0) & (slot < n_slots)
             if DEDUPE == 1:
                 # TOKENS = 1 (the launcher's rule): the rows are one token's, which stores
                 # them only if no later row names its slot; its k and v programs decide alike
-                insert = tl.where(_last_writer(slot_ptr, t, slot, n_insert, SCAN), insert, False)
+                insert = tl.where(_last_writer(slot_ptr, kv_t, slot, n_insert, SCAN), insert, False)
             slot = tl.where(insert, slot, 0)
             blk = slot // block_size
             slot_row = slot % block_size
             _insert_kv_column(
-                col - Q_COLS, hb, k_ptr + t * stride_kt, v_ptr + t * stride_vt,
+                col - Q_COLS, kv_hb, k_ptr + kv_t * stride_kt, v_ptr + kv_t * stride_vt,
                 k_cache_ptr + blk * stride_kb + slot_row * stride_kr,
-                v_cache_ptr + blk * stride_vb + slot_row * stride_vr, insert, k_w_ptr, cos_row, sin_row, Hkv,
+                v_cache_ptr + blk * stride_vb + slot_row * stride_vr, insert, k_w_ptr, kv_cos, kv_sin, Hkv,
                 stride_kh, stride_vh, eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32,
-                FULL_COS_SIN, CACHE_FP8, BLOCK_H, TOKENS * BLOCK_H, KV_COLS, SOFT_ROUNDING,
+                FULL_COS_SIN, CACHE_FP8, KV_BLOCK, TOKENS * KV_BLOCK, KV_COLS, SOFT_ROUNDING,
             )
 
 
-def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True, cache_fp8: bool = False,
+def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True,
                    locked: bool = True) -> tuple[int, int, int]:
-    """(heads per program and token, warps per program, tokens per program), from the H200
+    """(q heads per program and token, warps per program, tokens per program), from the H200
     sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
-    ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200*.json``).
+    ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200*.json``; k and v programs
+    take the kv heads up to that many, ``launch_gqa_kernel``).
 
-    Large T is bandwidth bound: about 2048 values (16 heads of 128) per program, on two
-    warps with the norm (Qwen3-8B T=16384: bf16 cache 118.3 us, fp8 116.6, against 119.0
-    and 123.2 at 8 heads on one warp and 120.7 / 128.4 on four warps) and on four without
-    it, whose lighter programs want more of them in flight (Llama-3-8B: 107.0 us against
-    111.7 on two warps; T=4096: 29.4 against 31.6). This is the kernel whose rows load as
-    16-byte vectors (``stride_unit``); the sweep before it had picked 8 heads on one warp
-    (bf16) and four warps (fp8: 141.8 us at 8/4 now). At T <= 4 one head per program on
-    one warp spreads a token over the most programs (latency bound: T=1 2.02 us against
-    2.0-2.4 on every other mix of 1-4 heads and 1-4 warps); in between, 256 values per
-    program on one warp (T=64: 2.72 against 3.08 on two). Several tokens per program (one
-    tile of tokens x heads) was no faster anywhere it was measured (T=16384: 126.9 us at
-    8 heads x 2 tokens on four warps, 132.5 at 4 x 2 on one), so one token per program it is.
-
-    An fp8 cache without the row locks (``locked``: more than 1024 inserted rows, whose kv
-    program works KV_BLOCK heads a step) keeps 8 heads on four warps: there the k and v
-    programs take BLOCK_H heads too, 16 of Qwen3-8B's 8 kv heads is half a tile of masked
-    rows, each thread quantises twice the values, and T=512 took 12.68 us on 16/2 against
-    6.55 on 8/4 the run before (bf16 5.63 on 16/2 against 6.13 on 8/1: kept).
+    From T = 5 on, about 2048 values a program. Without the row locks (T' <= 1024, k and v
+    programs apart) 2048 // D heads on four warps: T=64 2.28 us Qwen3-8B bf16, 2.47 fp8,
+    2.04 Llama-3-8B against 2.49, 2.71, 2.31 at 2 heads on one warp (the rule before);
+    T=512 4.61, 5.24, 4.00 (``..._small_kvtile.json``); Llama-3.2-1B (D 64) T=512 3.04 us at
+    32 heads against 3.80 at 16 (two runs: ``gqa_qknorm_rope_kv_insert_nvidia-h200.json``
+    before its cut, ``..._head_dims.json``). At T=8 two heads on one warp was still 7%
+    faster for Qwen3-8B bf16 (1.93 against 2.07 us; fp8 and Llama equal): not taken, T
+    between 8 and 64 is unmeasured. Under the row locks (``locked``: more than 1024
+    inserted rows, whose one kv program per token works KV_BLOCK heads a step; bandwidth
+    bound) at most 16 heads, a warp per 1024 values with the norm and per 512 without it,
+    whose lighter programs want more of them in flight. Qwen3-8B T=16384: bf16 cache
+    106.8 us, fp8 102.6 on two warps, against 112.2 and 111.4 on four and 112.7 and 108.9 at
+    8 heads on two (``..._kvtile.json``); Llama-3-8B 107.0 us on four against 111.7 on two
+    (``..._rowvec.json``, the kernel before); Llama-3.2-1B (D 64, no norm) 54.3 us at 16
+    heads on two against 55.6 at 32 on two and 58.4 at 32 on four (``..._d64.json``);
+    Gemma-3-12B (D 256) 140.1 us at 8 heads on two against 146.3 at 4 and 153.9 on four
+    (``..._d256.json``). At T <= 4 one head per program on one warp spreads a token over
+    the most programs (latency bound: T=1 2.02 us against 2.0-2.4 on every other mix of
+    1-4 heads and 1-4 warps). Several tokens per program (one tile of tokens x heads) was
+    no faster anywhere it was measured (T=16384: 126.9 us at 8 heads x 2 tokens on four
+    warps, 132.5 at 4 x 2 on one), so one token per program it is.
     """
     if num_tokens <= 4:
-        block_h, num_warps = 1, 1
-    elif num_tokens <= 128:
-        block_h, num_warps = max(1, 256 // head_dim), 1
-    elif cache_fp8 and not locked:
-        block_h, num_warps = max(1, 1024 // head_dim), 4
-    else:
-        block_h, num_warps = max(1, 2048 // head_dim), 2 if has_norm else 4
-    return min(block_h, max(1, triton.next_power_of_2(max_heads))), num_warps, 1
+        return 1, 1, 1
+    block_h = max(1, 2048 // head_dim)
+    if locked:
+        block_h = min(block_h, 16)
+    block_h = min(block_h, max(1, triton.next_power_of_2(max_heads)))
+    num_warps = max(1, block_h * head_dim // (1024 if has_norm else 512)) if locked else 4
+    return block_h, num_warps, 1
 
 
 def stride_unit(*strides: int) -> int:
@@ -576,9 +667,10 @@ def launch_gqa_kernel(
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
-    ``k_cache``. ``launch_config``, for a benchmark sweep: ``(BLOCK_H, num_warps)`` or
-    ``(BLOCK_H, num_warps, TOKENS)`` in place of ``_launch_config``'s (TOKENS is 1 where a
-    duplicated slot is scanned for or locked); ``dedupe`` ("off", "scan", "lock") overrides
+    ``k_cache``. ``launch_config``, for a benchmark sweep: ``(BLOCK_H, num_warps)``,
+    ``(BLOCK_H, num_warps, TOKENS)`` or ``(BLOCK_H, num_warps, TOKENS, MAXNREG)`` in place of
+    ``_launch_config``'s (TOKENS is 1 where a duplicated slot is scanned for or locked;
+    MAXNREG caps the registers a thread, 0 leaves them to the compiler); ``dedupe`` ("off", "scan", "lock") overrides
     ``_duplicate_slots.dedupe_mode`` (the benchmark measures each, a GPU test what a write
     without either does). Inputs are not checked here."""
     num_tokens, num_q_heads, head_dim = q_out.shape
@@ -589,17 +681,20 @@ def launch_gqa_kernel(
     fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     mode = _duplicate_slots.dedupe_mode(slot_mapping, dedupe)
     config = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads),
-                                             q_norm_weight is not None, fp8, mode == _duplicate_slots.DEDUPE_LOCK)
-    block_h, num_warps, tokens = (*config, 1)[:3]  # a pair: one token per program
-    q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
-    # under the row locks one program per token writes its slot (k and v, every kv head) in
-    # steps of about 1024 values; a scan or a lock reads one token a program
-    kv_block = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim))
+                                             q_norm_weight is not None, mode == _duplicate_slots.DEDUPE_LOCK)
+    config = tuple(config)
+    # a pair: one token per program; no register cap unless a fourth element asks for one
+    block_h, num_warps, tokens, maxnreg = config + (1, 0)[len(config) - 2:]
+    # a scan or a lock reads one token a program
     if mode != _duplicate_slots.DEDUPE_OFF:
         tokens = 1
     locked = mode == _duplicate_slots.DEDUPE_LOCK
-    if locked:
-        kv_cols = triton.cdiv(num_kv_heads, kv_block)
+    # k and v tiles hold the kv heads, up to BLOCK_H of them, not a q tile's BLOCK_H rows
+    # (Qwen3-8B's 8 kv heads in a 16-row tile were half masked rows); under the row locks
+    # one program per token writes its slot (k and v, every kv head) in steps of about
+    # 1024 values
+    kv_block = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim) if locked else block_h)
+    q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, kv_block)
     has_norm = q_norm_weight is not None
     # unread placeholders for absent optional tensors (the constexprs keep them unread)
     q_w = q_norm_weight if has_norm else q
@@ -638,6 +733,7 @@ def launch_gqa_kernel(
         KV_BLOCK=kv_block,
         STRIDE_UNIT=unit,
         num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 
 

@@ -33,6 +33,7 @@ from prepfuse.ops import (
     gqa_qknorm_rope_kv_insert_reference,
     gqa_qknorm_rope_kv_insert_triton,
 )
+from prepfuse.ops import _duplicate_slots
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import rms_norm_reference, split_qkv_columns, stride_unit
 from tests.ops.bad_inputs import assert_rejected, changed
 from prepfuse.testing import (
@@ -466,7 +467,8 @@ def test_triton_interpreter_partial_inserts(options):
 
 @needs_triton
 @needs_interpreter
-@pytest.mark.parametrize("launch_config", [(1, 1), (2, 2), (4, 4), (2, 1, 2), (1, 2, 4), (4, 1, 8)], ids=str)
+@pytest.mark.parametrize("launch_config", [(1, 1), (2, 2), (4, 4), (2, 1, 2), (1, 2, 4), (4, 1, 8), (2, 2, 1, 48)],
+                         ids=str)
 @pytest.mark.parametrize("rope", [(64, True), (64, False), (32, True), (48, True)], ids=lambda r: f"R{r[0]}-{'neox' if r[1] else 'gptj'}")
 def test_triton_interpreter_launch_configs(launch_config, rope):
     """Every heads-per-program and tokens-per-program choice (blocks with padding heads, a
@@ -481,6 +483,29 @@ def test_triton_interpreter_launch_configs(launch_config, rope):
     gqa_qknorm_rope_kv_insert_triton(*actual.args(), launch_config=launch_config)
     assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
     assert_untouched(actual, seed)
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize("dedupe", ["off", "scan", "lock"])
+@pytest.mark.parametrize("rope", [(256, True), (256, False), (128, True), (96, True)],
+                         ids=lambda r: f"R{r[0]}-{'neox' if r[1] else 'gptj'}")
+def test_triton_interpreter_kv_tiles_and_lock_steps(dedupe, rope):
+    """k and v tiles hold the kv heads (KV_BLOCK), not the q tile's BLOCK_H rows, and under
+    the row locks one program writes a token's slot in steps of KV_BLOCK heads, the first
+    step's rows loaded before the branch on the slot and the lock: 6 q and 5 kv heads of
+    256 on 4-row tiles (two k and two v columns, or two lock steps of 4, the second with 3
+    masked rows), every dedupe mode and rotation path, some slots skipped, bit for bit,
+    every lock released."""
+    rotary_dim, is_neox = rope
+    inputs, seed = seeded_gqa_inputs(3, 6, 5, 256, 16, "cpu", cache_dtype=FP8, rotary_dim=rotary_dim,
+                                     is_neox=is_neox, skip_fraction=0.3)
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_triton(*actual.args(), launch_config=(4, 1), dedupe=dedupe)
+    assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
+    assert_untouched(actual, seed)
+    assert not _duplicate_slots.row_locks(actual.k_cache.device).any()
 
 
 @needs_triton
@@ -690,15 +715,18 @@ def test_good_input_passes_fake_impl(cache):
 
 @needs_triton
 def test_launch_table():
-    """The H200 sweeps' choices (docs/ops.md): one head a program at decode, 16 heads of 128
-    at large T (two warps with the norm, four without), but 8 heads on four warps for an fp8
-    cache whose k and v programs take the q tile's heads (no row locks)."""
+    """The H200 sweeps' choices (docs/ops.md): one head a program at decode, else about 2048
+    values; without the row locks four warps (k and v programs apart, their tiles sized by
+    the kv heads); under them at most 16 heads, a warp per 1024 values with the norm, per
+    512 without."""
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import _launch_config
 
     assert _launch_config(1, 128, 32) == (1, 1, 1)
-    assert _launch_config(64, 128, 32) == (2, 1, 1)
-    assert _launch_config(16384, 128, 32, has_norm=True) == (16, 2, 1)
-    assert _launch_config(16384, 128, 32, has_norm=False) == (16, 4, 1)
-    assert _launch_config(512, 128, 32, cache_fp8=True, locked=False) == (8, 4, 1)
-    assert _launch_config(16384, 128, 32, cache_fp8=True, locked=True) == (16, 2, 1)
-    assert _launch_config(16384, 256, 4) == (4, 2, 1)  # capped at the heads there are
+    assert _launch_config(64, 128, 32, locked=False) == (16, 4, 1)
+    assert _launch_config(512, 128, 32, has_norm=True, locked=False) == (16, 4, 1)
+    assert _launch_config(512, 64, 32, has_norm=False, locked=False) == (32, 4, 1)
+    assert _launch_config(16384, 128, 32, has_norm=True, locked=True) == (16, 2, 1)
+    assert _launch_config(16384, 128, 32, has_norm=False, locked=True) == (16, 4, 1)
+    assert _launch_config(16384, 64, 32, has_norm=False, locked=True) == (16, 2, 1)
+    assert _launch_config(16384, 256, 16, has_norm=True, locked=True) == (8, 2, 1)
+    assert _launch_config(16384, 256, 4) == (4, 1, 1)  # capped at the heads there are: 1024 values
