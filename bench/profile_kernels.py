@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+import bench_gqa_qknorm_rope_kv_insert as gqa
 import harness  # also puts the repository on sys.path
 import torch
 
@@ -23,7 +24,6 @@ LAUNCHES = 3  # after the gate's launch, which ncu skips (--launch-skip 1)
 
 
 def _gqa(model_name: str, tokens: int):
-    import bench_gqa_qknorm_rope_kv_insert as gqa
     from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT
 
     model = gqa.MODELS[model_name]
@@ -60,10 +60,8 @@ def _dsv4(heads: int, tokens: int):
 
 
 CASES = {
-    "gqa-qwen3-8b": lambda t: _gqa("qwen3-8b", t),
-    "gqa-qwen3-8b-fp8": lambda t: _gqa("qwen3-8b-fp8", t),
-    "gqa-llama3-8b": lambda t: _gqa("llama3-8b", t),
-    "gqa-qwen3-8b-full-cos-sin": lambda t: _gqa("qwen3-8b-full-cos-sin", t),
+    # every model row of the GQA benchmark, as gqa-<model>
+    **{f"gqa-{name}": (lambda t, name=name: _gqa(name, t)) for name in gqa.MODELS},
     "indexer-fp8": lambda t: _indexer("fp8", t),
     "indexer-mxfp4": lambda t: _indexer("mxfp4", t),
     "dsv4-h16": lambda t: _dsv4(16, t),
