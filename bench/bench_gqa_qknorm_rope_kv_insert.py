@@ -72,6 +72,11 @@ MODELS = {
     "gemma3-12b": (16, 8, 256, 256, True, True, torch.bfloat16),
     "gemma3-12b-fp8": (16, 8, 256, 256, True, True, FP8),
 }
+# a run's models unless --models names others: the head-dim-128 rows of docs/benchmarks_gqa.md;
+# the other head dims are their own run and page (gpu_session.sh gqa-head-dims), so that
+# each fits one GPU call
+HEAD_DIM_MODELS = ("llama3.2-1b", "llama3.2-1b-fp8", "gemma3-12b", "gemma3-12b-fp8")
+DEFAULT_MODELS = tuple(m for m in MODELS if m not in HEAD_DIM_MODELS)
 
 
 FORM_NOTES = {"full": ", full-width cos/sin (full_cos_sin)", "heads-first": ", heads-first [NB, Hkv, bs, D] caches",
@@ -351,16 +356,22 @@ def render_plot(data: dict, path: Path) -> None:
 
 
 def write_reports(data: dict, json_path: Path, docs_path: Path | None) -> None:
-    print(harness.write_page(render_markdown, render_plot, data, json_path, docs_path or json_path.parent / "benchmarks_gqa.md"))
+    """Plot and page of a result file; the page by default named after the JSON:
+    ``<OP>_<device><suffix>.json`` -> ``docs/benchmarks_gqa<suffix>.md``."""
+    suffix = json_path.stem.removeprefix(f"{OP}_{data['device_slug']}")
+    docs_path = docs_path or HERE.parent / "docs" / f"benchmarks_gqa{suffix}.md"
+    print(harness.write_page(render_markdown, render_plot, data, json_path, docs_path))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=harness.parse_int_list, default=list(DEFAULT_TOKENS))
-    p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(DEFAULT_MODELS))
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
     p.add_argument("--out-dir", default=str(HERE / "results"))
-    p.add_argument("--docs", default=str(HERE.parent / "docs" / "benchmarks_gqa.md"))
+    p.add_argument("--docs", default=None,
+                   help="the page (default docs/benchmarks_gqa.md, with --from-json docs/benchmarks_gqa<the "
+                        "JSON's suffix>.md; a run with --name-suffix writes benchmarks_gqa<suffix>.md beside its JSON)")
     p.add_argument("--name-suffix", default="")
     p.add_argument("--target-ms", type=float, default=60.0)
     p.add_argument("--sweep-config", action="store_true")
@@ -385,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = run_benchmark(args)
     json_path = Path(args.out_dir) / f"{OP}_{data['device_slug']}{args.name_suffix}.json"
-    write_reports(data, json_path, Path(args.docs) if not args.name_suffix else None)
+    # a partial run (--name-suffix) keeps its page beside its JSON, not over the repository's
+    docs = Path(args.docs) if args.docs else (json_path.parent / f"benchmarks_gqa{args.name_suffix}.md"
+                                              if args.name_suffix else None)
+    write_reports(data, json_path, docs)
     bad = [r for r in data["rows"] if r["impl"] == "fused" and not r.get("correct")]
     return 1 if bad else 0
 

@@ -6,7 +6,8 @@
 #   sweep - the launch-configuration sweep of the fused kernel
 #   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
 #   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
-#   gqa   - the GQA op's benchmark (JSON, PNG, benchmarks_gqa.md into $OUT)
+#   gqa   - the GQA op's benchmark, head dim 128 models (JSON, PNG, benchmarks_gqa.md into $OUT; ~200 s)
+#   gqa-head-dims - the same for the other head dims, 64 and 256 (..._head_dims.json, benchmarks_gqa_head_dims.md; ~120 s)
 #   gqa-sweep - the GQA kernel's launch-configuration sweep (PREPFUSE_GQA_SWEEP_ARGS replaces its shapes and configs)
 #   indexer - the DeepSeek-V4 indexer ops' benchmark (JSON, PNG, benchmarks_indexer.md into $OUT)
 #   indexer-sweep - the indexer kernel's launch-configuration sweep
@@ -81,6 +82,11 @@ for what in "${steps[@]}"; do
     gqa)
         step gqa
         python3 bench/bench_gqa_qknorm_rope_kv_insert.py --out-dir "$OUT" --docs "$OUT/benchmarks_gqa.md" 2>&1 | tail -n 40 | tee -a "$log" || status=1
+        ;;
+    gqa-head-dims)
+        step gqa-head-dims
+        python3 bench/bench_gqa_qknorm_rope_kv_insert.py --models llama3.2-1b,llama3.2-1b-fp8,gemma3-12b,gemma3-12b-fp8 \
+            --name-suffix _head_dims --out-dir "$OUT" --docs "$OUT/benchmarks_gqa_head_dims.md" 2>&1 | tail -n 30 | tee -a "$log" || status=1
         ;;
     gqa-sweep)
         step gqa-sweep

@@ -318,7 +318,7 @@ def from_json_or_cuda(args, write_reports) -> int | None:
     page and plot from that result file (0); without a CUDA device, say so (2); else None."""
     if args.from_json:
         path = Path(args.from_json)
-        write_reports(json.loads(path.read_text()), path, Path(args.docs))
+        write_reports(json.loads(path.read_text()), path, Path(args.docs) if args.docs else None)
         return 0
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
