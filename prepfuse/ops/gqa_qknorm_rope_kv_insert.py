@@ -399,6 +399,25 @@ if has_triton():
                           scale_ptr, CACHE_FP8, SOFT_ROUNDING)
 
     @triton.jit
+    def _load_kv_heads(
+        k_src,  # a token's k heads (k_ptr + t * stride_kt)
+        v_src,  # its v heads
+        heads,  # [KV_BLOCK] the kv heads of one step of the locked kv program
+        Hkv,  # kv heads
+        HEAD_DIM: tl.constexpr,
+        ROT_DIM: tl.constexpr,
+        ROT_PAD: tl.constexpr,
+        IS_NEOX: tl.constexpr,
+    ):
+        """One lock step's rows, loaded apart from their arithmetic: ``(real, v, x, a, b)``,
+        which of ``heads`` exist, the v rows ``[KV_BLOCK, D]`` as they are stored, and the k
+        rows as ``_load_heads`` gives them."""
+        real = heads < Hkv
+        v = tl.load((v_src + heads * HEAD_DIM)[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=real[:, None])
+        x, a, b = _load_heads(k_src + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
+        return real, v, x, a, b
+
+    @triton.jit
     def _token_rows(
         tok,  # the program's token block: tokens tok * TOKENS + [0, TOKENS)
         n_tokens,  # T
@@ -548,9 +567,9 @@ if has_triton():
             slot = tl.load(slot_ptr + kv_t, mask=kv_t < n_insert, other=-1)
             kh = tl.arange(0, KV_BLOCK)
             d = tl.arange(0, HEAD_DIM)[None, :]
-            real = kh < Hkv
-            v = tl.load((v_ptr + kv_t * stride_vt + kh * HEAD_DIM)[:, None] + d, mask=real[:, None])
-            x, a, b = _load_heads(k_ptr + kv_t * stride_kt + kh * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
+            k_src = k_ptr + kv_t * stride_kt
+            v_src = v_ptr + kv_t * stride_vt
+            real, v, x, a, b = _load_kv_heads(k_src, v_src, kh, Hkv, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
             if (slot >= 0) & (slot < n_slots):
                 k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr
                 v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr
@@ -558,10 +577,8 @@ if has_triton():
                 for c in tl.static_range(KV_COLS):
                     heads = c * KV_BLOCK + kh
                     if c > 0:
-                        real = heads < Hkv
-                        v = tl.load((v_ptr + kv_t * stride_vt + heads * HEAD_DIM)[:, None] + d, mask=real[:, None])
-                        x, a, b = _load_heads(k_ptr + kv_t * stride_kt + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM,
-                                              ROT_PAD, IS_NEOX)
+                        real, v, x, a, b = _load_kv_heads(k_src, v_src, heads, Hkv, HEAD_DIM, ROT_DIM, ROT_PAD,
+                                                          IS_NEOX)
                     _norm_rope_store_loaded(
                         x, a, b, k_dst + heads * stride_kh, real, kh >= 0, k_w_ptr, kv_cos, kv_sin, eps,
                         scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
