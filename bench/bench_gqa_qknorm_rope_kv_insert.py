@@ -75,8 +75,7 @@ MODELS = {
 # a run's models unless --models names others: the head-dim-128 rows of docs/benchmarks_gqa.md;
 # the other head dims are their own run and page (gpu_session.sh gqa-head-dims), so that
 # each fits one GPU call
-HEAD_DIM_MODELS = ("llama3.2-1b", "llama3.2-1b-fp8", "gemma3-12b", "gemma3-12b-fp8")
-DEFAULT_MODELS = tuple(m for m in MODELS if m not in HEAD_DIM_MODELS)
+DEFAULT_MODELS = tuple(m for m, v in MODELS.items() if v[2] == 128)
 
 
 FORM_NOTES = {"full": ", full-width cos/sin (full_cos_sin)", "heads-first": ", heads-first [NB, Hkv, bs, D] caches",
