@@ -60,14 +60,77 @@ if has_triton():
             return x.to(tl.bfloat16)
 
     @triton.jit
-    def _to_e4m3_bits(v, SOFT_ROUNDING: tl.constexpr):
-        """fp32 in [-448, 448] or NaN -> e4m3fn code byte, round to nearest even.
+    def _bf16x2_words(even, odd):
+        """fp32 tensors holding bf16 values -> their pairs as bf16x2 words (uint32: ``even``
+        in the low half, ``odd`` in the high one, as the pair lies in memory)."""
+        return (even.to(tl.uint32, bitcast=True) >> 16) | (odd.to(tl.uint32, bitcast=True) & 0xFFFF0000)
 
-        Under the interpreter (whose fp8 cast rounds half up and drops the carry into
-        the exponent) the value is first rounded onto the e4m3 grid exactly with
-        integer arithmetic on its significand; the cast of an on-grid value is exact.
+    @triton.jit
+    def _bf16_bits_rn(x):
+        """fp32 -> the bit pattern (uint32, low 16 bits) of its bf16 rounding, nearest even;
+        a NaN gives bf16's NaN 0x7FC0."""
+        bits = x.to(tl.uint32, bitcast=True)
+        return tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint32)
+
+    @triton.jit
+    def _round_bf16x2_words(even, odd, SOFT_ROUNDING: tl.constexpr):
+        """fp32 tensors rounded to bf16 (nearest even) and packed as ``_bf16x2_words``.
+
+        On the GPU one ``cvt.rn.bf16x2.f32`` rounds and packs both (sm_90 issues the
+        one-value ``cvt.rn.bf16.f32`` at a quarter rate, and triton converts pairs split
+        from one row, RoPE's even and odd values, one by one)."""
+        if SOFT_ROUNDING:  # on the bits: the interpreter's bf16 -> fp32 widening loses subnormals
+            return _bf16_bits_rn(even) | (_bf16_bits_rn(odd) << 16)
+        else:
+            return tl.inline_asm_elementwise(
+                "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=tl.uint32, is_pure=True, pack=1
+            )
+
+    @triton.jit
+    def _round_bf16_pair(even, odd, SOFT_ROUNDING: tl.constexpr):
+        """Two fp32 tensors rounded to bf16 (nearest even), returned as fp32: one packed
+        conversion (``_round_bf16x2_words``), each half widened by a mask or a shift."""
+        words = _round_bf16x2_words(even, odd, SOFT_ROUNDING)
+        return (words << 16).to(tl.float32, bitcast=True), (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _max_bf16x2_nan(a, b):
+        return tl.inline_asm_elementwise("max.NaN.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _max_halves(a, b):
+        return tl.maximum(a & 0xFFFF, b & 0xFFFF) | (tl.maximum(a >> 16, b >> 16) << 16)
+
+    @triton.jit
+    def _bf16x2_amax(mags, axis: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
+        """max |x| over ``axis`` of bf16x2 magnitude words (``words & 0x7FFF7FFF``), as fp32;
+        NaN when a value is NaN, as ``_amax``.
+
+        Two halves at a time on the GPU (``max.NaN.bf16x2``, a NaN wins); the interpreter
+        splits the halves and takes integer maxima, which agree: without the sign, bf16 bit
+        patterns order as their magnitudes do, NaNs above the infinity above every finite
+        value. The last step, the larger half, is that integer max too."""
+        if SOFT_ROUNDING:
+            both = tl.reduce(mags, axis, _max_halves)
+        else:
+            both = tl.reduce(mags, axis, _max_bf16x2_nan)
+        return (tl.maximum(both & 0xFFFF, both >> 16) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _to_e4m3_bits(v, SOFT_ROUNDING: tl.constexpr):
+        """fp32 -> e4m3fn code byte, round to nearest even, saturating: magnitudes past 448
+        (infinities too) give +-448, a NaN gives 0x7F (the GPU's arithmetic makes every NaN
+        positive), as ``torch.clamp(v, -448, 448).to(torch.float8_e4m3fn)``.
+
+        On the GPU that is the convert instruction itself (``cvt.rn.satfinite.e4m3x2.f32``,
+        triton's lowering on sm_89 and later), so callers need no clamp. Under the
+        interpreter (whose fp8 cast rounds half up and drops the carry into the exponent)
+        the clamped value is first rounded onto the e4m3 grid exactly with integer
+        arithmetic on its significand; the cast of an on-grid value is exact.
         """
         if SOFT_ROUNDING:
+            nan = v != v
+            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
             bits = v.to(tl.uint32, bitcast=True)
             sign = bits & 0x80000000
             mag = bits & 0x7FFFFFFF
@@ -81,17 +144,9 @@ if has_triton():
             rounded = (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
             codes = rounded.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             # NaN: the interpreter's cast does not give e4m3's NaN code (the GPU's does)
-            return tl.where(v != v, 0x7F, codes).to(tl.uint8)
+            return tl.where(nan, 0x7F, codes).to(tl.uint8)
         else:
             return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
-    @triton.jit
-    def _clamp_e4m3(x):
-        """clamp(x, -448, 448) with torch.clamp's NaN: NaN stays NaN (then e4m3's NaN code;
-        the GPU's satfinite convert keeps it). ``tl.minimum``/``tl.maximum`` return the
-        other operand for a NaN, which stored a NaN as -448."""
-        low = tl.maximum(x, -448.0, propagate_nan=tl.PropagateNan.ALL)
-        return tl.minimum(low, 448.0, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
     def _max_keep_nan(a, b):
@@ -153,21 +208,33 @@ if has_triton():
             return q
 
     @triton.jit
-    def _rope_pairs_split(y, cs_row, SOFT_ROUNDING: tl.constexpr):
-        """GPT-J RoPE of the last dim (64 values, pairs (2p, 2p+1)) of fp32 ``y [..., 64]``:
-        the rotated pairs as two fp32 tensors ``(e', o') [..., 32]``.
+    def _load_cos_sin(cs_row):
+        """A position's 32 cos and 32 sin values (fp32) at ``cs_row``. Apart from the rotation
+        so that a kernel can issue the loads before arithmetic whose branches (a correctly
+        rounded sqrt or division) the compiler does not hoist loads across."""
+        return tl.load(cs_row + tl.arange(0, 32)), tl.load(cs_row + 32 + tl.arange(0, 32))
+
+    @triton.jit
+    def _rotate_pairs(y, cos, sin, SOFT_ROUNDING: tl.constexpr):
+        """GPT-J RoPE of the last dim (64 values, pairs (2p, 2p+1)) of fp32 ``y [..., 64]``
+        with ``cos, sin [32]`` (``_load_cos_sin``): the rotated pairs as two fp32 tensors
+        ``(e', o') [..., 32]``.
 
         ``e' = e*cos[p] - o*sin[p]``, ``o' = e*sin[p] + o*cos[p]``, each product rounded on
-        its own as PyTorch eager does (see ``_mul_rn``); ``cs_row`` points at 32 cos then
-        32 sin. The pairs are split in registers, so the loads stay contiguous (vector)
-        accesses; a caller joins them back (``tl.join``) or, packing pairs, uses them as is.
+        its own as PyTorch eager does (see ``_mul_rn``). The pairs are split in registers, so
+        the loads stay contiguous (vector) accesses; a caller joins them back (``tl.join``)
+        or, packing pairs, uses them as is.
         """
-        cos = tl.load(cs_row + tl.arange(0, 32))
-        sin = tl.load(cs_row + 32 + tl.arange(0, 32))
         e, o = tl.split(tl.reshape(y, y.shape[:-1] + [32, 2]))
         e_rot = _mul_rn(e, cos, SOFT_ROUNDING) - _mul_rn(o, sin, SOFT_ROUNDING)
         o_rot = _mul_rn(e, sin, SOFT_ROUNDING) + _mul_rn(o, cos, SOFT_ROUNDING)
         return e_rot, o_rot
+
+    @triton.jit
+    def _rope_pairs_split(y, cs_row, SOFT_ROUNDING: tl.constexpr):
+        """``_rotate_pairs`` with the cos/sin of the row at ``cs_row`` (32 cos, then 32 sin)."""
+        cos, sin = _load_cos_sin(cs_row)
+        return _rotate_pairs(y, cos, sin, SOFT_ROUNDING)
 
     @triton.jit
     def _ceil_log2_ratio(amax, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr):
@@ -192,21 +259,79 @@ if has_triton():
         ``cvt.rn.satfinite.e2m1x2.f32`` (sm_100; sm_90 has none).
 
         The 8 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} are codes 0..7: spacing 0.5 below 2,
-        1 up to 4, 2 up to 6. Each range is mapped exactly onto integer spacing (2a,
-        a - 2, (a - 4) / 2: exact in fp32) and rounded to the nearest even integer by the
-        1.5 * 2^23 add-and-subtract, whose rounding is the hardware's RNE on GPU and in the
-        interpreter alike. It replaced counting the 7 midpoints below |v| (equal results
-        for every fp32 in [0, 6], checked exhaustively), which cost 25% more time in the
-        instruction-bound mxfp4 op: T=16384 on the H200 177.6 us -> 132.3 us
-        (``bench/results/dsv4_indexer_launch_sweep_mxfp4_nvidia-h200.json``). Bit 3 is v's
-        sign bit, so a negative value that rounds to zero keeps its sign (-0.0 is code 8),
-        as IEEE rounding does.
+        1 up to 4, 2 up to 6. Each range is mapped exactly onto integer spacing with its code
+        offset (2a, a + 2, a / 2 + 4: the product exact, one rounding) and added to
+        M = 1.5 * 2^23, where fp32's quantum is 1: the add rounds to the nearest even integer
+        (the hardware's RNE on GPU and in the interpreter alike; even integer = even e2m1
+        mantissa, so ties go as IEEE's), and that integer, at most 7, is the low bits of the
+        sum's bit pattern. No float-to-int conversion: sm_90 issues those at a quarter of
+        the rate of the rest, in an op that is instruction-bound.
+
+        History: counting the 7 midpoints below |v| cost 25% more time than the range
+        mapping (T=16384 on the H200 177.6 us -> 132.3 us,
+        ``bench/results/dsv4_indexer_launch_sweep_mxfp4_nvidia-h200.json``); equal results
+        for every fp32 in [0, 6] (``tests/ops/test_triton_helpers.py``). Bit 3 is v's sign
+        bit, so a negative value that rounds to zero keeps its sign (-0.0 is code 8), as
+        IEEE rounding does.
         """
         a = tl.abs(v)
-        low = a < 2.0
-        mid = a < 4.0
-        y = tl.where(low, 2.0 * a, tl.where(mid, a - 2.0, (a - 4.0) * 0.5))
-        rounded = ((y + 12582912.0) - 12582912.0).to(tl.int32)
-        code = rounded + tl.where(low, 0, tl.where(mid, 4, 6))
-        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-        return code | (sign << 3)
+        y = tl.where(a < 2.0, a * 2.0 + 12582912.0, tl.where(a < 4.0, a + 12582914.0, a * 0.5 + 12582916.0))
+        sign = v.to(tl.uint32, bitcast=True) >> 28  # sign bit as bit 3
+        return ((y.to(tl.uint32, bitcast=True) & 7) | (sign & 8)).to(tl.int32)
+
+    @triton.jit
+    def _e2m1_word_bytes(words, mags, inv, keep, SOFT_ROUNDING: tl.constexpr):
+        """E2M1 nibble pairs of bf16x2 ``words`` (``_bf16x2_words``; ``mags`` the same with the
+        signs cleared): ``code(even * inv) | code(odd * inv) << 4`` in the low byte of a
+        uint32, for ``inv`` a power of two (broadcast) with every ``|x * inv| <= 6``: the
+        MXFP4 quantisation of two values. Where ``keep`` (broadcast) is False the byte is 0
+        (a block without a scale).
+
+        On GPU both codes come from bf16x2 arithmetic on the word. E2M1's grid is 0.5 apart
+        below 2, 1 apart up to 4 and 2 apart up to 6, so with ``a = |x * inv|`` the code is
+        ``RNE(2a)``, ``RNE(a) + 2`` or ``RNE(a / 2) + 4`` (``_to_e2m1_code``): three lines
+        whose minimum, for every a in [0, 6], is the one of a's range (the map is concave).
+        Each line is one ``fma.rn.bf16x2`` into 192 + its offset, where bf16's quantum is 1,
+        so the single rounding is the integer RNE (the product ``|x| * 2^k`` is exact inside
+        the fused multiply-add, even for a subnormal multiplier) and the code is the sum's
+        low 3 bits (192 = 0x4340). Per pair: three FMAs, two mins and the sign and nibble
+        bit moves, against about nine fp32 instructions per value. The CPU interpreter (no
+        inline PTX) encodes value by value with ``_to_e2m1_code``; the CPU tests check the
+        bf16x2 formulation in exact arithmetic (``tests/ops/test_triton_helpers.py``)."""
+        if SOFT_ROUNDING:
+            even = (words << 16).to(tl.float32, bitcast=True)
+            odd = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+            return tl.where(keep, _to_e2m1_code(even * inv) | (_to_e2m1_code(odd * inv) << 4), 0).to(tl.uint32)
+        else:
+            # the multipliers 2 inv, inv, inv / 2 as bf16x2 words (exact: powers of two;
+            # inv / 2 may be the subnormal 2^-127, which fp32 holds and bf16 keeps), and
+            # the masks that keep or clear the codes and the signs: per block, not per pair
+            two = ((inv * 2.0).to(tl.uint32, bitcast=True) >> 16) * 0x10001
+            one = (inv.to(tl.uint32, bitcast=True) >> 16) * 0x10001
+            half = ((inv * 0.5).to(tl.uint32, bitcast=True) >> 16) * 0x10001
+            code_bits = tl.where(keep, 0x00070007, 0).to(tl.uint32)
+            sign_bits = tl.where(keep, 0x00080008, 0).to(tl.uint32)
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 l1, l2, l3, c;
+                mov.b32 c, 0x43404340;
+                fma.rn.bf16x2 l1, $2, $3, c;
+                mov.b32 c, 0x43424342;
+                fma.rn.bf16x2 l2, $2, $4, c;
+                mov.b32 c, 0x43444344;
+                fma.rn.bf16x2 l3, $2, $5, c;
+                min.bf16x2 l1, l1, l2;
+                min.bf16x2 l1, l1, l3;
+                shr.b32 c, $1, 12;
+                and.b32 c, c, $7;
+                and.b32 l1, l1, $6;
+                or.b32 l1, l1, c;
+                shr.b32 c, l1, 12;
+                or.b32 $0, l1, c;
+                }""",
+                "=r,r,r,r,r,r,r,r",
+                [words, mags, two, one, half, code_bits, sign_bits],
+                dtype=tl.uint32,
+                is_pure=True,
+                pack=1,
+            )

@@ -107,39 +107,76 @@ if has_triton():
         _lock_row,
         _max_keep_nan,
         _rope_pairs_split,
-        _to_bf16,
-        _to_e2m1_code,
+        _bf16x2_amax,
+        _bf16x2_words,
+        _e2m1_word_bytes,
+        _round_bf16x2_words,
         _to_e4m3_bits,
         _unlock_row,
     )
 
     @triton.jit
-    def _load_rotated_pairs(rows, mask, cs_row, SOFT_ROUNDING: tl.constexpr):
+    def _cos_sin_row(pos_at, cos_sin_ptr, stride_cs, max_pos):
+        """The cos/sin row of the position at ``pos_at``. Out-of-range positions are rejected
+        on the host when it can read them; here they are clamped only so that no read leaves
+        cos_sin_cache.
+
+        Called after the row loads, behind a barrier (one warp's: a few cycles): the
+        position and then its cos/sin are two round trips to memory that the row loads need
+        not wait for, and without the barrier the compiler issued the position's load first
+        and waited on it (for the clamp) before issuing the rows' (sm_90 SASS), three round
+        trips a program instead of two."""
+        return cos_sin_ptr + tl.minimum(tl.maximum(tl.load(pos_at), 0), max_pos - 1) * stride_cs
+
+    @triton.jit
+    def _rotated_words(pe, cs_row, SOFT_ROUNDING: tl.constexpr):
+        """The RoPE half (dims 64..127, fp32 ``[R, 64]``) rotated (GPT-J), rounded to bf16 and
+        packed as bf16x2 words ``[R, 32]`` (``_bf16x2_words``): the pairs split in registers."""
+        rot_even, rot_odd = _rope_pairs_split(pe, cs_row, SOFT_ROUNDING)
+        return _round_bf16x2_words(rot_even, rot_odd, SOFT_ROUNDING)
+
+    @triton.jit
+    def _load_rotated_pairs(rows, mask, pos_at, cos_sin_ptr, stride_cs, max_pos, SOFT_ROUNDING: tl.constexpr):
         """Rows of 128 bf16 values at ``rows [R, 1]`` as four fp32 ``[R, 32]`` tensors: the
         NoPE pairs (values 2p, 2p+1 of dims 0..63) and the rotated RoPE pairs (GPT-J on dims
-        64..127, rounded to bf16).
-
-        Each half is one contiguous load; the pairs are split in registers. Kept apart as
-        pairs because both formats need them: mxfp4 packs a pair into one byte, fp8 joins
-        them back before its contiguous store.
+        64..127 at the position at ``pos_at``, rounded to bf16). fp8's form: it scales values
+        one by one and joins the pairs back before its contiguous store. Each half is one
+        contiguous load, issued before the position's.
         """
-        d = tl.arange(0, 64)[None, :]
-        nope = tl.load(rows + d, mask=mask, other=0.0).to(tl.float32)
-        pe = tl.load(rows + 64 + d, mask=mask, other=0.0).to(tl.float32)
+        nope = tl.load(rows + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
+        pe = tl.load(rows + 64 + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # see _cos_sin_row
         nope_even, nope_odd = tl.split(tl.reshape(nope, nope.shape[:-1] + [32, 2]))
-        rot_even, rot_odd = _rope_pairs_split(pe, cs_row, SOFT_ROUNDING)
-        rot_even = _to_bf16(rot_even, SOFT_ROUNDING).to(tl.float32)
-        rot_odd = _to_bf16(rot_odd, SOFT_ROUNDING).to(tl.float32)
+        rope = _rotated_words(pe, _cos_sin_row(pos_at, cos_sin_ptr, stride_cs, max_pos), SOFT_ROUNDING)
+        rot_even = (rope << 16).to(tl.float32, bitcast=True)
+        rot_odd = (rope & 0xFFFF0000).to(tl.float32, bitcast=True)
         return nope_even, nope_odd, rot_even, rot_odd
 
     @triton.jit
-    def _fp8_codes(even, odd, inv, finite, SOFT_ROUNDING: tl.constexpr):
-        """Pairs [R, 32] times ``inv [R, 1]`` -> their e4m3 code bytes [R, 64], in order
-        (0x7F, NaN, in rows not ``finite [R, 1]``)."""
-        code_even = _to_e4m3_bits(tl.minimum(tl.maximum(even * inv, -448.0), 448.0), SOFT_ROUNDING)
-        code_odd = _to_e4m3_bits(tl.minimum(tl.maximum(odd * inv, -448.0), 448.0), SOFT_ROUNDING)
-        codes = tl.reshape(tl.join(code_even, code_odd), even.shape[:-1] + [64])
-        return tl.where(finite, codes, 0x7F)
+    def _load_rotated_words(rows, mask, pos_at, cos_sin_ptr, stride_cs, max_pos, WORDS: tl.constexpr,
+                            SOFT_ROUNDING: tl.constexpr):
+        """The same rows as bf16x2 words ``[R, 32]`` (NoPE, rotated RoPE): mxfp4's form, which
+        quantises pairs. With ``WORDS`` (rows 4-byte aligned, checked at launch) the NoPE
+        half is loaded as words as it lies; else as bf16 values, widened and packed again."""
+        if WORDS:
+            nope = tl.load(rows.to(tl.pointer_type(tl.uint32), bitcast=True) + tl.arange(0, 32)[None, :], mask=mask, other=0)
+        else:
+            values = tl.load(rows + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
+            even, odd = tl.split(tl.reshape(values, values.shape[:-1] + [32, 2]))
+            nope = _bf16x2_words(even, odd)
+        pe = tl.load(rows + 64 + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # see _cos_sin_row
+        return nope, _rotated_words(pe, _cos_sin_row(pos_at, cos_sin_ptr, stride_cs, max_pos), SOFT_ROUNDING)
+
+    @triton.jit
+    def _fp8_codes(even, odd, inv, SOFT_ROUNDING: tl.constexpr):
+        """Pairs [R, 32] times ``inv [R, 1]`` -> their e4m3 code bytes [R, 64], in order.
+
+        No clamp and no select per value: the row's scale bounds every product by 448, and a
+        row without one has ``inv`` NaN, so its products are NaN, whose code is 0x7F."""
+        code_even = _to_e4m3_bits(even * inv, SOFT_ROUNDING)
+        code_odd = _to_e4m3_bits(odd * inv, SOFT_ROUNDING)
+        return tl.reshape(tl.join(code_even, code_odd), even.shape[:-1] + [64])
 
     @triton.jit
     def _quant_fp8(nope_even, nope_odd, rot_even, rot_odd, SOFT_ROUNDING: tl.constexpr):
@@ -152,29 +189,31 @@ if has_triton():
         )
         finite = _finite(amax)
         e = _ceil_log2_ratio(tl.maximum(amax, 1e-4), 8, 0x600000)  # 448 = 1.75 * 2^8
-        inv = _exp2_int(-e)[:, None]
+        inv = tl.where(finite, _exp2_int(-e), float("nan"))[:, None]
         scale_bits = tl.where(finite, (e + 127).to(tl.uint32) << 23, 0x7FC00000)
-        nope = _fp8_codes(nope_even, nope_odd, inv, finite[:, None], SOFT_ROUNDING)
-        return nope, _fp8_codes(rot_even, rot_odd, inv, finite[:, None], SOFT_ROUNDING), scale_bits
+        nope = _fp8_codes(nope_even, nope_odd, inv, SOFT_ROUNDING)
+        return nope, _fp8_codes(rot_even, rot_odd, inv, SOFT_ROUNDING), scale_bits
 
     @triton.jit
-    def _quant_mxfp4_half(even, odd):
-        """64 values as pairs [R, 32] = two blocks of 32 -> (packed bytes [R, 32], UE8M0
-        scale bytes [R, 2]). A block holding a NaN or an infinity has no scale: byte 0xFF
-        (UE8M0's NaN), nibbles 0 (docs/ops.md, non-finite inputs)."""
+    def _quant_mxfp4_half(words, SOFT_ROUNDING: tl.constexpr):
+        """64 values as bf16x2 words [R, 32] (``_bf16x2_words``) = two blocks of 32 -> (packed
+        bytes [R, 32], UE8M0 scale bytes [R, 2]). A block holding a NaN or an infinity has
+        no scale: byte 0xFF (UE8M0's NaN), nibbles 0 (docs/ops.md, non-finite inputs).
+        The values stay packed two to a word throughout (amax and codes: bf16x2
+        arithmetic, ``_bf16x2_amax`` and ``_e2m1_word_bytes``): this op is
+        instruction-bound, and unpacking costs an instruction a value."""
         # shapes inline: a list bound to a name becomes a tuple of tensors on the GPU
         # compiler (not in the CPU interpreter), which tl.reshape rejects
-        even = tl.reshape(even, even.shape[:-1] + [2, 16])
-        odd = tl.reshape(odd, odd.shape[:-1] + [2, 16])
-        amax = _max_keep_nan(_amax(even, 2), _amax(odd, 2))
+        words = tl.reshape(words, words.shape[:-1] + [2, 16])
+        mags = words & 0x7FFF7FFF
+        amax = _bf16x2_amax(mags, 2, SOFT_ROUNDING)
         finite = _finite(amax)
         e = _ceil_log2_ratio(tl.maximum(amax, 6.0 * 2.0**-126), 2, 0x400000)  # 6 = 1.5 * 2^2
         e = tl.minimum(tl.maximum(e, -127), 127)  # never binds for finite bf16 input
         inv = _exp2_int(-e)[:, :, None]
-        packed = _to_e2m1_code(even * inv) | (_to_e2m1_code(odd * inv) << 4)
-        packed = tl.where(finite[:, :, None], packed, 0)
+        packed = _e2m1_word_bytes(words, mags, inv, finite[:, :, None], SOFT_ROUNDING)
         scale_bytes = tl.where(finite, e + 127, 255).to(tl.uint8)
-        return tl.reshape(packed.to(tl.uint8), even.shape[:-2] + [32]), scale_bytes
+        return tl.reshape(packed.to(tl.uint8), words.shape[:-2] + [32]), scale_bytes
 
     @triton.jit
     def _dsv4_indexer_rope_quant_insert_kernel(
@@ -211,6 +250,7 @@ if has_triton():
         BLOCK_H: tl.constexpr,  # query heads per program
         N_QCOLS: tl.constexpr,  # programs per token on the q side: cdiv(H, BLOCK_H)
         MXFP4: tl.constexpr,  # the format: mxfp4, else fp8
+        WORDS: tl.constexpr,  # q and k rows 4-byte aligned: mxfp4 loads NoPE halves as bf16x2 words
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= Tk')
@@ -228,16 +268,13 @@ if has_triton():
             t = pid // N_QCOLS
             heads = (pid % N_QCOLS) * BLOCK_H + tl.arange(0, BLOCK_H)
             in_h = heads < H
-            # Out-of-range positions are rejected on the host when it can read them; here
-            # they are clamped only so that no read leaves cos_sin_cache.
-            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
             rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-            ne, no, re, ro = _load_rotated_pairs(rows, in_h[:, None], cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
             w = tl.load(w_ptr + t * stride_wt + heads, mask=in_h, other=0.0).to(tl.float32)
             out = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
             if MXFP4:
-                nope_packed, nope_scales = _quant_mxfp4_half(ne, no)
-                rope_packed, rope_scales = _quant_mxfp4_half(re, ro)
+                nope_words, rope_words = _load_rotated_words(rows, in_h[:, None], pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WORDS, SOFT_ROUNDING)
+                nope_packed, nope_scales = _quant_mxfp4_half(nope_words, SOFT_ROUNDING)
+                rope_packed, rope_scales = _quant_mxfp4_half(rope_words, SOFT_ROUNDING)
                 tl.store(out + d32, nope_packed, mask=in_h[:, None])
                 tl.store(out + 32 + d32, rope_packed, mask=in_h[:, None])
                 b = tl.arange(0, 2)[None, :]
@@ -247,6 +284,7 @@ if has_triton():
                 # the block scales travel with q: weights carry no q scale
                 w_out = w * weights_scale
             else:
+                ne, no, re, ro = _load_rotated_pairs(rows, in_h[:, None], pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, SOFT_ROUNDING)
                 nope_codes, rope_codes, scale_bits = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
                 tl.store(out + d64, nope_codes, mask=in_h[:, None])
                 tl.store(out + 64 + d64, rope_codes, mask=in_h[:, None])
@@ -255,14 +293,17 @@ if has_triton():
             tl.store(w_out_ptr + t * stride_wot + heads, w_out, mask=in_h)
         else:
             r = pid - n_q_programs
-            # the row (and its position's cos/sin) is loaded beside the slot, not after
-            # it: the branch waits on one round trip to memory, not two
-            pos = tl.minimum(tl.maximum(tl.load(k_pos_ptr + r), 0), max_pos - 1)
+            # the slot, the row and its position are loaded together, before any of them is
+            # used: the branch on the slot waits on one round trip to memory, not two
+            slot = tl.load(slot_ptr + r, mask=r < n_insert, other=-1)
             # the row as one "head" ([1, ...] tensors), so the q side's helpers apply as they
             # are (k_ names: triton wants a name's type alike in both branches of the if)
             k_row = k_ptr + r * stride_kt + tl.zeros([1, 1], dtype=tl.int64)
-            k_ne, k_no, k_re, k_ro = _load_rotated_pairs(k_row, d64 >= 0, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
-            slot = tl.load(slot_ptr + r, mask=r < n_insert, other=-1)
+            k_mask = tl.full([1, 1], 1, tl.int1)  # the whole row
+            if MXFP4:
+                k_nope_words, k_rope_words = _load_rotated_words(k_row, k_mask, k_pos_ptr + r, cos_sin_ptr, stride_cs, max_pos, WORDS, SOFT_ROUNDING)
+            else:
+                k_ne, k_no, k_re, k_ro = _load_rotated_pairs(k_row, k_mask, k_pos_ptr + r, cos_sin_ptr, stride_cs, max_pos, SOFT_ROUNDING)
             write = (slot >= 0) & (slot < n_slots)
             if DEDUPE == 1:  # the last row naming the slot writes it (_duplicate_slots)
                 write = write & _last_writer(slot_ptr, r, slot, n_insert, SCAN)
@@ -274,8 +315,8 @@ if has_triton():
                     # taken before the math, so that the atomic's round trip overlaps the loads'
                     _lock_row(locks_ptr, slot)
                 if MXFP4:
-                    nope_packed, nope_scales = _quant_mxfp4_half(k_ne, k_no)
-                    rope_packed, rope_scales = _quant_mxfp4_half(k_re, k_ro)
+                    nope_packed, nope_scales = _quant_mxfp4_half(k_nope_words, SOFT_ROUNDING)
+                    rope_packed, rope_scales = _quant_mxfp4_half(k_rope_words, SOFT_ROUNDING)
                     data = block + row * 64
                     tl.store(data + d32, nope_packed)
                     tl.store(data + 32 + d32, rope_packed)
@@ -318,13 +359,21 @@ def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
     return min(block_h, max(1, triton.next_power_of_2(num_heads))), 1
 
 
+def _rows_hold_words(x: torch.Tensor) -> bool:
+    """Whether every row of bf16 ``x`` (its last dim dense) starts on a 4-byte boundary, so
+    that its values can be read two to a 32-bit word."""
+    return x.data_ptr() % 4 == 0 and all(stride % 2 == 0 for stride in x.stride()[:-1])
+
+
 def launch_indexer_kernel(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
-    cos_sin_cache, weights_scale, block_size, *, mxfp4: bool, launch_config: tuple[int, int] | None = None,
+    cos_sin_cache, weights_scale, block_size, *, mxfp4: bool, launch_config: tuple[int, ...] | None = None,
     dedupe: str | None = None,
 ) -> None:
     """The one launch of both ops (q side and k side together). Inputs are not checked here.
-    ``dedupe`` overrides ``_duplicate_slots.dedupe_mode`` (the benchmark and a GPU test use it).
+    ``dedupe`` overrides ``_duplicate_slots.dedupe_mode`` (the benchmark and a GPU test use it);
+    ``launch_config`` ``(heads per program, warps[, register cap])`` overrides
+    ``_launch_config`` (the sweep's).
 
     ``q_out`` and ``q_scale`` are passed as byte views; ``q_scale`` is ignored for fp8.
     Traffic per token: reads 256*H (q) + 2-4*H (weights) + 256 (cos/sin) bytes, writes
@@ -334,7 +383,7 @@ def launch_indexer_kernel(
     num_k = k.shape[0]
     if num_tokens == 0 and num_k == 0:
         return
-    block_h, num_warps = launch_config or _launch_config(num_tokens, num_heads)
+    block_h, num_warps, maxnreg = (tuple(launch_config or _launch_config(num_tokens, num_heads)) + (0,))[:3]
     n_qcols = triton.cdiv(num_heads, block_h)
     n_q_programs = num_tokens * n_qcols
     q_bytes = q_out.view(torch.uint8)
@@ -350,10 +399,12 @@ def launch_indexer_kernel(
         BLOCK_H=block_h,
         N_QCOLS=n_qcols,
         MXFP4=mxfp4,
+        WORDS=mxfp4 and _rows_hold_words(q) and _rows_hold_words(k),
         SOFT_ROUNDING=triton_interpret_mode(),
         DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
         SCAN=_duplicate_slots.scan_block(slot_mapping),
         num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 
 

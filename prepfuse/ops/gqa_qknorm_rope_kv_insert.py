@@ -136,17 +136,25 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
-        _clamp_e4m3, _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _to_bf16, _to_e4m3_bits, _unlock_row,
+        _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _to_bf16, _to_e4m3_bits, _unlock_row,
     )
 
     @triton.jit
-    def _weighted(x, rstd, w_ptr, dims, HAS_NORM: tl.constexpr, W_FP32: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
-        """HF Qwen3RMSNorm's last two steps on fp32 ``x [BLOCK_H, N]`` (dims ``dims [1, N]``
-        of a head): round ``x * rstd`` to bf16, then times the bf16 weight (exact in fp32:
-        two 8-bit significands), rounded again. With an fp32 weight (Gemma-3's ``1 + w``):
-        ``(x * rstd) * w`` in fp32, rounded once. Without the norm, ``x`` as is."""
+    def _norm_weight(w_ptr, dims, HAS_NORM: tl.constexpr):
+        """The norm weight at ``dims [1, N]`` as fp32 (1.0 without the norm: never read)."""
         if HAS_NORM:
-            w = tl.load(w_ptr + dims).to(tl.float32)
+            return tl.load(w_ptr + dims).to(tl.float32)
+        else:
+            return 1.0
+
+    @triton.jit
+    def _weighted(x, rstd, w, HAS_NORM: tl.constexpr, W_FP32: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
+        """HF Qwen3RMSNorm's last two steps on fp32 ``x [BLOCK_H, N]`` with the weight ``w
+        [1, N]`` (``_norm_weight``) of those dims: round ``x * rstd`` to bf16, then times the
+        bf16 weight (exact in fp32: two 8-bit significands), rounded again. With an fp32
+        weight (Gemma-3's ``1 + w``): ``(x * rstd) * w`` in fp32, rounded once. Without the
+        norm, ``x`` as is."""
+        if HAS_NORM:
             if W_FP32:
                 x = _to_bf16((x * rstd) * w, SOFT_ROUNDING).to(tl.float32)
             else:
@@ -172,7 +180,7 @@ if has_triton():
             # the codes of a true, correctly rounded division (vLLM's scaled_convert), not
             # of x * (1/scale): the product and one FMA correction (_e4m3_quotient)
             scaled = _e4m3_quotient(values.to(tl.float32), scale, SOFT_ROUNDING)
-            codes = _to_e4m3_bits(_clamp_e4m3(scaled), SOFT_ROUNDING)
+            codes = _to_e4m3_bits(scaled, SOFT_ROUNDING)  # saturating at +-448
             if QUANT_FP8 == 2:  # FP8_OVERFLOW_NAN: the NaN code with the value's sign
                 sign = ((scaled.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
                 codes = tl.where(tl.abs(scaled) > 464.0, sign | 0x7F, codes)
@@ -267,17 +275,12 @@ if has_triton():
         # rows of one token read one cos/sin row: one load's threads ask for the same addresses
         cos_row = cos_row[:, None]
         sin_row = sin_row[:, None]
-        rstd = 1.0
-        if HAS_NORM:
-            if ROT_PAD == ROT_DIM and ROT_DIM == HEAD_DIM and IS_NEOX:  # the halves are the whole row
-                mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) * (1.0 / HEAD_DIM)
-            else:
-                mean_sq = tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM)  # D is a power of 2: exact scaling
-            # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
-            rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
+        # Every load first: the norm weights and cos/sin do not depend on the rows' values,
+        # and the norm's correctly rounded sqrt and division (branches to slow paths) kept
+        # the compiler from issuing loads written after them any earlier (sm_90 SASS): a
+        # second round trip to memory after the norm, in every program.
         if ROT_DIM < HEAD_DIM:
-            _store_values(dst + d, _weighted(x, rstd, w_ptr, d, HAS_NORM, W_FP32, SOFT_ROUNDING),
-                          keep & (d >= ROT_DIM), scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+            w_rest = _norm_weight(w_ptr, d, HAS_NORM)
         if ROT_PAD != ROT_DIM:
             # a rotary dim that is no power of two (R = 44, 96 of D = 128): each lane j < R
             # holds its own value and its pair partner's (_load_heads), since pairs cannot be
@@ -293,15 +296,11 @@ if has_triton():
                 partner = j ^ 1
                 column = j // 2
             in_rot = j < ROT_DIM
-            xj = _weighted(a, rstd, w_ptr, j[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
-            xp = _weighted(b, rstd, w_ptr, partner[None, :], HAS_NORM, W_FP32, SOFT_ROUNDING)
             entry = j if FULL_COS_SIN else column  # lane j's own entry of R-wide cos/sin, else its pair's
             cos = tl.load(cos_row + entry[None, :], mask=in_rot[None, :], other=0.0).to(tl.float32)
             sin = tl.load(sin_row + entry[None, :], mask=in_rot[None, :], other=0.0).to(tl.float32)
-            # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
-            rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
-                           _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
-            _store_values(dst + j[None, :], rot, keep & in_rot[None, :], scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+            w_j = _norm_weight(w_ptr, j[None, :], HAS_NORM)
+            w_p = _norm_weight(w_ptr, partner[None, :], HAS_NORM)
         else:
             i = tl.arange(0, HALF)
             if IS_NEOX:
@@ -312,9 +311,6 @@ if has_triton():
                 # (a thread holds both of a pair, so no value changes lanes)
                 ia = 2 * i[None, :]
                 ib = ia + 1
-                a, b = tl.split(tl.reshape(a, [BLOCK_H, HALF, 2]))
-            a = _weighted(a, rstd, w_ptr, ia, HAS_NORM, W_FP32, SOFT_ROUNDING)
-            b = _weighted(b, rstd, w_ptr, ib, HAS_NORM, W_FP32, SOFT_ROUNDING)
             if FULL_COS_SIN:  # a and b each read their own dim's entry of the R-wide cos and sin
                 cos_a = tl.load(cos_row + ia).to(tl.float32)
                 sin_a = tl.load(sin_row + ia).to(tl.float32)
@@ -325,6 +321,31 @@ if has_triton():
                 sin_a = tl.load(sin_row + i[None, :]).to(tl.float32)
                 cos_b = cos_a
                 sin_b = sin_a
+            w_a = _norm_weight(w_ptr, ia, HAS_NORM)
+            w_b = _norm_weight(w_ptr, ib, HAS_NORM)
+        rstd = 1.0
+        if HAS_NORM:
+            if ROT_PAD == ROT_DIM and ROT_DIM == HEAD_DIM and IS_NEOX:  # the halves are the whole row
+                mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) * (1.0 / HEAD_DIM)
+            else:
+                mean_sq = tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM)  # D is a power of 2: exact scaling
+            # correctly rounded 1/sqrt, as the reference computes it, not rsqrt.approx
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
+        if ROT_DIM < HEAD_DIM:
+            _store_values(dst + d, _weighted(x, rstd, w_rest, HAS_NORM, W_FP32, SOFT_ROUNDING),
+                          keep & (d >= ROT_DIM), scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+        if ROT_PAD != ROT_DIM:
+            xj = _weighted(a, rstd, w_j, HAS_NORM, W_FP32, SOFT_ROUNDING)
+            xp = _weighted(b, rstd, w_p, HAS_NORM, W_FP32, SOFT_ROUNDING)
+            # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
+            rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
+                           _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
+            _store_values(dst + j[None, :], rot, keep & in_rot[None, :], scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+        else:
+            if not IS_NEOX:
+                a, b = tl.split(tl.reshape(a, [BLOCK_H, HALF, 2]))
+            a = _weighted(a, rstd, w_a, HAS_NORM, W_FP32, SOFT_ROUNDING)
+            b = _weighted(b, rstd, w_b, HAS_NORM, W_FP32, SOFT_ROUNDING)
             # a' = a*cos - b*sin, b' = b*cos + a*sin, each product rounded (never an FMA)
             a_rot = _mul_rn(a, cos_a, SOFT_ROUNDING) - _mul_rn(b, sin_a, SOFT_ROUNDING)
             b_rot = _mul_rn(b, cos_b, SOFT_ROUNDING) + _mul_rn(a, sin_b, SOFT_ROUNDING)

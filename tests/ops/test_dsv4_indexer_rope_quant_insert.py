@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -412,6 +414,30 @@ def test_triton_interpreter_matches_reference(fmt, num_tokens, num_heads, block_
 def test_triton_interpreter_matches_oracle(fmt):
     inputs, seed = indexer_inputs(fmt, 3, 4, 16, "cpu", num_k=4, num_inserted=3)
     assert_matches_oracle(inputs, run(KERNELS[fmt], inputs), seed)
+
+
+def rows_two_bytes_off(t: torch.Tensor) -> torch.Tensor:
+    """The same bf16 values as a view whose rows start 2 bytes past a 4-byte boundary (odd
+    row strides, odd offset): rows the mxfp4 kernel cannot read two values to a word."""
+    shape = list(t.shape)
+    base = torch.empty(shape[:-1] + [shape[-1] + 1], dtype=t.dtype, device=t.device).fill_(float("nan"))
+    view = base[..., 1:]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=[needs_triton, needs_interpreter]),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+])
+def test_kernel_reads_rows_at_any_two_byte_offset(fmt, device):
+    """q and k rows off the 4-byte grid: the kernel's value-by-value loads (mxfp4 reads
+    aligned rows as bf16x2 words, ``_rows_hold_words``), the same bytes as the reference."""
+    inputs, seed = indexer_inputs(fmt, 5, 3, 16, device, num_k=4, num_inserted=3)
+    odd = replace(inputs, q=rows_two_bytes_off(inputs.q), k=rows_two_bytes_off(inputs.k))
+    assert odd.q.stride(1) % 2 == 1 and odd.q.data_ptr() % 4 == 2
+    assert_matches_reference(KERNELS[fmt], fmt, odd, seed)
 
 
 # --------------------------------------------------------------------------------------
