@@ -79,15 +79,29 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
-        _amax, _finite, _last_writer, _lock_row, _rope_pairs_split, _to_bf16, _to_e4m3_bits, _unlock_row,
+        _amax, _finite, _last_writer, _load_cos_sin, _lock_row, _rotate_pairs, _to_bf16, _to_e4m3_bits, _unlock_row,
     )
 
     @triton.jit
-    def _rope_pairs(y, cs_row, SOFT_ROUNDING: tl.constexpr):
+    def _rope_pairs(y, cos, sin, SOFT_ROUNDING: tl.constexpr):
         """GPT-J RoPE of the last dim (64 values) of fp32 ``y``, fp32 out in ``y``'s layout
-        (``_rope_pairs_split``, joined back in registers so the store stays contiguous)."""
-        e_rot, o_rot = _rope_pairs_split(y, cs_row, SOFT_ROUNDING)
+        (``_rotate_pairs``, joined back in registers so the store stays contiguous)."""
+        e_rot, o_rot = _rotate_pairs(y, cos, sin, SOFT_ROUNDING)
         return tl.reshape(tl.join(e_rot, o_rot), y.shape)
+
+    @triton.jit
+    def _cos_sin_at(pos_at, cos_sin_ptr, stride_cs, max_pos):
+        """The cos and sin of the position at ``pos_at`` (``_load_cos_sin``). Out-of-range
+        positions are rejected on the host when it can read them; here they are clamped
+        only so that no read leaves cos_sin_cache.
+
+        Called after a program's row loads, behind a barrier (a few cycles): the position
+        and then its cos/sin are two round trips to memory that the rows need not wait for.
+        Loaded at the kernel's top, the position was waited on (for the clamp) before any
+        row load was issued, and the cos/sin loads came after the norm's sqrt and division
+        (sm_90 SASS): three round trips a program instead of two."""
+        pos = tl.minimum(tl.maximum(tl.load(pos_at), 0), max_pos - 1)
+        return _load_cos_sin(cos_sin_ptr + pos * stride_cs)
 
     @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
@@ -114,23 +128,22 @@ if has_triton():
         eps,  # RMSNorm epsilon
         block_size,  # tokens per cache block
         BLOCK_H: tl.constexpr,  # query heads per program
-        N_COLS: tl.constexpr,  # programs per token: 1 (kv) + cdiv(HP, BLOCK_H) (q)
+        N_COLS: tl.constexpr,  # programs per token: 1 (kv) + N_REAL_COLS + the padded heads' columns
+        N_REAL_COLS: tl.constexpr,  # q columns of BLOCK_H heads: cdiv(H, BLOCK_H)
+        ZERO_BLOCK_H: tl.constexpr,  # padded heads past N_REAL_COLS * BLOCK_H per program
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
         ROPE_U16: tl.constexpr,  # cache base and stride even: store RoPE bytes as uint16
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
     ):
-        # A 1-D grid of T * N_COLS programs, N_COLS = 1 + cdiv(HP, BLOCK_H): column 0
-        # inserts token t's kv row, the others each normalise, rotate and store BLOCK_H
-        # heads of q_out. Columns vary fastest, so programs running together stream
+        # A 1-D grid of T * N_COLS programs: column 0 inserts token t's kv row, the next
+        # N_REAL_COLS each normalise, rotate and store BLOCK_H heads of q_out, the rest
+        # each zero ZERO_BLOCK_H padded heads (a store stream only: more heads a program,
+        # fewer programs). Columns vary fastest, so programs running together stream
         # through q and q_out in address order (and T is not capped at 65535).
         pid = tl.program_id(0).to(tl.int64)
         t = pid // N_COLS
         col = pid % N_COLS
-        # Out-of-range positions are rejected on the host when it can read them; here
-        # they are clamped only so that no read leaves cos_sin_cache.
-        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
-        cs_row = cos_sin_ptr + pos * stride_cs
 
         if col == 0:
             # the row's loads are issued beside the slot's, not after it: the branch waits
@@ -143,6 +156,8 @@ if has_triton():
             x = tl.load(kv_row + r[:, None] * 64 + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
             pe = tl.load(kv_row + 448 + tl.arange(0, 64)).to(tl.float32)
             slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
+            tl.debug_barrier()  # see _cos_sin_at
+            kv_cos, kv_sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos)
             write = (slot >= 0) & (slot < n_slots)
             if DEDUPE == 1:  # the last row naming the slot writes it (_duplicate_slots)
                 write = write & _last_writer(slot_ptr, t, slot, n_insert, SCAN)
@@ -165,15 +180,16 @@ if has_triton():
                 # the ceiling at the (common) exact powers of two.
                 amax_bits = amax.to(tl.int32, bitcast=True)
                 e = ((amax_bits >> 23) & 0xFF) - 127 - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-                inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
-                scaled = tl.minimum(tl.maximum(x * inv_scale[:, None], -448.0), 448.0)
-                codes = tl.where(finite[:, None], _to_e4m3_bits(scaled, SOFT_ROUNDING), 0x7F)
+                # 2^-e, exact; NaN for a block without a scale, whose codes are then all 0x7F
+                # (no clamp: |x| * 2^-e <= 448 by the choice of e)
+                inv_scale = tl.where(finite, ((127 - e) << 23).to(tl.float32, bitcast=True), float("nan"))
+                codes = _to_e4m3_bits(x * inv_scale[:, None], SOFT_ROUNDING)
                 tl.store(data + r[:, None] * 64 + c[None, :], codes, mask=in_nope)
                 scale_byte = tl.where(finite, tl.minimum(tl.maximum(e + 127, 0), 254), 255)
                 tl.store(scales + r, tl.where(r < 7, scale_byte, 0).to(tl.uint8))
 
                 # RoPE on dims 448..511 (no norm), rounded to bf16
-                bits = _to_bf16(_rope_pairs(pe, cs_row, SOFT_ROUNDING), SOFT_ROUNDING).to(tl.uint16, bitcast=True)
+                bits = _to_bf16(_rope_pairs(pe, kv_cos, kv_sin, SOFT_ROUNDING), SOFT_ROUNDING).to(tl.uint16, bitcast=True)
                 if ROPE_U16:  # the row's bf16 bytes are 2-aligned: 64 two-byte (vector) stores
                     tl.store((data + 448).to(tl.pointer_type(tl.uint16)) + tl.arange(0, 64), bits)
                 else:  # an odd cache stride or base: little-endian byte by byte
@@ -182,13 +198,15 @@ if has_triton():
                     tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
                 if DEDUPE == 2:
                     _unlock_row(locks_ptr, slot)
-        elif (col - 1) * BLOCK_H >= H:
-            # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
+        elif (col - 1) * BLOCK_H >= H:  # col > N_REAL_COLS (in this form: 56 registers, not 63)
+            # only padded heads (H = 16 of 64: three quarters of q_out): +0.0 stored, with
             # none of the norm and RoPE work on zeros that the masked path below would do
-            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            first = N_REAL_COLS * BLOCK_H + (col - 1 - N_REAL_COLS) * ZERO_BLOCK_H
+            zero_heads = first + tl.arange(0, ZERO_BLOCK_H)
             d = tl.arange(0, 512)
-            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
-            tl.store(out_rows + d[None, :], tl.zeros([BLOCK_H, 512], dtype=tl.bfloat16), mask=(heads < HP)[:, None])
+            zero_rows = q_out_ptr + t * stride_ot + zero_heads[:, None] * stride_oh
+            tl.store(zero_rows + d[None, :], tl.zeros([ZERO_BLOCK_H, 512], dtype=tl.bfloat16),
+                     mask=(zero_heads < HP)[:, None])
         else:
             heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
             real = heads < H
@@ -199,6 +217,8 @@ if has_triton():
             # The 64 rotated dims read again on their own (the same lines: an L1 hit),
             # so that the rotation costs 64 dims of work per head, not masked work on 512.
             pe = tl.load(q_rows + 448 + tl.arange(0, 64)[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            tl.debug_barrier()  # see _cos_sin_at
+            cos, sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos)
             mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
             # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
             # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
@@ -206,14 +226,15 @@ if has_triton():
             y = x * rstd[:, None]
             stored = (heads < HP)[:, None]
             tl.store(out_rows + d[None, :], _to_bf16(y, SOFT_ROUNDING), mask=stored & (d < 448)[None, :])
-            rot = _rope_pairs(pe * rstd[:, None], cs_row, SOFT_ROUNDING)
+            rot = _rope_pairs(pe * rstd[:, None], cos, sin, SOFT_ROUNDING)
             # padded heads: +0.0 exactly (0 * cos with cos < 0 would store -0.0)
             rot = tl.where(real[:, None], rot, 0.0)
             tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _to_bf16(rot, SOFT_ROUNDING), mask=stored)
 
 
-def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
-    """(heads per program, warps per program), from the H200 sweep (bench/README.md).
+def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int, int]:
+    """(heads per program, warps per program, padded heads per zeroing program), from the
+    H200 sweep (bench/README.md).
 
     Two warps throughout: each thread then moves several 16-byte vectors, so more bytes
     are in flight per thread (at T=4096, H=16: 125 us with 4 heads x 2 warps against
@@ -228,16 +249,17 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
         block_h = 4
     # a kv-only call (the pass emits one: q and q_out [T, 0, 512]) has no q heads: one head a
     # program keeps the grid's arithmetic defined (next_power_of_2(0) is 0)
-    return min(block_h, max(1, triton.next_power_of_2(padded_heads))), 2
+    block_h = min(block_h, max(1, triton.next_power_of_2(padded_heads)))
+    return block_h, 2, block_h
 
 
 def dsv4_qnorm_rope_kv_insert_triton(
     q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *,
-    launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
+    launch_config: tuple[int, ...] | None = None, dedupe: str | None = None,
 ) -> None:
     """Launch the fused kernel once (q and kv sides together). Inputs are not checked here.
 
-    ``launch_config`` overrides ``(BLOCK_H, num_warps)``; the benchmark's sweep uses it
+    ``launch_config`` overrides ``(BLOCK_H, num_warps[, ZERO_BLOCK_H])``; the benchmark's sweep uses it
     to choose ``_launch_config``'s table. ``dedupe`` ("off", "scan", "lock") overrides
     ``_duplicate_slots.dedupe_mode`` (the benchmark measures each, a GPU test what a write
     without either does).
@@ -246,8 +268,10 @@ def dsv4_qnorm_rope_kv_insert_triton(
     padded_heads = q_out.shape[1]
     if num_tokens == 0:
         return
-    block_h, num_warps = launch_config or _launch_config(num_tokens, padded_heads)
-    n_cols = 1 + triton.cdiv(padded_heads, block_h)
+    config = tuple(launch_config or _launch_config(num_tokens, padded_heads))
+    block_h, num_warps, zero_block_h = (config + config[:1])[:3]
+    n_real_cols = triton.cdiv(num_heads, block_h)
+    n_cols = 1 + n_real_cols + triton.cdiv(max(padded_heads - n_real_cols * block_h, 0), zero_block_h)
     grid = (num_tokens * n_cols,)
     _dsv4_qnorm_rope_kv_insert_kernel[grid](
         q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
@@ -259,6 +283,8 @@ def dsv4_qnorm_rope_kv_insert_triton(
         eps, block_size,
         BLOCK_H=block_h,
         N_COLS=n_cols,
+        N_REAL_COLS=n_real_cols,
+        ZERO_BLOCK_H=zero_block_h,
         SOFT_ROUNDING=triton_interpret_mode(),
         ROPE_U16=k_cache.data_ptr() % 2 == 0 and k_cache.stride(0) % 2 == 0,
         DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
