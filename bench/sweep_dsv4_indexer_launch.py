@@ -19,6 +19,7 @@ with a flag since removed: midpoint comparisons lost to rounding by 25%).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -56,10 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=list(TOKENS))
     parser.add_argument("--formats", type=lambda s: s.split(","), default=["fp8", "mxfp4"])
     parser.add_argument("--target-ms", type=float, default=40.0)
+    parser.add_argument("--block-h", type=lambda s: [int(x) for x in s.split(",")], default=list(SWEEP_BLOCK_H),
+                        help="heads per program to try")
+    parser.add_argument("--warps", type=lambda s: [int(x) for x in s.split(",")], default=list(SWEEP_NUM_WARPS),
+                        help="warps per program to try")
+    parser.add_argument("--maxnreg", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                        help="register caps per thread to try (0: none)")
+    parser.add_argument("--name-suffix", default="", help="appended to the JSON name")
     args = parser.parse_args(argv)
     info = harness.device_info()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"dsv4_indexer_launch_sweep_{'-'.join(args.formats)}_{info['device_slug']}.json"
+    path = args.out_dir / f"dsv4_indexer_launch_sweep_{'-'.join(args.formats)}_{info['device_slug']}{args.name_suffix}.json"
     data = {"op": "dsv4_indexer (launch_indexer_kernel)", "H": ibench.HEADS, "block_size": ibench.BLOCK_SIZE, **info,
             "rows": [], "best": []}
     harness.spin_up_clocks()
@@ -70,32 +78,31 @@ def main(argv: list[str] | None = None) -> int:
             copies_needed = harness.rotation_copies(nbytes, info["l2_bytes"], ibench.WARM_BELOW_L2)
             gate = ibench.make_inputs(fmt, t, skip_fraction=0.1)
             copies = [ibench.make_inputs(fmt, t, skip_fraction=0.0) for _ in range(copies_needed)]
-            heuristic = tuple(_launch_config(t, ibench.HEADS))
+            heuristic = (tuple(_launch_config(t, ibench.HEADS)) + (0,))[:3]
             rows = []
-            for bh in SWEEP_BLOCK_H:
-                for w in SWEEP_NUM_WARPS:
-                    fn = kernel_call(fmt, (bh, w))
-                    row = {"format": fmt, "T": t, "Tk": num_k, "BLOCK_H": bh, "num_warps": w,
-                           "heuristic": (bh, w) == heuristic, "bytes": nbytes}
-                    try:
-                        row["correct"], _ = ibench.gate("fused", fmt, fn, gate)
-                        graphs = harness.capture_graphs(fn, copies, warmup=2)
-                        row.update(harness.time_graphs(graphs, args.target_ms, 10, 100))
-                        row["GBps"] = row["bytes"] / (row["us_median"] * 1e-6) / 1e9
-                        del graphs
-                    except Exception as err:  # noqa: BLE001 - record and go on: the sweep stays complete
-                        row["error"] = f"{type(err).__name__}: {err}"
-                    rows.append(row)
+            for bh, w, nreg in itertools.product(args.block_h, args.warps, args.maxnreg):
+                fn = kernel_call(fmt, (bh, w, nreg))
+                row = {"format": fmt, "T": t, "Tk": num_k, "BLOCK_H": bh, "num_warps": w, "maxnreg": nreg,
+                       "heuristic": (bh, w, nreg) == heuristic, "bytes": nbytes}
+                try:
+                    row["correct"], _ = ibench.gate("fused", fmt, fn, gate)
+                    graphs = harness.capture_graphs(fn, copies, warmup=2)
+                    row.update(harness.time_graphs(graphs, args.target_ms, 10, 100))
+                    row["GBps"] = row["bytes"] / (row["us_median"] * 1e-6) / 1e9
+                    del graphs
+                except Exception as err:  # noqa: BLE001 - record and go on: the sweep stays complete
+                    row["error"] = f"{type(err).__name__}: {err}"
+                rows.append(row)
             data["rows"].extend(rows)
             timed = [r for r in rows if "us_median" in r and r["correct"]]
-            heur = next(r for r in rows if r["heuristic"])
+            heur = next((r for r in rows if r["heuristic"]), {})
             if timed:
                 best = min(timed, key=lambda r: r["us_median"])
-                data["best"].append({"format": fmt, "T": t, "best": [best["BLOCK_H"], best["num_warps"]],
+                data["best"].append({"format": fmt, "T": t, "best": [best["BLOCK_H"], best["num_warps"], best["maxnreg"]],
                                      "us": best["us_median"], "GBps": best["GBps"], "heuristic": list(heuristic),
                                      "heuristic_us": heur.get("us_median")})
-                print(f"{fmt:5s} T={t:5d}: best {best['BLOCK_H']}/{best['num_warps']} {best['us_median']:.2f} us "
-                      f"({best['GBps']:.0f} GB/s); heuristic {heuristic[0]}/{heuristic[1]} "
+                print(f"{fmt:5s} T={t:5d}: best {best['BLOCK_H']}/{best['num_warps']}/{best['maxnreg']} {best['us_median']:.2f} us "
+                      f"({best['GBps']:.0f} GB/s); heuristic {'/'.join(map(str, heuristic))} "
                       f"{heur.get('us_median', float('nan')):.2f} us"
                       + ("" if len(timed) == len(rows) else f"  ({len(rows) - len(timed)} configs failed or inexact)"),
                       flush=True)
