@@ -358,6 +358,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         f"- **Copy bandwidth:** {bw['GBps']:.0f} GB/s ({bw['method']}, read + write bytes)",
         f"- **Shapes:** H = {data['H']} indexer heads of {data['head_dim']} dims, Tk = {data['key_rows']} key rows "
         f"(all inserted), block size {data['block_size']}.",
+        *(f"- **Note:** {note}" for note in data.get("notes", [])),
         "",
         "**Method.** As `docs/benchmarks.md`: per shape, a gate before timing compares each implementation "
         "with the op's reference on fresh random inputs and poisoned outputs (the fused op with ~10% skipped "

@@ -116,45 +116,30 @@ if has_triton():
     )
 
     @triton.jit
-    def _cos_sin_row(pos_at, cos_sin_ptr, stride_cs, max_pos):
-        """The cos/sin row of the position at ``pos_at``. Out-of-range positions are rejected
-        on the host when it can read them; here they are clamped only so that no read leaves
-        cos_sin_cache.
-
-        Called after the row loads, behind a barrier (one warp's: a few cycles): the
-        position and then its cos/sin are two round trips to memory that the row loads need
-        not wait for, and without the barrier the compiler issued the position's load first
-        and waited on it (for the clamp) before issuing the rows' (sm_90 SASS), three round
-        trips a program instead of two."""
-        return cos_sin_ptr + tl.minimum(tl.maximum(tl.load(pos_at), 0), max_pos - 1) * stride_cs
-
-    @triton.jit
-    def _rotated_words(pe, cs_row, SOFT_ROUNDING: tl.constexpr):
-        """The RoPE half (dims 64..127, fp32 ``[R, 64]``) rotated (GPT-J), rounded to bf16 and
-        packed as bf16x2 words ``[R, 32]`` (``_bf16x2_words``): the pairs split in registers."""
+    def _rotated_rope_words(rows, mask, cs_row, SOFT_ROUNDING: tl.constexpr):
+        """The RoPE half (dims 64..127) of rows of 128 bf16 values at ``rows [R, 1]``,
+        rotated (GPT-J), rounded to bf16 and packed as bf16x2 words ``[R, 32]``
+        (``_bf16x2_words``): one contiguous load, the pairs split in registers."""
+        pe = tl.load(rows + 64 + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
         rot_even, rot_odd = _rope_pairs_split(pe, cs_row, SOFT_ROUNDING)
         return _round_bf16x2_words(rot_even, rot_odd, SOFT_ROUNDING)
 
     @triton.jit
-    def _load_rotated_pairs(rows, mask, pos_at, cos_sin_ptr, stride_cs, max_pos, SOFT_ROUNDING: tl.constexpr):
+    def _load_rotated_pairs(rows, mask, cs_row, SOFT_ROUNDING: tl.constexpr):
         """Rows of 128 bf16 values at ``rows [R, 1]`` as four fp32 ``[R, 32]`` tensors: the
         NoPE pairs (values 2p, 2p+1 of dims 0..63) and the rotated RoPE pairs (GPT-J on dims
-        64..127 at the position at ``pos_at``, rounded to bf16). fp8's form: it scales values
-        one by one and joins the pairs back before its contiguous store. Each half is one
-        contiguous load, issued before the position's.
+        64..127, rounded to bf16). fp8's form: it scales values one by one and joins the
+        pairs back before its contiguous store.
         """
         nope = tl.load(rows + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
-        pe = tl.load(rows + 64 + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.debug_barrier()  # see _cos_sin_row
         nope_even, nope_odd = tl.split(tl.reshape(nope, nope.shape[:-1] + [32, 2]))
-        rope = _rotated_words(pe, _cos_sin_row(pos_at, cos_sin_ptr, stride_cs, max_pos), SOFT_ROUNDING)
+        rope = _rotated_rope_words(rows, mask, cs_row, SOFT_ROUNDING)
         rot_even = (rope << 16).to(tl.float32, bitcast=True)
         rot_odd = (rope & 0xFFFF0000).to(tl.float32, bitcast=True)
         return nope_even, nope_odd, rot_even, rot_odd
 
     @triton.jit
-    def _load_rotated_words(rows, mask, pos_at, cos_sin_ptr, stride_cs, max_pos, WORDS: tl.constexpr,
-                            SOFT_ROUNDING: tl.constexpr):
+    def _load_rotated_words(rows, mask, cs_row, WORDS: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
         """The same rows as bf16x2 words ``[R, 32]`` (NoPE, rotated RoPE): mxfp4's form, which
         quantises pairs. With ``WORDS`` (rows 4-byte aligned, checked at launch) the NoPE
         half is loaded as words as it lies; else as bf16 values, widened and packed again."""
@@ -164,9 +149,7 @@ if has_triton():
             values = tl.load(rows + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
             even, odd = tl.split(tl.reshape(values, values.shape[:-1] + [32, 2]))
             nope = _bf16x2_words(even, odd)
-        pe = tl.load(rows + 64 + tl.arange(0, 64)[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.debug_barrier()  # see _cos_sin_row
-        return nope, _rotated_words(pe, _cos_sin_row(pos_at, cos_sin_ptr, stride_cs, max_pos), SOFT_ROUNDING)
+        return nope, _rotated_rope_words(rows, mask, cs_row, SOFT_ROUNDING)
 
     @triton.jit
     def _fp8_codes(even, odd, inv, SOFT_ROUNDING: tl.constexpr):
@@ -268,11 +251,19 @@ if has_triton():
             t = pid // N_QCOLS
             heads = (pid % N_QCOLS) * BLOCK_H + tl.arange(0, BLOCK_H)
             in_h = heads < H
+            # The position is loaded first; the compiler waits on it (for the clamp) and then
+            # issues the rows with the cos/sin loads: two round trips to memory either way.
+            # (The rows first and the position behind a barrier, as the DSV4 kernel now
+            # loads, was slower here: H200 T=4096 mxfp4 27.2 -> 28.7 us, fp8 28.5 -> 29.4.)
+            # Out-of-range positions are rejected on the host when it can read them; here
+            # they are clamped only so that no read leaves cos_sin_cache.
+            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
             rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+            cs_row = cos_sin_ptr + pos * stride_cs
             w = tl.load(w_ptr + t * stride_wt + heads, mask=in_h, other=0.0).to(tl.float32)
             out = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
             if MXFP4:
-                nope_words, rope_words = _load_rotated_words(rows, in_h[:, None], pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WORDS, SOFT_ROUNDING)
+                nope_words, rope_words = _load_rotated_words(rows, in_h[:, None], cs_row, WORDS, SOFT_ROUNDING)
                 nope_packed, nope_scales = _quant_mxfp4_half(nope_words, SOFT_ROUNDING)
                 rope_packed, rope_scales = _quant_mxfp4_half(rope_words, SOFT_ROUNDING)
                 tl.store(out + d32, nope_packed, mask=in_h[:, None])
@@ -284,7 +275,7 @@ if has_triton():
                 # the block scales travel with q: weights carry no q scale
                 w_out = w * weights_scale
             else:
-                ne, no, re, ro = _load_rotated_pairs(rows, in_h[:, None], pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, SOFT_ROUNDING)
+                ne, no, re, ro = _load_rotated_pairs(rows, in_h[:, None], cs_row, SOFT_ROUNDING)
                 nope_codes, rope_codes, scale_bits = _quant_fp8(ne, no, re, ro, SOFT_ROUNDING)
                 tl.store(out + d64, nope_codes, mask=in_h[:, None])
                 tl.store(out + 64 + d64, rope_codes, mask=in_h[:, None])
@@ -293,17 +284,18 @@ if has_triton():
             tl.store(w_out_ptr + t * stride_wot + heads, w_out, mask=in_h)
         else:
             r = pid - n_q_programs
-            # the slot, the row and its position are loaded together, before any of them is
-            # used: the branch on the slot waits on one round trip to memory, not two
-            slot = tl.load(slot_ptr + r, mask=r < n_insert, other=-1)
+            # the row (and its position's cos/sin) is loaded beside the slot, not after
+            # it: the branch waits on one round trip to memory, not two
+            pos = tl.minimum(tl.maximum(tl.load(k_pos_ptr + r), 0), max_pos - 1)
             # the row as one "head" ([1, ...] tensors), so the q side's helpers apply as they
             # are (k_ names: triton wants a name's type alike in both branches of the if)
             k_row = k_ptr + r * stride_kt + tl.zeros([1, 1], dtype=tl.int64)
             k_mask = tl.full([1, 1], 1, tl.int1)  # the whole row
             if MXFP4:
-                k_nope_words, k_rope_words = _load_rotated_words(k_row, k_mask, k_pos_ptr + r, cos_sin_ptr, stride_cs, max_pos, WORDS, SOFT_ROUNDING)
+                k_nope_words, k_rope_words = _load_rotated_words(k_row, k_mask, cos_sin_ptr + pos * stride_cs, WORDS, SOFT_ROUNDING)
             else:
-                k_ne, k_no, k_re, k_ro = _load_rotated_pairs(k_row, k_mask, k_pos_ptr + r, cos_sin_ptr, stride_cs, max_pos, SOFT_ROUNDING)
+                k_ne, k_no, k_re, k_ro = _load_rotated_pairs(k_row, k_mask, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
+            slot = tl.load(slot_ptr + r, mask=r < n_insert, other=-1)
             write = (slot >= 0) & (slot < n_slots)
             if DEDUPE == 1:  # the last row naming the slot writes it (_duplicate_slots)
                 write = write & _last_writer(slot_ptr, r, slot, n_insert, SCAN)
