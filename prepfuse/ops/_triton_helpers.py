@@ -87,18 +87,13 @@ if has_triton():
             )
 
     @triton.jit
-    def _round_bf16_pair(even, odd, SOFT_ROUNDING: tl.constexpr):
-        """Two fp32 tensors rounded to bf16 (nearest even), returned as fp32: one packed
-        conversion (``_round_bf16x2_words``), each half widened by a mask or a shift."""
-        words = _round_bf16x2_words(even, odd, SOFT_ROUNDING)
-        return (words << 16).to(tl.float32, bitcast=True), (words & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _max_bf16x2_nan(a, b):
+        """Per-half max of two bf16x2 words, a NaN winning (``_bf16x2_amax``'s GPU combine)."""
         return tl.inline_asm_elementwise("max.NaN.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True, pack=1)
 
     @triton.jit
     def _max_halves(a, b):
+        """Per-half unsigned max of two words (``_bf16x2_amax``'s interpreter combine)."""
         return tl.maximum(a & 0xFFFF, b & 0xFFFF) | (tl.maximum(a >> 16, b >> 16) << 16)
 
     @triton.jit
