@@ -203,6 +203,13 @@ if has_triton():
             return q
 
     @triton.jit
+    def _table_position(pos_at, max_pos):
+        """The position at ``pos_at``, clamped into a table of ``max_pos`` rows. Out-of-range
+        positions are rejected on the host when it can read them; here they are clamped only
+        so that no read leaves the table."""
+        return tl.minimum(tl.maximum(tl.load(pos_at), 0), max_pos - 1)
+
+    @triton.jit
     def _load_cos_sin(cs_row):
         """A position's 32 cos and 32 sin values (fp32) at ``cs_row``. Apart from the rotation
         so that a kernel can issue the loads before arithmetic whose branches (a correctly

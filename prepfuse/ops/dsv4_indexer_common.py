@@ -100,17 +100,18 @@ if has_triton():
 
     from prepfuse.ops._triton_helpers import (
         _amax,
+        _bf16x2_amax,
+        _bf16x2_words,
         _ceil_log2_ratio,
+        _e2m1_word_bytes,
         _exp2_int,
         _finite,
         _last_writer,
         _lock_row,
         _max_keep_nan,
         _rope_pairs_split,
-        _bf16x2_amax,
-        _bf16x2_words,
-        _e2m1_word_bytes,
         _round_bf16x2_words,
+        _table_position,
         _to_e4m3_bits,
         _unlock_row,
     )
@@ -255,9 +256,7 @@ if has_triton():
             # issues the rows with the cos/sin loads: two round trips to memory either way.
             # (The rows first and the position behind a barrier, as the DSV4 kernel now
             # loads, was slower here: H200 T=4096 mxfp4 27.2 -> 28.7 us, fp8 28.5 -> 29.4.)
-            # Out-of-range positions are rejected on the host when it can read them; here
-            # they are clamped only so that no read leaves cos_sin_cache.
-            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
+            pos = _table_position(pos_ptr + t, max_pos)
             rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
             cs_row = cos_sin_ptr + pos * stride_cs
             w = tl.load(w_ptr + t * stride_wt + heads, mask=in_h, other=0.0).to(tl.float32)
@@ -286,7 +285,7 @@ if has_triton():
             r = pid - n_q_programs
             # the row (and its position's cos/sin) is loaded beside the slot, not after
             # it: the branch waits on one round trip to memory, not two
-            pos = tl.minimum(tl.maximum(tl.load(k_pos_ptr + r), 0), max_pos - 1)
+            pos = _table_position(k_pos_ptr + r, max_pos)
             # the row as one "head" ([1, ...] tensors), so the q side's helpers apply as they
             # are (k_ names: triton wants a name's type alike in both branches of the if)
             k_row = k_ptr + r * stride_kt + tl.zeros([1, 1], dtype=tl.int64)

@@ -79,7 +79,8 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
-        _amax, _finite, _last_writer, _load_cos_sin, _lock_row, _rotate_pairs, _to_bf16, _to_e4m3_bits, _unlock_row,
+        _amax, _finite, _last_writer, _load_cos_sin, _lock_row, _rotate_pairs, _table_position, _to_bf16, _to_e4m3_bits,
+        _unlock_row,
     )
 
     @triton.jit
@@ -91,17 +92,14 @@ if has_triton():
 
     @triton.jit
     def _cos_sin_at(pos_at, cos_sin_ptr, stride_cs, max_pos):
-        """The cos and sin of the position at ``pos_at`` (``_load_cos_sin``). Out-of-range
-        positions are rejected on the host when it can read them; here they are clamped
-        only so that no read leaves cos_sin_cache.
+        """The cos and sin of the position at ``pos_at`` (``_table_position``, ``_load_cos_sin``).
 
         Called after a program's row loads, behind a barrier (a few cycles): the position
         and then its cos/sin are two round trips to memory that the rows need not wait for.
         Loaded at the kernel's top, the position was waited on (for the clamp) before any
         row load was issued, and the cos/sin loads came after the norm's sqrt and division
         (sm_90 SASS): three round trips a program instead of two."""
-        pos = tl.minimum(tl.maximum(tl.load(pos_at), 0), max_pos - 1)
-        return _load_cos_sin(cos_sin_ptr + pos * stride_cs)
+        return _load_cos_sin(cos_sin_ptr + _table_position(pos_at, max_pos) * stride_cs)
 
     @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(

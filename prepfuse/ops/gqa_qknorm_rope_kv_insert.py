@@ -136,7 +136,7 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
-        _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _to_bf16, _to_e4m3_bits, _unlock_row,
+        _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _table_position, _to_bf16, _to_e4m3_bits, _unlock_row,
     )
 
     @triton.jit
@@ -470,11 +470,9 @@ if has_triton():
             t = tok * TOKENS + r // HEADS
             live = t < n_tokens
             t = tl.minimum(t, n_tokens - 1)
-        # Out-of-range positions are rejected on the host when it can read them; here
-        # they are clamped only so that no read leaves the tables.
         if HAS_POSITIONS:
-            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_pos - 1)
-        else:
+            pos = _table_position(pos_ptr + t, max_pos)
+        else:  # the token's index is its position (clamped into the tables as well)
             pos = tl.minimum(t, max_pos - 1)
         cos_row = cos_ptr + pos * stride_cos + tl.zeros([1], dtype=tl.int32)
         sin_row = sin_ptr + pos * stride_sin + tl.zeros([1], dtype=tl.int32)
