@@ -474,12 +474,12 @@ def _count_all_launches(data: dict, impls: dict, gen, cos_sin) -> None:
 # --------------------------------------------------------------------------------------
 # Launch-configuration sweep of the fused kernel
 # --------------------------------------------------------------------------------------
-def launch_fused_kernel(inp, block_h: int, num_warps: int, zero_block_h: int = 0) -> None:
-    """The op's own launcher with a chosen (BLOCK_H, num_warps, ZERO_BLOCK_H; 0: = BLOCK_H);
-    ``run_sweep`` still checks each configuration against the reference before timing it."""
+def launch_fused_kernel(inp, block_h: int, num_warps: int) -> None:
+    """The op's own launcher with a chosen (BLOCK_H, num_warps); ``run_sweep`` still
+    checks each configuration against the reference before timing it."""
     from prepfuse.ops import dsv4_qnorm_rope_kv_insert_triton
 
-    dsv4_qnorm_rope_kv_insert_triton(*inp.args(), launch_config=(block_h, num_warps, zero_block_h or block_h))
+    dsv4_qnorm_rope_kv_insert_triton(*inp.args(), launch_config=(block_h, num_warps))
 
 
 def run_sweep(args) -> dict:
@@ -495,7 +495,7 @@ def run_sweep(args) -> dict:
     gen.manual_seed(args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little"))
     cos_sin = rope_cos_sin_cache(MAX_POS, DEVICE)
     bs = args.block_sizes[0]
-    configs = [(bh, w, zb) for bh in args.sweep_block_h for w in args.sweep_warps for zb in args.sweep_zero_heads]
+    configs = [(bh, w) for bh in args.sweep_block_h for w in args.sweep_warps]
     data = {"op": f"prepfuse::{OP}", "mode": "sweep-config", "date": datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"), **info, "block_size": bs, "rows": [], "best": []}
     print(f"sweep of the fused kernel's launch config on {info['device']}, block_size={bs}", flush=True)
@@ -510,12 +510,11 @@ def run_sweep(args) -> dict:
             k = rotation_copies(nbytes, info["l2_bytes"], args.warm_below_l2)
             copies = [random_inputs(t, h, hp, bs, DEVICE, gen, cos_sin, slots="blocks") for _ in range(k)]
             shape_rows = []
-            for bh, w, zb in configs:
-                row = {"T": t, "H": h, "HP": hp, "block_size": bs, "BLOCK_H": bh, "num_warps": w,
-                       "ZERO_BLOCK_H": zb or bh, "bytes": nbytes, "copies": k,
-                       "heuristic": (bh, w, zb or bh) == heuristic}
+            for bh, w in configs:
+                row = {"T": t, "H": h, "HP": hp, "block_size": bs, "BLOCK_H": bh, "num_warps": w, "bytes": nbytes,
+                       "copies": k, "heuristic": (bh, w) == heuristic}
                 try:
-                    fn = lambda inp, bh=bh, w=w, zb=zb: launch_fused_kernel(inp, bh, w, zb)  # noqa: E731
+                    fn = lambda inp, bh=bh, w=w: launch_fused_kernel(inp, bh, w)  # noqa: E731
                     row["correct"], _ = _gate(fn, gate, references)
                     graphs = capture_graphs(fn, copies, warmup=2)
                     row.update(time_graphs(graphs, args.target_ms, args.min_replays, args.max_replays))
@@ -532,13 +531,12 @@ def run_sweep(args) -> dict:
                 best = min(timed, key=lambda r: r["us_median"])
                 heur = next((r for r in shape_rows if r["heuristic"] and "us_median" in r), None)
                 data["best"].append({
-                    "T": t, "H": h, "BLOCK_H": best["BLOCK_H"], "num_warps": best["num_warps"],
-                    "ZERO_BLOCK_H": best["ZERO_BLOCK_H"], "us": best["us_median"],
+                    "T": t, "H": h, "BLOCK_H": best["BLOCK_H"], "num_warps": best["num_warps"], "us": best["us_median"],
                     "heuristic": list(heuristic), "heuristic_us": heur["us_median"] if heur else None,
                 })
-            bad = [(r["BLOCK_H"], r["num_warps"], r["ZERO_BLOCK_H"]) for r in shape_rows if not r.get("correct")]
+            bad = [(r["BLOCK_H"], r["num_warps"]) for r in shape_rows if not r.get("correct")]
             print(f"[{time.time() - t_start:6.1f} s] T={t:5d} H={h:3d}: "
-                  + "  ".join(f"{r['BLOCK_H']}/{r['num_warps']}/{r['ZERO_BLOCK_H']}:{r['us_median']:.1f}" for r in timed)
+                  + "  ".join(f"{r['BLOCK_H']}/{r['num_warps']}:{r['us_median']:.1f}" for r in timed)
                   + (f"  INCORRECT or failed: {bad}" if bad else ""), flush=True)
             write_json(path, data)
 
@@ -892,12 +890,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--from-json", metavar="PATH", default=None,
                       help="only regenerate the markdown and PNG from an existing JSON (no GPU needed)")
     mode.add_argument("--sweep-config", action="store_true",
-                      help="time the fused kernel for BLOCK_H x num_warps x ZERO_BLOCK_H (--sweep-*) and print "
-                           "the best per (T, H), to choose _launch_config's heuristic")
+                      help="time the fused kernel for BLOCK_H x num_warps (--sweep-block-h, --sweep-warps) and "
+                           "print the best per (T, H), to choose _launch_config's heuristic")
     p.add_argument("--sweep-block-h", type=parse_int_list, default=list(SWEEP_BLOCK_H), help="--sweep-config's BLOCK_H")
     p.add_argument("--sweep-warps", type=parse_int_list, default=list(SWEEP_NUM_WARPS), help="--sweep-config's warps")
-    p.add_argument("--sweep-zero-heads", type=lambda s: [int(v) for v in s.split(",")], default=[0],
-                   help="--sweep-config's padded heads per zeroing program (0: BLOCK_H)")
     return p
 
 

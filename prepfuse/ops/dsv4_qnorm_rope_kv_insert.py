@@ -126,18 +126,15 @@ if has_triton():
         eps,  # RMSNorm epsilon
         block_size,  # tokens per cache block
         BLOCK_H: tl.constexpr,  # query heads per program
-        N_COLS: tl.constexpr,  # programs per token: 1 (kv) + N_REAL_COLS + the padded heads' columns
-        N_REAL_COLS: tl.constexpr,  # q columns of BLOCK_H heads: cdiv(H, BLOCK_H)
-        ZERO_BLOCK_H: tl.constexpr,  # padded heads past N_REAL_COLS * BLOCK_H per program
+        N_COLS: tl.constexpr,  # programs per token: 1 (kv) + cdiv(HP, BLOCK_H) (q)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
         ROPE_U16: tl.constexpr,  # cache base and stride even: store RoPE bytes as uint16
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
     ):
-        # A 1-D grid of T * N_COLS programs: column 0 inserts token t's kv row, the next
-        # N_REAL_COLS each normalise, rotate and store BLOCK_H heads of q_out, the rest
-        # each zero ZERO_BLOCK_H padded heads (a store stream only: more heads a program,
-        # fewer programs). Columns vary fastest, so programs running together stream
+        # A 1-D grid of T * N_COLS programs, N_COLS = 1 + cdiv(HP, BLOCK_H): column 0
+        # inserts token t's kv row, the others each normalise, rotate and store BLOCK_H
+        # heads of q_out. Columns vary fastest, so programs running together stream
         # through q and q_out in address order (and T is not capped at 65535).
         pid = tl.program_id(0).to(tl.int64)
         t = pid // N_COLS
@@ -196,15 +193,15 @@ if has_triton():
                     tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
                 if DEDUPE == 2:
                     _unlock_row(locks_ptr, slot)
-        elif (col - 1) * BLOCK_H >= H:  # col > N_REAL_COLS (in this form: 56 registers, not 63)
-            # only padded heads (H = 16 of 64: three quarters of q_out): +0.0 stored, with
-            # none of the norm and RoPE work on zeros that the masked path below would do
-            first = N_REAL_COLS * BLOCK_H + (col - 1 - N_REAL_COLS) * ZERO_BLOCK_H
-            zero_heads = first + tl.arange(0, ZERO_BLOCK_H)
+        elif (col - 1) * BLOCK_H >= H:
+            # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
+            # none of the norm and RoPE work on zeros that the masked path below would do.
+            # (Zeroing 8 or 16 heads a program instead, fewer and longer programs, was
+            # slower: H=16 T=16384 on the H200 343.2 us against 346.0 and 347.0.)
+            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
             d = tl.arange(0, 512)
-            zero_rows = q_out_ptr + t * stride_ot + zero_heads[:, None] * stride_oh
-            tl.store(zero_rows + d[None, :], tl.zeros([ZERO_BLOCK_H, 512], dtype=tl.bfloat16),
-                     mask=(zero_heads < HP)[:, None])
+            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
+            tl.store(out_rows + d[None, :], tl.zeros([BLOCK_H, 512], dtype=tl.bfloat16), mask=(heads < HP)[:, None])
         else:
             heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
             real = heads < H
@@ -230,9 +227,8 @@ if has_triton():
             tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _to_bf16(rot, SOFT_ROUNDING), mask=stored)
 
 
-def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int, int]:
-    """(heads per program, warps per program, padded heads per zeroing program), from the
-    H200 sweep (bench/README.md).
+def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
+    """(heads per program, warps per program), from the H200 sweep (bench/README.md).
 
     Two warps throughout: each thread then moves several 16-byte vectors, so more bytes
     are in flight per thread (at T=4096, H=16: 125 us with 4 heads x 2 warps against
@@ -247,17 +243,16 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int, int]:
         block_h = 4
     # a kv-only call (the pass emits one: q and q_out [T, 0, 512]) has no q heads: one head a
     # program keeps the grid's arithmetic defined (next_power_of_2(0) is 0)
-    block_h = min(block_h, max(1, triton.next_power_of_2(padded_heads)))
-    return block_h, 2, block_h
+    return min(block_h, max(1, triton.next_power_of_2(padded_heads))), 2
 
 
 def dsv4_qnorm_rope_kv_insert_triton(
     q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *,
-    launch_config: tuple[int, ...] | None = None, dedupe: str | None = None,
+    launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
 ) -> None:
     """Launch the fused kernel once (q and kv sides together). Inputs are not checked here.
 
-    ``launch_config`` overrides ``(BLOCK_H, num_warps[, ZERO_BLOCK_H])``; the benchmark's sweep uses it
+    ``launch_config`` overrides ``(BLOCK_H, num_warps)``; the benchmark's sweep uses it
     to choose ``_launch_config``'s table. ``dedupe`` ("off", "scan", "lock") overrides
     ``_duplicate_slots.dedupe_mode`` (the benchmark measures each, a GPU test what a write
     without either does).
@@ -266,10 +261,8 @@ def dsv4_qnorm_rope_kv_insert_triton(
     padded_heads = q_out.shape[1]
     if num_tokens == 0:
         return
-    config = tuple(launch_config or _launch_config(num_tokens, padded_heads))
-    block_h, num_warps, zero_block_h = (config + config[:1])[:3]
-    n_real_cols = triton.cdiv(num_heads, block_h)
-    n_cols = 1 + n_real_cols + triton.cdiv(max(padded_heads - n_real_cols * block_h, 0), zero_block_h)
+    block_h, num_warps = launch_config or _launch_config(num_tokens, padded_heads)
+    n_cols = 1 + triton.cdiv(padded_heads, block_h)
     grid = (num_tokens * n_cols,)
     _dsv4_qnorm_rope_kv_insert_kernel[grid](
         q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
@@ -281,8 +274,6 @@ def dsv4_qnorm_rope_kv_insert_triton(
         eps, block_size,
         BLOCK_H=block_h,
         N_COLS=n_cols,
-        N_REAL_COLS=n_real_cols,
-        ZERO_BLOCK_H=zero_block_h,
         SOFT_ROUNDING=triton_interpret_mode(),
         ROPE_U16=k_cache.data_ptr() % 2 == 0 and k_cache.stride(0) % 2 == 0,
         DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
