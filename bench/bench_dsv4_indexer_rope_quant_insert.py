@@ -346,6 +346,7 @@ def _fusion_cell(row: dict | None) -> str:
 
 def render_markdown(data: dict, json_name: str, png_name: str) -> str:
     bw = data["copy_bandwidth"]
+    ceiling, ceiling_file = harness.same_size_copy(data["device_slug"])
     formats = [f for f in FORMATS if any(r["format"] == f for r in data["rows"])]
     lines = [
         "# Benchmark: prepfuse::dsv4_indexer_rope_fp8_insert and prepfuse::dsv4_indexer_rope_mxfp4_insert",
@@ -359,6 +360,9 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         f"- **Shapes:** H = {data['H']} indexer heads of {data['head_dim']} dims, Tk = {data['key_rows']} key rows "
         f"(all inserted), block size {data['block_size']}.",
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
+        *([f"- **% same-size copy:** the fused op's GB/s over the copy kernel's at the row's own bytes "
+           f"(`bench/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
+           "share of what a launch of that size reaches at all."] if ceiling else []),
         "",
         "**Method.** As `docs/benchmarks.md`: per shape, a gate before timing compares each implementation "
         "with the op's reference on fresh random inputs and poisoned outputs (the fused op with ~10% skipped "
@@ -389,9 +393,9 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
     for fmt in formats:
         lines += [
             "", f"## {fmt} (`prepfuse::{OP_NAMES[fmt]}`)", "",
-            "| T | Tk | MB | L2 (copies) | fused us | GB/s | % copy BW | eager us | compile us | prepfuse us "
-            "| fused vs compile | launches (f/e/c/p) | gate (f/e/c/p) | pass matched |",
-            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
+            "| T | Tk | MB | L2 (copies) | fused us | GB/s | % copy BW | % same-size copy | eager us | compile us "
+            "| prepfuse us | fused vs compile | launches (f/e/c/p) | gate (f/e/c/p) | pass matched |",
+            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
         ]
         for t in sorted({r["T"] for r in data["rows"] if r["format"] == fmt}):
             f, e, c, p = (rows.get((fmt, impl, t)) for impl in IMPLS)
@@ -400,11 +404,12 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             speed = f"{c['us_median'] / f['us_median']:.1f}x" if timed_f and c and "us_median" in c else "-"
             gbps = f"{f['GBps']:.0f}" if timed_f else "-"
             frac = f"{100 * f['frac_of_copy_bw']:.1f}%" if timed_f else "-"
+            same_size = harness.same_size_share(ceiling, f"indexer {fmt}", t, f["GBps"] if timed_f else None)
             launches = "/".join(str(r.get("launches", "-")) if r else "-" for r in (f, e, c, p))
             gates = "/".join(_gate_cell(r) for r in (f, e, c, p))
             l2 = any_row["l2"] if any_row["copies"] == 1 else f"{any_row['l2']} x{any_row['copies']}"
             shape = f"| {t} | {any_row['Tk']} | {any_row['bytes'] / 1e6:.2f} | {l2} "
-            lines.append(shape + f"| {_us(f)} | {gbps} | {frac} | {_us(e)} | {_us(c)} | {_us(p)} | {speed} "
+            lines.append(shape + f"| {_us(f)} | {gbps} | {frac} | {same_size} | {_us(e)} | {_us(c)} | {_us(p)} | {speed} "
                          f"| {launches} | {gates} | {_fusion_cell(p)} |")
     errors = [r for r in data["rows"] if "error" in r]
     if errors:

@@ -280,6 +280,7 @@ def run_sweep(args) -> dict:
 # --------------------------------------------------------------------------------------
 def render_markdown(data: dict, json_name: str, png_name: str) -> str:
     bw = data["copy_bandwidth"]
+    ceiling, ceiling_file = harness.same_size_copy(data["device_slug"])
     lines = [
         "# Benchmark: prepfuse::gqa_qknorm_rope_kv_insert",
         "",
@@ -298,9 +299,12 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             f"{FORM_NOTES.get(operand_form(v), '')}"
             for k, v in data["models"].items()),
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
+        *([f"- **% same-size copy:** the fused op's GB/s over the copy kernel's at the row's own bytes "
+           f"(`bench/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
+           "share of what a launch of that size reaches at all."] if ceiling else []),
         "",
-        "| model | T | fused us | GB/s | % copy BW | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "| model | T | fused us | GB/s | % copy BW | % same-size copy | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     rows = {(r["model"], r["impl"], r["T"]): r for r in data["rows"]}
     for model in data["models"]:
@@ -316,8 +320,9 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             gate = "-" if cmp is None else ("pass" if gqa_within_bound(_Counts(cmp), norm, fp8) else "FAIL")
             differing = "/".join(str(r["comparison"]["q_mismatches"]) if r.get("comparison") else "-" for r in (f, e, c))
             launches = "/".join(str(r.get("launches", "-")) for r in (f, e, c))
+            same_size = harness.same_size_share(ceiling, f"gqa {model}", t, f.get("GBps"))
             lines.append(f"| {model} | {t} | {us(f)} | {f.get('GBps', 0):.0f} | {100 * f.get('frac_of_copy_bw', 0):.0f}% "
-                         f"| {us(e)} | {us(c)} | {speed} | {launches} | {gate} | {differing} |")
+                         f"| {same_size} | {us(e)} | {us(c)} | {speed} | {launches} | {gate} | {differing} |")
     lines += ["", "The baselines are not gated. Inductor's code for the unfused math rounds its own way: torch 2.11's "
               "`pointless_convert` drops the bf16 round trip of the normed value (the 40% of Qwen3 q values above) "
               "and products may be contracted; eager PyTorch, with valid slots, matches the reference.",

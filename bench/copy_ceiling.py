@@ -15,6 +15,7 @@ ceiling of its own size a fused op's "% of copy bandwidth" already is.
 from __future__ import annotations
 
 import argparse
+from datetime import datetime, timezone
 from pathlib import Path
 
 import harness
@@ -54,7 +55,8 @@ def main() -> int:
     info = harness.device_info()
     harness.spin_up_clocks()
     big = harness.measure_copy_bandwidth(4 << 30)
-    data = {"what": "an SM copy kernel at each op's byte count, as a share of the 4 GiB copy", **info,
+    data = {"what": "an SM copy kernel at each op's byte count, as a share of the 4 GiB copy",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **info,
             "copy_bandwidth": big, "rows": []}
     print(f"4 GiB copy: {big['GBps']:.0f} GB/s ({big['method']})")
     for t in args.tokens:

@@ -289,6 +289,25 @@ def device_info() -> dict:
     }
 
 
+def same_size_copy(device_slug: str) -> tuple[dict, str]:
+    """The SM copy kernel's GB/s at each op's own byte count, keyed ``(op, T)`` (ops named as
+    ``bench/copy_ceiling.py`` names them: ``"gqa <model>"``, ``"indexer <format>"``), and the
+    name of the file that holds them, the committed ``bench/results/copy_ceiling_<device>.json``;
+    ``({}, "")`` where the device has none. A page divides its op's GB/s by this: the share of
+    what a launch of that size reaches at all (a separate run, so a page names the file)."""
+    path = Path(__file__).resolve().parent / "results" / f"copy_ceiling_{device_slug}.json"
+    if not path.exists():
+        return {}, ""
+    data = json.loads(path.read_text())
+    return {(r["op"], r["T"]): r["GBps"] for r in data["rows"]}, path.name
+
+
+def same_size_share(ceiling: dict, op: str, num_tokens: int, gbps: float | None) -> str:
+    """``gbps`` as a percentage of ``ceiling[(op, T)]`` (``same_size_copy``), or "-"."""
+    ref = ceiling.get((op, num_tokens))
+    return f"{100 * gbps / ref:.0f}%" if ref and gbps else "-"
+
+
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")

@@ -25,3 +25,26 @@ def test_sizes_are_the_benchmarks_byte_counts():
     assert sizes["gqa qwen3-8b-fp8"] < sizes["gqa qwen3-8b"]
     assert sizes["indexer mxfp4"] == idx.indexer_bytes_moved(4096, 1024, 64, "mxfp4")
     assert sizes["dsv4 H=16"] == dsv4.bytes_moved(4096, 16, 64, 4096)
+
+
+def test_pages_rate_each_row_against_the_copy_of_its_own_size():
+    import json
+
+    import harness
+
+    ceiling, name = harness.same_size_copy("nvidia-h200")
+    assert name == "copy_ceiling_nvidia-h200.json"
+    data = json.loads((BENCH / "results" / "gqa_qknorm_rope_kv_insert_nvidia-h200.json").read_text())
+    page = gqa.render_markdown(data, "x.json", "x.png")
+    assert "% same-size copy" in page and name in page
+    fused = next(r for r in data["rows"] if (r["model"], r["impl"], r["T"]) == ("qwen3-8b", "fused", 4096))
+    share = f"{100 * fused['GBps'] / ceiling[('gqa qwen3-8b', 4096)]:.0f}%"
+    row = next(line for line in page.splitlines() if line.startswith("| qwen3-8b | 4096 |"))
+    assert row.split(" | ")[5] == share
+    # T=1 has no copy of its size: no share
+    assert next(line for line in page.splitlines() if line.startswith("| qwen3-8b | 1 |")).split(" | ")[5] == "-"
+    # a device without a ceiling run: the column stays, empty, and the page names no file
+    assert harness.same_size_copy("no-such-device") == ({}, "")
+    other = gqa.render_markdown({**data, "device_slug": "no-such-device"}, "x.json", "x.png")
+    assert name not in other and row.split(" | ")[:5] == next(
+        line for line in other.splitlines() if line.startswith("| qwen3-8b | 4096 |")).split(" | ")[:5]
