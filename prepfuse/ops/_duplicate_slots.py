@@ -21,6 +21,17 @@ in one of two ways (``dedupe_mode``):
   the slot holds the row of whichever writer took it last (any one of them on the GPU; the
   CPU interpreter runs programs in order: the last).
 
+What the locks cost (H200, ``bench/results/ab_stop30.md``): about 1% of the DSV4 and indexer
+ops at T=4096 and 16384, whose locked rows are a few hundred bytes
+(``docs/benchmarks_duplicate_slots.md``), but 3-6% of the GQA op, whose locked program writes
+8 KB of k and v before it may release: the same launch without the lock (unsafe; a
+measurement) ran Qwen3-8B T=4096 29.7 -> 28.5 us and T=16384 106.9 -> 103.5. A release
+without its fence gave back about half, an unlock without the acquire nothing: the cost is
+the program waiting for its own stores before the release. A scheme without a release (the
+first claimer of a slot writes it, later ones skip; exact slot keys in a probed table, an
+epoch per launch) would need that epoch to stay right for two launches in flight on two
+streams; it is not built.
+
 The locks are one int32 table per device, ``N_ROW_LOCKS`` words (256 KiB); slot ``s`` uses
 word ``s % N_ROW_LOCKS``, so two slots sharing a word only wait for each other, and a run of
 up to 65536 consecutive slots (a prefill chunk) shares none. Every lock is released by the
