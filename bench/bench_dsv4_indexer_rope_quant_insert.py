@@ -360,9 +360,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         f"- **Shapes:** H = {data['H']} indexer heads of {data['head_dim']} dims, Tk = {data['key_rows']} key rows "
         f"(all inserted), block size {data['block_size']}.",
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
-        *([f"- **% same-size copy:** the fused op's GB/s over the copy kernel's at the row's own bytes "
-           f"(`bench/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
-           "share of what a launch of that size reaches at all."] if ceiling else []),
+        *harness.same_size_note(ceiling_file),
         "",
         "**Method.** As `docs/benchmarks.md`: per shape, a gate before timing compares each implementation "
         "with the op's reference on fresh random inputs and poisoned outputs (the fused op with ~10% skipped "

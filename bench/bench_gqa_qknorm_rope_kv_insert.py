@@ -299,9 +299,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             f"{FORM_NOTES.get(operand_form(v), '')}"
             for k, v in data["models"].items()),
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
-        *([f"- **% same-size copy:** the fused op's GB/s over the copy kernel's at the row's own bytes "
-           f"(`bench/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
-           "share of what a launch of that size reaches at all."] if ceiling else []),
+        *harness.same_size_note(ceiling_file),
         "",
         "| model | T | fused us | GB/s | % copy BW | % same-size copy | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",

@@ -302,6 +302,15 @@ def same_size_copy(device_slug: str) -> tuple[dict, str]:
     return {(r["op"], r["T"]): r["GBps"] for r in data["rows"]}, path.name
 
 
+def same_size_note(ceiling_file: str) -> list[str]:
+    """A page's line saying what its "% same-size copy" column divides by (none without a file)."""
+    if not ceiling_file:
+        return []
+    return [f"- **% same-size copy:** the fused op's GB/s over the copy kernel's at the row's own bytes "
+            f"(`bench/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
+            "share of what a launch of that size reaches at all."]
+
+
 def same_size_share(ceiling: dict, op: str, num_tokens: int, gbps: float | None) -> str:
     """``gbps`` as a percentage of ``ceiling[(op, T)]`` (``same_size_copy``), or "-"."""
     ref = ceiling.get((op, num_tokens))
