@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=list(TOKENS))
     parser.add_argument("--formats", type=lambda s: s.split(","), default=["fp8", "mxfp4"])
     parser.add_argument("--target-ms", type=float, default=40.0)
-    parser.add_argument("--block-h", type=lambda s: [int(x) for x in s.split(",")], default=list(SWEEP_BLOCK_H),
+    parser.add_argument("--block-h", type=harness.parse_int_list, default=list(SWEEP_BLOCK_H),
                         help="heads per program to try")
-    parser.add_argument("--warps", type=lambda s: [int(x) for x in s.split(",")], default=list(SWEEP_NUM_WARPS),
+    parser.add_argument("--warps", type=harness.parse_int_list, default=list(SWEEP_NUM_WARPS),
                         help="warps per program to try")
     parser.add_argument("--maxnreg", type=lambda s: [int(x) for x in s.split(",")], default=[0],
                         help="register caps per thread to try (0: none)")
