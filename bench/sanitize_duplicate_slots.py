@@ -2,12 +2,16 @@
 the scan and with the row locks (``prepfuse/ops/_duplicate_slots.py``), for compute-sanitizer:
 
     compute-sanitizer --tool memcheck  python3 bench/sanitize_duplicate_slots.py
-    compute-sanitizer --tool racecheck python3 bench/sanitize_duplicate_slots.py
+    compute-sanitizer --tool racecheck python3 bench/sanitize_duplicate_slots.py [gqa,gqa-fp8]
+
+(an optional comma-separated list of ops limits it to those: a changed kernel's).
 
 A lock left taken fails the run too. (Whether the rows are whole is the GPU test's and
 ``bench/duplicate_slots.py``'s question: checking it here relaunches every op some 300
 times, for minutes under racecheck.)
 """
+
+import sys
 
 import torch
 
@@ -18,7 +22,8 @@ from prepfuse.testing.impls import implementations
 
 def main() -> int:
     failures = 0
-    for op in CONTENDED_OPS:
+    ops = sys.argv[1].split(",") if len(sys.argv) > 1 else CONTENDED_OPS
+    for op in ops:
         kernel = implementations(op)[1]
         for dedupe in ("scan", "lock"):
             inputs, slots = contended_inputs(op, "cuda")

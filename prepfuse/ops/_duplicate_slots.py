@@ -26,11 +26,20 @@ ops at T=4096 and 16384, whose locked rows are a few hundred bytes
 (``docs/benchmarks_duplicate_slots.md``), but 3-6% of the GQA op, whose locked program writes
 8 KB of k and v before it may release: the same launch without the lock (unsafe; a
 measurement) ran Qwen3-8B T=4096 29.7 -> 28.5 us and T=16384 106.9 -> 103.5. A release
-without its fence gave back about half, an unlock without the acquire nothing: the cost is
-the program waiting for its own stores before the release. A scheme without a release (the
-first claimer of a slot writes it, later ones skip; exact slot keys in a probed table, an
-epoch per launch) would need that epoch to stay right for two launches in flight on two
-streams; it is not built.
+without its fence gave back about half, an unlock without the acquire nothing. A scheme
+without a release was built and timed (``bench/results/ab_stop31.md``) and was no faster:
+the first program to claim a slot (a compare-and-swap into a hash table of exact slot keys,
+one table per stream and scratch lane, an epoch per launch from one atomic add that the
+launch's programs together make exactly 2^24) writes it, the others skip it; Qwen3-8B
+T=4096 29.64 us against the locks' 29.67, T=16384 105.79 against 105.93, fp8 100.02
+against 99.96, where the lock taken out gave 28.41 and 102.92 (fp8 96.70). Whatever
+decides who writes (a claim or a lock) is an atomic that can be issued only once the slot
+has arrived, and the stores wait for its answer. The lock then waits once more, at the fence; the
+claim, before its compare-and-swap, for the epoch that the swap's key holds. An epoch
+that costs no round trip (PTX's ``%gridid`` is unique per launch, but 64 bits that a
+64-bit word cannot hold beside a slot key) might give back what a fence-free release did,
+about half; hiding the rest needs a program that works on several tokens (the next
+token's loads and atomic in flight while this one stores), not another protocol.
 
 The locks are one int32 table per device, ``N_ROW_LOCKS`` words (256 KiB); slot ``s`` uses
 word ``s % N_ROW_LOCKS``, so two slots sharing a word only wait for each other, and a run of

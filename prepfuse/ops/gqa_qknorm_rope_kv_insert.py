@@ -162,11 +162,26 @@ if has_triton():
         return x
 
     @triton.jit
+    def _kv_scale(scale_ptr, QUANT_FP8: tl.constexpr):
+        """kv_scale (fp32; 1.0 unread without QUANT_FP8), for a program to load beside its rows.
+        Loaded where the codes are made, after the norm's correctly rounded sqrt and division
+        (whose slow-path branches the compiler does not hoist loads across; sm_90 SASS), it
+        was a round trip to memory of its own at the end of every fp8 k program, and again
+        for the second half of a NeoX row. On the H200 (``bench/results/ab_stop31.md``) at
+        T=1, where nothing hides it: Qwen3-8B fp8 2.06-2.11 -> 1.91-1.93 us, Gemma-3-12B fp8
+        2.21 -> 2.02; at T=4096 and 16384 within -1.4% (Gemma fp8) and +1.7% (Llama-3.2-1B
+        fp8 T=4096)."""
+        if QUANT_FP8 != 0:
+            return tl.load(scale_ptr)
+        else:
+            return 1.0
+
+    @triton.jit
     def _store_values(
         ptrs,  # destination elements (uint8 when QUANT_FP8, else bf16)
         values,  # bf16, or fp32 (rounded to bf16 here: the model's bf16 result)
         mask,
-        scale_ptr,  # [1] fp32 kv_scale (unread unless QUANT_FP8)
+        scale,  # fp32 kv_scale, loaded (_kv_scale; unused unless QUANT_FP8)
         QUANT_FP8: tl.constexpr,  # FP8_OFF: bf16; else e4m3fn codes of bf16(values) / kv_scale (FP8_*)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
     ):
@@ -176,7 +191,6 @@ if has_triton():
         if values.dtype == tl.float32:
             values = _to_bf16(values, SOFT_ROUNDING)
         if QUANT_FP8 != 0:
-            scale = tl.load(scale_ptr)
             # the codes of a true, correctly rounded division (vLLM's scaled_convert), not
             # of x * (1/scale): the product and one FMA correction (_e4m3_quotient)
             scaled = _e4m3_quotient(values.to(tl.float32), scale, SOFT_ROUNDING)
@@ -244,7 +258,7 @@ if has_triton():
         cos_row,  # [BLOCK_H] each row's token's row of the cos table (fp32 or bf16), or [1]: one token's
         sin_row,  # [BLOCK_H] the same rows of the sin table
         eps,  # RMSNorm epsilon
-        scale_ptr,  # [1] fp32 kv_scale (unread unless QUANT_FP8)
+        scale,  # fp32 kv_scale, loaded beside the rows (_kv_scale; unused unless QUANT_FP8)
         HEAD_DIM: tl.constexpr,  # D
         ROT_DIM: tl.constexpr,  # R: dims [0, R) are rotated
         ROT_PAD: tl.constexpr,  # R rounded up to a power of two (register tiles need one)
@@ -333,14 +347,14 @@ if has_triton():
             rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
         if ROT_DIM < HEAD_DIM:
             _store_values(dst + d, _weighted(x, rstd, w_rest, HAS_NORM, W_FP32, SOFT_ROUNDING),
-                          keep & (d >= ROT_DIM), scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+                          keep & (d >= ROT_DIM), scale, QUANT_FP8, SOFT_ROUNDING)
         if ROT_PAD != ROT_DIM:
             xj = _weighted(a, rstd, w_j, HAS_NORM, W_FP32, SOFT_ROUNDING)
             xp = _weighted(b, rstd, w_p, HAS_NORM, W_FP32, SOFT_ROUNDING)
             # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
             rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
                            _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
-            _store_values(dst + j[None, :], rot, keep & in_rot[None, :], scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+            _store_values(dst + j[None, :], rot, keep & in_rot[None, :], scale, QUANT_FP8, SOFT_ROUNDING)
         else:
             if not IS_NEOX:
                 a, b = tl.split(tl.reshape(a, [BLOCK_H, HALF, 2]))
@@ -350,12 +364,12 @@ if has_triton():
             a_rot = _mul_rn(a, cos_a, SOFT_ROUNDING) - _mul_rn(b, sin_a, SOFT_ROUNDING)
             b_rot = _mul_rn(b, cos_b, SOFT_ROUNDING) + _mul_rn(a, sin_b, SOFT_ROUNDING)
             if IS_NEOX:
-                _store_values(dst + ia, a_rot, keep, scale_ptr, QUANT_FP8, SOFT_ROUNDING)
-                _store_values(dst + ib, b_rot, keep, scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+                _store_values(dst + ia, a_rot, keep, scale, QUANT_FP8, SOFT_ROUNDING)
+                _store_values(dst + ib, b_rot, keep, scale, QUANT_FP8, SOFT_ROUNDING)
             else:
                 rot = tl.reshape(tl.join(a_rot, b_rot), [BLOCK_H, ROT_DIM])
                 r = tl.arange(0, ROT_DIM)[None, :]
-                _store_values(dst + r, rot, keep, scale_ptr, QUANT_FP8, SOFT_ROUNDING)
+                _store_values(dst + r, rot, keep, scale, QUANT_FP8, SOFT_ROUNDING)
 
     @triton.jit
     def _norm_rope_store_heads(
@@ -367,8 +381,9 @@ if has_triton():
         """Load BLOCK_H rows (``_load_heads``: src ``[BLOCK_H]`` row pointers, head_mask the
         real heads), norm, rotate and store them (``_norm_rope_store_loaded``): a q or k column."""
         x, a, b = _load_heads(src, head_mask, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
+        scale = _kv_scale(scale_ptr, QUANT_FP8)
         _norm_rope_store_loaded(
-            x, a, b, dst, head_mask, store_ok, w_ptr, cos_row, sin_row, eps, scale_ptr, HEAD_DIM, ROT_DIM,
+            x, a, b, dst, head_mask, store_ok, w_ptr, cos_row, sin_row, eps, scale, HEAD_DIM, ROT_DIM,
             ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, QUANT_FP8, BLOCK_H, SOFT_ROUNDING,
         )
 
@@ -417,7 +432,7 @@ if has_triton():
             d = tl.arange(0, HEAD_DIM)[None, :]
             v = tl.load((v_src + heads * HEAD_DIM)[:, None] + d, mask=real)
             _store_values((v_dst + heads * stride_vh)[:, None] + d, v, tl.where(insert[:, None], real, False),
-                          scale_ptr, CACHE_FP8, SOFT_ROUNDING)
+                          _kv_scale(scale_ptr, CACHE_FP8), CACHE_FP8, SOFT_ROUNDING)
 
     @triton.jit
     def _load_kv_heads(
@@ -589,6 +604,7 @@ if has_triton():
             k_src = k_ptr + kv_t * stride_kt
             v_src = v_ptr + kv_t * stride_vt
             real, v, x, a, b = _load_kv_heads(k_src, v_src, kh, Hkv, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
+            kv_scale = _kv_scale(scale_ptr, CACHE_FP8)
             if (slot >= 0) & (slot < n_slots):
                 k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr
                 v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr
@@ -600,10 +616,10 @@ if has_triton():
                                                           IS_NEOX)
                     _norm_rope_store_loaded(
                         x, a, b, k_dst + heads * stride_kh, real, kh >= 0, k_w_ptr, kv_cos, kv_sin, eps,
-                        scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
+                        kv_scale, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
                         KV_BLOCK, SOFT_ROUNDING,
                     )
-                    _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real[:, None], scale_ptr, CACHE_FP8,
+                    _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real[:, None], kv_scale, CACHE_FP8,
                                   SOFT_ROUNDING)
                 _unlock_row(locks_ptr, slot)
         else:
