@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=list(TOKENS))
+    parser.add_argument("--tokens", type=harness.parse_int_list, default=list(TOKENS))
     parser.add_argument("--formats", type=lambda s: s.split(","), default=["fp8", "mxfp4"])
     parser.add_argument("--target-ms", type=float, default=40.0)
     parser.add_argument("--block-h", type=harness.parse_int_list, default=list(SWEEP_BLOCK_H),
