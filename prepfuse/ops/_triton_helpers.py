@@ -210,6 +210,23 @@ if has_triton():
         return tl.minimum(tl.maximum(tl.load(pos_at), 0), max_pos - 1)
 
     @triton.jit
+    def _slot_block_row(slot, block_size, SLOTS_U32: tl.constexpr):
+        """``(slot // block_size, slot % block_size)`` of a slot in ``[0, n_slots)`` (a
+        skipped one made 0 first), as int64. With ``SLOTS_U32`` (set by the launcher
+        where the cache holds at most 2^32 slots: any real one) in 32-bit unsigned
+        arithmetic, which ptxas inlines without a branch. An int64 division is a 32-bit
+        fast path behind a branch on the operands' high words (sm_90 SASS), and no load
+        written after it is issued before the slot has arrived: where the division precedes
+        a program's row loads, that is a second round trip to memory."""
+        if SLOTS_U32:
+            s = slot.to(tl.uint32)
+            bs = tl.cast(block_size, tl.uint32)
+            blk = s // bs
+            return blk.to(tl.int64), (s - blk * bs).to(tl.int64)
+        else:
+            return slot // block_size, slot % block_size
+
+    @triton.jit
     def _load_cos_sin(cs_row):
         """A position's 32 cos and 32 sin values (fp32) at ``cs_row``. Apart from the rotation
         so that a kernel can issue the loads before arithmetic whose branches (a correctly

@@ -136,7 +136,8 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
-        _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _table_position, _to_bf16, _to_e4m3_bits, _unlock_row,
+        _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _slot_block_row, _table_position, _to_bf16, _to_e4m3_bits,
+        _unlock_row,
     )
 
     @triton.jit
@@ -388,20 +389,57 @@ if has_triton():
         )
 
     @triton.jit
+    def _slot_destination(
+        cache_ptr,  # k_cache or v_cache
+        stride_b,  # elements between its blocks
+        stride_r,  # elements between rows (slots) of a block
+        slot,  # [ROWS] each row's token's slot, loaded (-1 past T')
+        live,  # [ROWS] whether the row's token exists
+        t,  # [ROWS] each row's token
+        slot_ptr,  # [T'] int64 slot_mapping (the scan reads it whole)
+        n_insert,  # T'
+        n_slots,  # NB * BS
+        block_size,  # BS
+        DEDUPE: tl.constexpr,
+        SCAN: tl.constexpr,
+        SLOTS_U32: tl.constexpr,
+    ):
+        """``(dst, insert)``: each row's slot in the cache (head 0; slot 0 where it is
+        skipped) and whether it is written. Called after the program's loads are issued,
+        so that nothing that waits for the slot stands in front of them."""
+        insert = live & (slot >= 0) & (slot < n_slots)
+        if DEDUPE == 1:
+            # TOKENS = 1 (the launcher's rule): the rows are one token's, which stores
+            # them only if no later row names its slot; its k and v programs decide alike
+            insert = tl.where(_last_writer(slot_ptr, t, slot, n_insert, SCAN), insert, False)
+        blk, row = _slot_block_row(tl.where(insert, slot, 0), block_size, SLOTS_U32)
+        return cache_ptr + blk * stride_b + row * stride_r, insert
+
+    @triton.jit
     def _insert_kv_column(
         c,  # the kv column: k heads c * HEADS + hb for c < KV_COLS, else v heads (c - KV_COLS) * HEADS + hb
         hb,  # [ROWS] each row's head within the column
         k_src,  # [ROWS] pointers to each row's token's k heads (k_ptr + t * stride_kt)
         v_src,  # [ROWS] the same for v
-        k_dst,  # [ROWS] pointers to each row's slot in k_cache (block and row applied, head 0)
-        v_dst,  # [ROWS] the same in v_cache
-        insert,  # [ROWS] whether the row's slot is written
+        k_cache_ptr,  # k_cache
+        v_cache_ptr,  # v_cache
+        slot,  # [ROWS] each row's token's slot, loaded, not yet compared
+        live,  # [ROWS] whether the row's token exists
+        t,  # [ROWS] each row's token
+        slot_ptr,  # [T'] slot_mapping (the scan's)
+        n_insert,  # T'
+        n_slots,  # NB * BS
+        block_size,  # BS
+        stride_kb,  # elements between blocks of k_cache
+        stride_kr,  # elements between rows of a k_cache block
+        stride_kh,  # elements between heads of k_cache
+        stride_vb,  # the same of v_cache
+        stride_vr,
+        stride_vh,
         k_w_ptr,  # [D] k norm weight (unread without HAS_NORM)
         cos_row,  # [ROWS] each row's token's row of the cos table, or [1]: one token's
         sin_row,  # [ROWS] the same of the sin table
         Hkv,  # kv heads
-        stride_kh,  # elements between heads of k_cache
-        stride_vh,  # elements between heads of v_cache
         eps,  # RMSNorm epsilon
         scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
         HEAD_DIM: tl.constexpr,
@@ -415,24 +453,44 @@ if has_triton():
         HEADS: tl.constexpr,  # kv heads per column (KV_BLOCK)
         ROWS: tl.constexpr,  # rows of the tile (tokens x heads)
         KV_COLS: tl.constexpr,  # k columns (as many v columns follow)
+        DEDUPE: tl.constexpr,
+        SCAN: tl.constexpr,
+        SLOTS_U32: tl.constexpr,
         SOFT_ROUNDING: tl.constexpr,
     ):
         """One k or v column of the cache insert: k rows normed, rotated and stored, v rows
-        copied or quantised (the kernel's separate k and v programs)."""
+        copied or quantised (the kernel's separate k and v programs, T' <= 1024).
+
+        Each program issues its rows' loads first and only then works on the slot
+        (``_slot_destination``). The slot's compares and its int64 division (a branch, see
+        ``_slot_block_row``) stood in front of the k/v branch, so a k program issued its
+        rows only once the slot had arrived, and normed them only once the rows and cos/sin
+        had: its norm followed a second round trip where a q program's overlaps it, and a v
+        program made two round trips for one (sm_90 SASS). On the H200 (same-run A/B,
+        ``bench/results/ab_stop32.md``, two runs each) T=1: Qwen3-8B 1.78-1.80 -> 1.72-1.73
+        us, fp8 1.97-2.04 -> 1.84, Llama-3-8B 1.74-1.76 -> 1.56-1.57, Gemma-3-12B fp8 2.02 ->
+        1.88-1.92; T=8 to 512 1-11% faster."""
         if c < KV_COLS:
             heads = c * HEADS + hb
-            _norm_rope_store_heads(
-                k_src + heads * HEAD_DIM, k_dst + heads * stride_kh, heads < Hkv, insert, k_w_ptr, cos_row, sin_row,
-                eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, ROWS,
-                SOFT_ROUNDING,
+            real = heads < Hkv
+            x, a, b = _load_heads(k_src + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
+            scale = _kv_scale(scale_ptr, CACHE_FP8)
+            k_dst, insert = _slot_destination(k_cache_ptr, stride_kb, stride_kr, slot, live, t, slot_ptr, n_insert,
+                                              n_slots, block_size, DEDUPE, SCAN, SLOTS_U32)
+            _norm_rope_store_loaded(
+                x, a, b, k_dst + heads * stride_kh, real, insert, k_w_ptr, cos_row, sin_row, eps, scale, HEAD_DIM,
+                ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, ROWS, SOFT_ROUNDING,
             )
         else:
             heads = (c - KV_COLS) * HEADS + hb
-            real = (heads < Hkv)[:, None]
+            v_real = (heads < Hkv)[:, None]  # (triton merges a name both branches bind: not `real`)
             d = tl.arange(0, HEAD_DIM)[None, :]
-            v = tl.load((v_src + heads * HEAD_DIM)[:, None] + d, mask=real)
-            _store_values((v_dst + heads * stride_vh)[:, None] + d, v, tl.where(insert[:, None], real, False),
-                          _kv_scale(scale_ptr, CACHE_FP8), CACHE_FP8, SOFT_ROUNDING)
+            v = tl.load((v_src + heads * HEAD_DIM)[:, None] + d, mask=v_real)
+            scale = _kv_scale(scale_ptr, CACHE_FP8)
+            v_dst, insert = _slot_destination(v_cache_ptr, stride_vb, stride_vr, slot, live, t, slot_ptr, n_insert,
+                                              n_slots, block_size, DEDUPE, SCAN, SLOTS_U32)
+            _store_values((v_dst + heads * stride_vh)[:, None] + d, v, tl.where(insert[:, None], v_real, False),
+                          scale, CACHE_FP8, SOFT_ROUNDING)
 
     @triton.jit
     def _load_kv_heads(
@@ -549,6 +607,7 @@ if has_triton():
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
         KV_BLOCK: tl.constexpr,  # kv heads per token of a k or v tile (with DEDUPE 2: per step)
         STRIDE_UNIT: tl.constexpr,  # stride_qt, stride_kt and stride_vt are in units of this many elements
+        SLOTS_U32: tl.constexpr,  # NB * BS <= 2^32: a slot's block and row in 32-bit arithmetic
     ):
         # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
         # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
@@ -606,6 +665,11 @@ if has_triton():
             real, v, x, a, b = _load_kv_heads(k_src, v_src, kh, Hkv, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX)
             kv_scale = _kv_scale(scale_ptr, CACHE_FP8)
             if (slot >= 0) & (slot < n_slots):
+                # an int64 division here, after the loads (not _slot_block_row): with the 32-bit
+                # one ptxas moved this branch in front of the row loads and gave the whole
+                # kernel fewer registers, which issued the q programs' second cos/sin loads
+                # after their first products (sm_90 SASS; H200, bench/results/ab_stop32.md:
+                # Llama-3-8B T=16384 107.0 -> 111.1 us, T=4096 28.9 -> 30.2)
                 k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr
                 v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr
                 _lock_row(locks_ptr, slot)
@@ -631,20 +695,12 @@ if has_triton():
                 HAS_POSITIONS,
             )
             slot = tl.load(slot_ptr + kv_t, mask=kv_t < n_insert, other=-1)
-            insert = kv_live & (slot >= 0) & (slot < n_slots)
-            if DEDUPE == 1:
-                # TOKENS = 1 (the launcher's rule): the rows are one token's, which stores
-                # them only if no later row names its slot; its k and v programs decide alike
-                insert = tl.where(_last_writer(slot_ptr, kv_t, slot, n_insert, SCAN), insert, False)
-            slot = tl.where(insert, slot, 0)
-            blk = slot // block_size
-            slot_row = slot % block_size
             _insert_kv_column(
-                col - Q_COLS, kv_hb, k_ptr + kv_t * stride_kt, v_ptr + kv_t * stride_vt,
-                k_cache_ptr + blk * stride_kb + slot_row * stride_kr,
-                v_cache_ptr + blk * stride_vb + slot_row * stride_vr, insert, k_w_ptr, kv_cos, kv_sin, Hkv,
-                stride_kh, stride_vh, eps, scale_ptr, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32,
-                FULL_COS_SIN, CACHE_FP8, KV_BLOCK, TOKENS * KV_BLOCK, KV_COLS, SOFT_ROUNDING,
+                col - Q_COLS, kv_hb, k_ptr + kv_t * stride_kt, v_ptr + kv_t * stride_vt, k_cache_ptr, v_cache_ptr,
+                slot, kv_live, kv_t, slot_ptr, n_insert, n_slots, block_size, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, k_w_ptr, kv_cos, kv_sin, Hkv, eps, scale_ptr, HEAD_DIM, ROT_DIM,
+                ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, KV_BLOCK, TOKENS * KV_BLOCK, KV_COLS,
+                DEDUPE, SCAN, SLOTS_U32, SOFT_ROUNDING,
             )
 
 
@@ -673,9 +729,13 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: boo
     Gemma-3-12B (D 256) 140.1 us at 8 heads on two against 146.3 at 4 and 153.9 on four
     (``..._d256.json``). At T <= 4 one head per program on one warp spreads a token over
     the most programs (latency bound: T=1 2.02 us against 2.0-2.4 on every other mix of
-    1-4 heads and 1-4 warps). Several tokens per program (one tile of tokens x heads) was
-    no faster anywhere it was measured (T=16384: 126.9 us at 8 heads x 2 tokens on four
-    warps, 132.5 at 4 x 2 on one), so one token per program it is.
+    1-4 heads and 1-4 warps; rerun with the k/v rows loaded ahead of the slot,
+    ``..._stop32.json``, Qwen3-8B 1.50 us against 1.62-1.9 at 1-8 heads on 1-4 warps, fp8
+    and Llama-3-8B within 1% of that run's best; its grid left out the rule's 16 heads at
+    T=8 and 64, where 4-8 heads on two or four warps were the best it timed). Several
+    tokens per program (one tile of tokens x heads) was no faster anywhere it was measured
+    (T=16384: 126.9 us at 8 heads x 2 tokens on four warps, 132.5 at 4 x 2 on one), so one
+    token per program it is.
     """
     if num_tokens <= 4:
         return 1, 1, 1
@@ -784,6 +844,7 @@ def launch_gqa_kernel(
         SCAN=_duplicate_slots.scan_block(slot_mapping),
         KV_BLOCK=kv_block,
         STRIDE_UNIT=unit,
+        SLOTS_U32=k_cache.shape[0] * block_size <= 1 << 32,
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
