@@ -230,17 +230,23 @@ if has_triton():
 def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
     """(heads per program, warps per program), from the H200 sweep (bench/README.md).
 
-    Two warps throughout: each thread then moves several 16-byte vectors, so more bytes
-    are in flight per thread (at T=4096, H=16: 125 us with 4 heads x 2 warps against
-    144 us with 4 x 4). Few heads per program at small T spread one token over more
-    programs (latency bound); four at large T (bandwidth bound).
+    Up to T=8 one head on one warp: at these T a program's latency is the time, and one
+    warp reduces a head's 512 values (and the kv row's 64-value blocks) in registers,
+    where two warps meet through shared memory and barriers (sm_90 SASS of the T=1 kernel: 12
+    barriers and 24 shared-memory instructions against 2 barriers and none). H200, same
+    run (``bench/results/dsv4_qnorm_rope_kv_insert_sweep_nvidia-h200_stop32_warps.json``):
+    H=64 T=1 1.56 us against 1.68 on two warps, T=2 1.68 / 1.80, T=4 1.71 / 1.84, T=8
+    1.81 against 1.97 at the two heads on two warps used before; H=16 T=2-8 5-6% faster
+    alike; the decode floor's A/B (``..._ab32d_*.json``) H=64 T=1 1.66 -> 1.56-1.57. Above,
+    two warps: each thread then moves several 16-byte vectors, so more bytes are in
+    flight per thread (at T=4096, H=16: 125 us with 4 heads x 2 warps against 144 us with
+    4 x 4). Few heads per program at small T spread one token over more programs
+    (latency bound); four at large T (bandwidth bound). T from 9 to 128 on one warp is
+    unmeasured.
     """
-    if num_tokens <= 4:
-        block_h = 1
-    elif num_tokens <= 128:
-        block_h = 2
-    else:
-        block_h = 4
+    if num_tokens <= 8:
+        return 1, 1
+    block_h = 2 if num_tokens <= 128 else 4
     # a kv-only call (the pass emits one: q and q_out [T, 0, 512]) has no q heads: one head a
     # program keeps the grid's arithmetic defined (next_power_of_2(0) is 0)
     return min(block_h, max(1, triton.next_power_of_2(padded_heads))), 2
