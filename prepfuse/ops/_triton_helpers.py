@@ -213,7 +213,7 @@ if has_triton():
     def _slot_block_row(slot, block_size, SLOTS_U32: tl.constexpr):
         """``(slot // block_size, slot % block_size)`` of a slot in ``[0, n_slots)`` (a
         skipped one made 0 first), as int64. With ``SLOTS_U32`` (set by the launcher
-        where the cache holds at most 2^32 slots: any real one) in 32-bit unsigned
+        where the cache holds fewer than 2^32 slots: any real one) in 32-bit unsigned
         arithmetic, which ptxas inlines without a branch. An int64 division is a 32-bit
         fast path behind a branch on the operands' high words (sm_90 SASS), and no load
         written after it is issued before the slot has arrived: where the division precedes

@@ -607,7 +607,7 @@ if has_triton():
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
         KV_BLOCK: tl.constexpr,  # kv heads per token of a k or v tile (with DEDUPE 2: per step)
         STRIDE_UNIT: tl.constexpr,  # stride_qt, stride_kt and stride_vt are in units of this many elements
-        SLOTS_U32: tl.constexpr,  # NB * BS <= 2^32: a slot's block and row in 32-bit arithmetic
+        SLOTS_U32: tl.constexpr,  # NB * BS < 2^32: a slot's block and row in 32-bit arithmetic
     ):
         # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
         # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
@@ -844,7 +844,7 @@ def launch_gqa_kernel(
         SCAN=_duplicate_slots.scan_block(slot_mapping),
         KV_BLOCK=kv_block,
         STRIDE_UNIT=unit,
-        SLOTS_U32=k_cache.shape[0] * block_size <= 1 << 32,
+        SLOTS_U32=k_cache.shape[0] * block_size < 1 << 32,  # then BS and every slot fit 32 bits
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
