@@ -400,9 +400,9 @@ if has_triton():
         n_insert,  # T'
         n_slots,  # NB * BS
         block_size,  # BS
-        DEDUPE: tl.constexpr,
-        SCAN: tl.constexpr,
-        SLOTS_U32: tl.constexpr,
+        DEDUPE: tl.constexpr,  # 0 off, 1 scan (_duplicate_slots; the locked path has its own code)
+        SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
+        SLOTS_U32: tl.constexpr,  # NB * BS < 2^32: block and row in 32-bit arithmetic
     ):
         """``(dst, insert)``: each row's slot in the cache (head 0; slot 0 where it is
         skipped) and whether it is written. Called after the program's loads are issued,
@@ -433,9 +433,9 @@ if has_triton():
         stride_kb,  # elements between blocks of k_cache
         stride_kr,  # elements between rows of a k_cache block
         stride_kh,  # elements between heads of k_cache
-        stride_vb,  # the same of v_cache
-        stride_vr,
-        stride_vh,
+        stride_vb,  # elements between blocks of v_cache
+        stride_vr,  # elements between rows of a v_cache block
+        stride_vh,  # elements between heads of v_cache
         k_w_ptr,  # [D] k norm weight (unread without HAS_NORM)
         cos_row,  # [ROWS] each row's token's row of the cos table, or [1]: one token's
         sin_row,  # [ROWS] the same of the sin table
@@ -453,7 +453,7 @@ if has_triton():
         HEADS: tl.constexpr,  # kv heads per column (KV_BLOCK)
         ROWS: tl.constexpr,  # rows of the tile (tokens x heads)
         KV_COLS: tl.constexpr,  # k columns (as many v columns follow)
-        DEDUPE: tl.constexpr,
+        DEDUPE: tl.constexpr,  # as _slot_destination's
         SCAN: tl.constexpr,
         SLOTS_U32: tl.constexpr,
         SOFT_ROUNDING: tl.constexpr,
