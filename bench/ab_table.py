@@ -28,7 +28,9 @@ def medians(path: Path) -> dict[tuple[str, str], float]:
     for row in data.get("rows", []):
         if row.get("impl", "fused") != "fused" or "us_median" not in row:
             continue
-        name = row.get("model") or row.get("format") or f"H={row.get('H')}"
+        # GQA rows name a model, indexer rows a format; DeepSeek-V4 rows are (H, block size),
+        # both needed: its runs time each H at two block sizes
+        name = row.get("model") or row.get("format") or f"H={row.get('H')} bs={row.get('block_size')}"
         out[(str(name), str(row["T"]))] = row["us_median"]
     return out
 

@@ -38,3 +38,10 @@ def test_decode_floor_ladder_and_a_row_missing_from_one_file(tmp_path):
     lines = ab_table.table([a, b]).splitlines()
     assert lines[2] == "| torch add_ (harness floor) | 1 | 0.99 | 0.98 |"
     assert lines[3] == "| op gqa-qwen3-8b | 1 | 1.85 | - |"
+
+
+def test_deepseek_rows_keep_each_block_size(tmp_path):
+    rows = [{"impl": "fused", "T": 1, "H": 64, "block_size": bs, "us_median": us} for bs, us in ((64, 1.6), (256, 1.7))]
+    path = tmp_path / "dsv4_x.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert ab_table.medians(path) == {("H=64 bs=64", "1"): 1.6, ("H=64 bs=256", "1"): 1.7}
