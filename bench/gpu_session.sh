@@ -22,11 +22,11 @@
 #           costs (bench/duplicate_slots.py; JSON and benchmarks_duplicate_slots.md into $OUT)
 #   floor - what a decode-sized launch costs: a ladder of tiny Triton kernels beside each op at T=1
 #           (bench/decode_floor.py; JSON into $OUT)
-#   ab    - same-run A/B of the fused ops: the tree in .ab/base (a baseline's prepfuse/, e.g.
-#           `git archive BASE prepfuse | tar -x -C .ab/base`, carried) against this one, alternating,
+#   ab    - same-run A/B of the fused ops: each tree in .ab/<variant> (a baseline's prepfuse/, e.g.
+#           `git archive BASE prepfuse | tar -x -C .ab/base`, carried) and this one ("new"), alternating,
 #           PREPFUSE_AB_RUNS (2) runs of each: the GQA benchmark's fused rows (PREPFUSE_AB_ARGS, its
-#           arguments) and the decode floor; JSON named _<PREPFUSE_AB_TAG>_{base,new}_<run>, tables
-#           by bench/ab_table.py
+#           arguments) and the decode floor (PREPFUSE_AB_NO_FLOOR=1 leaves it out); JSON named
+#           _<PREPFUSE_AB_TAG>_<variant>_<run>, tables by bench/ab_table.py
 #   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
 #   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
 #   demo  - the README's main command's python part
@@ -136,21 +136,23 @@ for what in "${steps[@]}"; do
     ab)
         step ab
         tag=${PREPFUSE_AB_TAG:-ab}
-        [ -d .ab/base/prepfuse ] || { echo "ab: no .ab/base/prepfuse (carry it)" | tee -a "$log"; status=2; continue; }
+        variants=()
+        for dir in .ab/*/prepfuse; do [ -d "$dir" ] && variants+=("$(basename "$(dirname "$dir")")"); done
+        [ ${#variants[@]} -gt 0 ] || { echo "ab: no .ab/<variant>/prepfuse (carry .ab)" | tee -a "$log"; status=2; continue; }
         for run in $(seq 1 "${PREPFUSE_AB_RUNS:-2}"); do
-            for variant in base new; do
-                root=$PWD; [ "$variant" = base ] && root=$PWD/.ab/base
+            for variant in "${variants[@]}" new; do
+                root=$PWD; [ "$variant" = new ] || root=$PWD/.ab/$variant
                 suffix="_${tag}_${variant}_${run}"
                 # shellcheck disable=SC2086
                 PYTHONPATH="$root:$PYTHONPATH" python3 bench/bench_gqa_qknorm_rope_kv_insert.py --impls fused \
                     ${PREPFUSE_AB_ARGS:-} --name-suffix "$suffix" --out-dir "$OUT" --docs "$OUT/ab_page$suffix.md" \
                     2>&1 | tail -n 3 | tee -a "$log" || status=1
-                PYTHONPATH="$root:$PYTHONPATH" python3 bench/decode_floor.py --name-suffix "$suffix" --out-dir "$OUT" \
-                    2>&1 | tail -n 1 | tee -a "$log" || status=1
+                [ -n "${PREPFUSE_AB_NO_FLOOR:-}" ] || PYTHONPATH="$root:$PYTHONPATH" python3 bench/decode_floor.py \
+                    --name-suffix "$suffix" --out-dir "$OUT" 2>&1 | tail -n 1 | tee -a "$log" || status=1
             done
         done
         python3 bench/ab_table.py "$OUT"/gqa_qknorm_rope_kv_insert_*"_${tag}"_*.json | tee -a "$log"
-        python3 bench/ab_table.py "$OUT"/decode_floor_*"_${tag}"_*.json | tee -a "$log"
+        [ -n "${PREPFUSE_AB_NO_FLOOR:-}" ] || python3 bench/ab_table.py "$OUT"/decode_floor_*"_${tag}"_*.json | tee -a "$log"
         ;;
     micro)
         step micro
