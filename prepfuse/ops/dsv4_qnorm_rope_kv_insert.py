@@ -237,19 +237,24 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
     run (``bench/results/dsv4_qnorm_rope_kv_insert_sweep_nvidia-h200_stop32_warps.json``):
     H=64 T=1 1.56 us against 1.68 on two warps, T=2 1.68 / 1.80, T=4 1.71 / 1.84, T=8
     1.81 against 1.97 at the two heads on two warps used before; H=16 T=2-8 5-6% faster
-    alike; the decode floor's A/B (``..._ab32d_*.json``) H=64 T=1 1.66 -> 1.56-1.57. Above,
-    two warps: each thread then moves several 16-byte vectors, so more bytes are in
-    flight per thread (at T=4096, H=16: 125 us with 4 heads x 2 warps against 144 us with
-    4 x 4). Few heads per program at small T spread one token over more programs
-    (latency bound); four at large T (bandwidth bound). T from 9 to 128 on one warp is
+    alike; the decode floor's A/B (``..._ab32d_*.json``) H=64 T=1 1.66 -> 1.56-1.57. From
+    T=9 to 128 two heads on one warp, for the same reason
+    (``..._sweep_nvidia-h200_stop34_t8_128.json``, against two heads on two warps, the rule
+    before): faster at 10 of the 13 shapes from T=16 to 128 at H=16, 64 and 128, by up to
+    8.8% (H=64 T=128 6.41 against 6.97 us, H=128 T=64 6.26 against 6.87, H=16 T=64 2.61
+    against 2.69), slower at two (H=64 T=32 2.55 against 2.49, H=128 T=16 2.48 against
+    2.45). Above, two warps: each thread then moves several 16-byte vectors, so more bytes
+    are in flight per thread (at T=4096, H=16: 125 us with 4 heads x 2 warps against 144 us
+    with 4 x 4). Few heads per program at small T spread one token over more programs
+    (latency bound); four at large T (bandwidth bound). T from 129 to 511 on one warp is
     unmeasured.
     """
     if num_tokens <= 8:
         return 1, 1
-    block_h = 2 if num_tokens <= 128 else 4
+    block_h, num_warps = (2, 1) if num_tokens <= 128 else (4, 2)
     # a kv-only call (the pass emits one: q and q_out [T, 0, 512]) has no q heads: one head a
     # program keeps the grid's arithmetic defined (next_power_of_2(0) is 0)
-    return min(block_h, max(1, triton.next_power_of_2(padded_heads))), 2
+    return min(block_h, max(1, triton.next_power_of_2(padded_heads))), num_warps
 
 
 def dsv4_qnorm_rope_kv_insert_triton(

@@ -369,7 +369,7 @@ def test_triton_interpreter_matches_reference(num_tokens, num_heads, padded_head
     assert_untouched(actual, seed)
 
 
-@pytest.mark.parametrize("launch_config", [(2, 2), (4, 2), (1, 2), (8, 4)], ids=lambda c: "/".join(map(str, c)))
+@pytest.mark.parametrize("launch_config", [(2, 2), (2, 1), (4, 2), (1, 2), (8, 4)], ids=lambda c: "/".join(map(str, c)))
 @pytest.mark.parametrize("num_heads, padded_heads", [(3, 16), (5, 6), (1, 8), (16, 64)], ids=lambda v: str(v))
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=[needs_triton, needs_interpreter]),
@@ -386,6 +386,23 @@ def test_kernel_at_other_launch_configs(device, launch_config, num_heads, padded
     comparison = compare_dsv4(expected, actual)
     assert comparison.q_mismatches == 0 and comparison.cache_mismatches == 0, f"seed={seed}: {comparison}"
     assert_untouched(actual, seed)
+
+
+@needs_triton
+def test_launch_table():
+    """``_launch_config``'s rule as the H200 sweeps chose it (docs/ops.md): one head on one
+    warp to T=8, two heads on one warp to T=128, four heads on two warps above; never more
+    heads a program than the padded heads there are."""
+    from prepfuse.ops.dsv4_qnorm_rope_kv_insert import _launch_config
+
+    assert _launch_config(1, 64) == (1, 1)
+    assert _launch_config(8, 128) == (1, 1)
+    assert _launch_config(9, 64) == (2, 1)
+    assert _launch_config(128, 16) == (2, 1)
+    assert _launch_config(129, 64) == (4, 2)
+    assert _launch_config(16384, 128) == (4, 2)
+    assert _launch_config(4096, 2) == (2, 2)  # capped at the padded heads
+    assert _launch_config(64, 0) == (1, 1)  # a kv-only call
 
 
 @needs_triton
