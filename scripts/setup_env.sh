@@ -12,6 +12,6 @@ fi
 if ! python -c "import torch" >/dev/null 2>&1; then
     python -m pip install -q torch==2.13.0
 fi
-if ! python -c "import prepfuse, pytest, expecttest, hypothesis, numpy, transformers" >/dev/null 2>&1; then
+if ! python -c "import prepfuse, pytest, xdist, expecttest, hypothesis, numpy, transformers" >/dev/null 2>&1; then
     python -m pip install -q -e ".[test]"
 fi

@@ -24,10 +24,11 @@ if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2
     "$py" -m pip install -q filelock "typing-extensions>=4.10" "setuptools>=77.0.3" "sympy>=1.13.3" \
         "networkx>=2.5.1" jinja2 "fsspec>=0.8.5"
 fi
-if ! "$py" -c "import prepfuse, pytest, expecttest, hypothesis, numpy, transformers" >/dev/null 2>&1; then
-    "$py" -m pip install -q "pytest>=7" "expecttest>=0.2" "hypothesis>=6" numpy "transformers==5.17.0"
+if ! "$py" -c "import prepfuse, pytest, xdist, expecttest, hypothesis, numpy, transformers" >/dev/null 2>&1; then
+    "$py" -m pip install -q "pytest>=7" "pytest-xdist>=3" "expecttest>=0.2" "hypothesis>=6" numpy "transformers==5.17.0"
     "$py" -m pip install -q --no-deps -e .
 fi
 "$py" -c "import torch; print('torch', torch.__version__, '(second torch: the pass tests)')"
-exec bash scripts/pytest_or_fail.sh "$py" -q -p no:cacheprovider tests/fx_passes tests/corpus tests/test_compat.py \
+exec bash scripts/pytest_or_fail.sh "$py" -q -n "$(bash scripts/test_workers.sh)" -p no:cacheprovider tests/fx_passes \
+    tests/corpus tests/test_compat.py \
     tests/test_backend.py "$@"
