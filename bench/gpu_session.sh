@@ -22,6 +22,8 @@
 #           costs (bench/duplicate_slots.py; JSON and benchmarks_duplicate_slots.md into $OUT)
 #   floor - what a decode-sized launch costs: a ladder of tiny Triton kernels beside each op at T=1
 #           (bench/decode_floor.py; JSON into $OUT)
+#   skeleton - where a large GQA launch's time goes: skeletons of its grid (moves only, + lock,
+#           + position -> table chain) beside the op and a same-size copy (bench/gqa_skeleton.py)
 #   ab    - same-run A/B of the fused ops: each tree in .ab/<variant> (a baseline's prepfuse/, e.g.
 #           `git archive BASE prepfuse | tar -x -C .ab/base`, carried) and this one ("new"), alternating,
 #           PREPFUSE_AB_RUNS (2) runs of each: the GQA benchmark's fused rows (PREPFUSE_AB_ARGS, its
@@ -132,6 +134,10 @@ for what in "${steps[@]}"; do
     floor)
         step floor
         python3 bench/decode_floor.py --out-dir "$OUT" 2>&1 | tail -n 16 | tee -a "$log" || status=1
+        ;;
+    skeleton)
+        step skeleton
+        python3 bench/gqa_skeleton.py --out-dir "$OUT" ${PREPFUSE_SKELETON_ARGS:-} 2>&1 | tail -n 14 | tee -a "$log" || status=1
         ;;
     ab)
         step ab
