@@ -106,18 +106,18 @@ def _skeleton_kernel(
             _unlock_row(locks_ptr, slot)
 
 
-def skeleton(inp, chain: bool, lock: bool, num_warps: int = NUM_WARPS) -> None:
+def skeleton(inp, chain: bool, lock: bool, num_warps: int = NUM_WARPS, block_h: int = BLOCK_H) -> None:
     """The skeleton kernel on one set of the benchmark's inputs (``make_inputs``)."""
     from prepfuse.ops._duplicate_slots import row_locks
 
     num_tokens, hq, d = inp.q_out.shape
     hkv = inp.k_cache.shape[2]
-    grid = (num_tokens * (hq // BLOCK_H + 1),)
+    grid = (num_tokens * (hq // block_h + 1),)
     _skeleton_kernel[grid](
         inp.qkv, inp.q_out, inp.k_cache, inp.v_cache, inp.slot_mapping, inp.positions, inp.cos_sin_cache,
         row_locks(inp.qkv.device), inp.qkv.stride(0), inp.cos_sin_cache.stride(0), inp.k_cache.shape[1],
         inp.k_cache.stride(0), inp.k_cache.stride(1),
-        HQ=hq, HKV=hkv, D=d, BLOCK_H=BLOCK_H, CHAIN=chain, LOCK=lock, num_warps=num_warps,
+        HQ=hq, HKV=hkv, D=d, BLOCK_H=block_h, CHAIN=chain, LOCK=lock, num_warps=num_warps,
     )
 
 
@@ -133,7 +133,8 @@ def skeleton_moves_the_rows(inp) -> bool:
                 and torch.equal(inp.v_cache[blocks, rows], heads[:, hq + hkv:]))
 
 
-def ladder_rows(num_tokens: int, l2_bytes: int, num_warps: int = NUM_WARPS, sequential_slots: bool = False) -> dict:
+def ladder_rows(num_tokens: int, l2_bytes: int, num_warps: int = NUM_WARPS, sequential_slots: bool = False,
+                block_h: int = BLOCK_H) -> dict:
     import bench_gqa_qknorm_rope_kv_insert as gqa
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import GQA_QKNORM_ROPE_KV_INSERT
 
@@ -145,10 +146,10 @@ def ladder_rows(num_tokens: int, l2_bytes: int, num_warps: int = NUM_WARPS, sequ
         for inp in copies:
             inp.slot_mapping.copy_(torch.arange(num_tokens, device=inp.slot_mapping.device))
     steps = {
-        "skeleton": lambda inp: skeleton(inp, chain=False, lock=False, num_warps=num_warps),
-        "+ lock": lambda inp: skeleton(inp, chain=False, lock=True, num_warps=num_warps),
-        "+ chain": lambda inp: skeleton(inp, chain=True, lock=False, num_warps=num_warps),
-        "+ chain + lock": lambda inp: skeleton(inp, chain=True, lock=True, num_warps=num_warps),
+        "skeleton": lambda inp: skeleton(inp, chain=False, lock=False, num_warps=num_warps, block_h=block_h),
+        "+ lock": lambda inp: skeleton(inp, chain=False, lock=True, num_warps=num_warps, block_h=block_h),
+        "+ chain": lambda inp: skeleton(inp, chain=True, lock=False, num_warps=num_warps, block_h=block_h),
+        "+ chain + lock": lambda inp: skeleton(inp, chain=True, lock=True, num_warps=num_warps, block_h=block_h),
         "op": lambda inp: GQA_QKNORM_ROPE_KV_INSERT(*inp.args()),
     }
     rows = {}
@@ -166,7 +167,7 @@ def ladder_rows(num_tokens: int, l2_bytes: int, num_warps: int = NUM_WARPS, sequ
     rows["copy"] = copy_row(nbytes, l2_bytes)
     for stats in rows.values():
         stats["GBps_op_bytes"] = nbytes / (stats["us_median"] * 1e-6) / 1e9
-    return {"T": num_tokens, "model": MODEL, "op_bytes": nbytes, "copies": k, "num_warps": num_warps,
+    return {"T": num_tokens, "model": MODEL, "op_bytes": nbytes, "copies": k, "num_warps": num_warps, "block_h": block_h,
             "sequential_slots": sequential_slots, "rows": rows}
 
 
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--name-suffix", default="")
     p.add_argument("--warps", type=int, default=NUM_WARPS, help="the skeletons' warps per program (the op keeps its own)")
+    p.add_argument("--block-h", type=int, default=BLOCK_H, help="the skeletons' q heads per program (a divisor of 32)")
     p.add_argument("--sequential-slots", action="store_true",
                    help="token t writes slot t (every timed call, the op's too), instead of the benchmark's blocks in "
                         "random order")
@@ -189,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     info = harness.device_info()
     harness.spin_up_clocks()
     data = {"what": "the GQA op beside skeletons of its grid", "date": datetime.now(timezone.utc).isoformat(
-        timespec="seconds"), **info, "block_h": BLOCK_H, "num_warps": args.warps,
+        timespec="seconds"), **info, "block_h": args.block_h, "num_warps": args.warps,
         "sequential_slots": args.sequential_slots, "shapes": []}
     out = Path(args.out_dir) / f"gqa_skeleton_{info['device_slug']}{args.name_suffix}.json"
     for t in args.tokens:
-        shape = ladder_rows(t, info["l2_bytes"], args.warps, args.sequential_slots)
+        shape = ladder_rows(t, info["l2_bytes"], args.warps, args.sequential_slots, args.block_h)
         data["shapes"].append(shape)
         harness.write_json(out, data)
         for name, stats in shape["rows"].items():

@@ -19,15 +19,16 @@ pytestmark = pytest.mark.skipif(not (has_triton() and triton_interpret_mode()),
                                 reason="needs triton under TRITON_INTERPRET=1")
 
 
+@pytest.mark.parametrize("block_h", [16, 32])
 @pytest.mark.parametrize("chain, lock", [(False, False), (False, True), (True, False), (True, True)])
-def test_skeleton_moves_the_rows(chain, lock):
+def test_skeleton_moves_the_rows(chain, lock, block_h):
     import gqa_skeleton
     from prepfuse.testing import make_gqa_inputs
 
     inp = make_gqa_inputs(5, 32, 8, 128, 16, "cpu", skip_fraction=0.0)
     for out in (inp.q_out, inp.k_cache, inp.v_cache):
         out.fill_(float("nan"))
-    gqa_skeleton.skeleton(inp, chain=chain, lock=lock)
+    gqa_skeleton.skeleton(inp, chain=chain, lock=lock, block_h=block_h)
     assert gqa_skeleton.skeleton_moves_the_rows(inp)
 
 
