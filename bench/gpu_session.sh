@@ -23,7 +23,8 @@
 #   floor - what a decode-sized launch costs: a ladder of tiny Triton kernels beside each op at T=1
 #           (bench/decode_floor.py; JSON into $OUT)
 #   skeleton - where a large GQA launch's time goes: skeletons of its grid (moves only, + lock,
-#           + position -> table chain) beside the op and a same-size copy (bench/gqa_skeleton.py)
+#           + position -> table chain, flat, merged kv) beside the op and a same-size copy
+#           (bench/gqa_skeleton.py; PREPFUSE_SKELETON_ARGS, e.g. --contiguous-qkv or --programs-per-sm 8,16)
 #   ab    - same-run A/B of the fused ops: each tree in .ab/<variant> (a baseline's prepfuse/, e.g.
 #           `git archive BASE prepfuse | tar -x -C .ab/base`, carried) and this one ("new"), alternating,
 #           PREPFUSE_AB_RUNS (2) runs of each: the GQA benchmark's fused rows (PREPFUSE_AB_ARGS, its
@@ -117,7 +118,7 @@ for what in "${steps[@]}"; do
         mkdir -p /tmp/ncu
         for run in ${PREPFUSE_PROFILE_RUNS:-gqa-qwen3-8b:16384 gqa-qwen3-8b-fp8:16384 gqa-llama3-8b:16384 indexer-fp8:16384 indexer-mxfp4:16384 dsv4-h16:16384 gqa-qwen3-8b:1 indexer-fp8:1}; do
             case_name=${run%%:*} tokens=${run##*:}
-            ncu --clock-control none --launch-skip 1 --launch-count 1 -k "regex:^_(gqa|dsv4)" \
+            ncu --clock-control none --launch-skip 1 --launch-count 1 -k "regex:^_(gqa|dsv4|skeleton)" \
                 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
                 --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
                 python3 bench/profile_kernels.py --case "$case_name" --tokens "$tokens" >"/tmp/ncu/${case_name}_T${tokens}.txt" 2>&1 || status=1

@@ -9,7 +9,10 @@ The inputs are the benchmarks' own (``make_inputs``/``random_inputs`` of the ben
 scripts), so the profile is of the row the tables report. The first launch is the
 benchmark's own gate, so a profile of a kernel that writes wrong bytes is never read.
 ``bench/gpu_session.sh profile`` runs it under ncu per case and T (six cases at T=16384 and two at
-T=1 by default) and keeps ncu's text.
+T=1 by default) and keeps ncu's text. The ``skeleton-*`` cases are ``bench/gqa_skeleton.py``'s
+grid with the chain and the lock but no arithmetic, and ``*-contiguous-qkv`` gives qkv as a
+projection GEMM does (the benchmark's is a view of a wider buffer): the op beside its own grid
+doing nothing but moving bytes, on either layout.
 """
 
 from __future__ import annotations
@@ -23,16 +26,37 @@ import torch
 LAUNCHES = 3  # after the gate's launch, which ncu skips (--launch-skip 1)
 
 
-def _gqa(model_name: str, tokens: int):
+def _gqa(model_name: str, tokens: int, contiguous_qkv: bool = False):
     from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT
 
     model = gqa.MODELS[model_name]
     inputs = gqa.make_inputs(tokens, model, skip_fraction=0.0)
+    if contiguous_qkv:  # as a projection GEMM gives it, not the benchmark's view of a wider buffer
+        inputs.qkv = inputs.qkv.contiguous()
 
     def launch(inp):
         GQA_QKNORM_ROPE_KV_INSERT(*inp.args())
 
     return launch, inputs, lambda: gqa._gate(launch, inputs, model)
+
+
+def _skeleton(tokens: int, contiguous_qkv: bool):
+    """``bench/gqa_skeleton.py``'s skeleton with the chain and the lock (Qwen3-8B), checked
+    to move the rows: the op's grid without its arithmetic, to profile beside the op."""
+    import gqa_skeleton
+
+    inputs = gqa.make_inputs(tokens, gqa.MODELS[gqa_skeleton.MODEL], skip_fraction=0.0)
+    if contiguous_qkv:
+        inputs.qkv = inputs.qkv.contiguous()
+
+    def launch(inp):
+        gqa_skeleton.skeleton(inp, chain=True, lock=True)
+
+    def gate():
+        launch(inputs)
+        return gqa_skeleton.skeleton_moves_the_rows(inputs), "skeleton rows moved"
+
+    return launch, inputs, gate
 
 
 def _indexer(fmt: str, tokens: int):
@@ -62,6 +86,9 @@ def _dsv4(heads: int, tokens: int):
 CASES = {
     # every model row of the GQA benchmark, as gqa-<model>
     **{f"gqa-{name}": (lambda t, name=name: _gqa(name, t)) for name in gqa.MODELS},
+    "gqa-qwen3-8b-contiguous-qkv": lambda t: _gqa("qwen3-8b", t, contiguous_qkv=True),
+    "skeleton-qwen3-8b": lambda t: _skeleton(t, contiguous_qkv=False),
+    "skeleton-qwen3-8b-contiguous-qkv": lambda t: _skeleton(t, contiguous_qkv=True),
     "indexer-fp8": lambda t: _indexer("fp8", t),
     "indexer-mxfp4": lambda t: _indexer("mxfp4", t),
     "dsv4-h16": lambda t: _dsv4(16, t),

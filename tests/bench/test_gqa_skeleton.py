@@ -41,3 +41,50 @@ def test_the_check_sees_a_row_left_unwritten():
     blocks, rows = inp.slot_mapping // 16, inp.slot_mapping % 16
     inp.v_cache[blocks[3], rows[3], 2, 7] = torch.nan
     assert not gqa_skeleton.skeleton_moves_the_rows(inp)
+
+
+@pytest.mark.parametrize("chain, lock", [(False, False), (True, True)])
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_persistent_skeleton_moves_the_rows(chain, lock, programs):
+    """Fewer programs than work items, each walking the items ``programs`` apart, still move
+    every row (3 and 7 do not divide the 5 tokens' 15 items evenly)."""
+    import gqa_skeleton
+    from prepfuse.testing import make_gqa_inputs
+
+    inp = make_gqa_inputs(5, 32, 8, 128, 16, "cpu", skip_fraction=0.0)
+    for out in (inp.q_out, inp.k_cache, inp.v_cache):
+        out.fill_(float("nan"))
+    gqa_skeleton.skeleton(inp, chain=chain, lock=lock, programs=programs)
+    assert gqa_skeleton.skeleton_moves_the_rows(inp)
+
+
+@pytest.mark.parametrize("programs", [0, 1, 3])
+def test_triton_copy_copies(programs):
+    import gqa_skeleton
+
+    src = torch.randn(7 * 64, dtype=torch.bfloat16)
+    dst = torch.full_like(src, float("nan"))
+    gqa_skeleton.triton_copy((src, dst), 64, 1, programs)
+    assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("chain, lock", [(False, False), (False, True), (True, False), (True, True)])
+def test_merged_skeleton_moves_the_rows(chain, lock):
+    import gqa_skeleton
+    from prepfuse.testing import make_gqa_inputs
+
+    inp = make_gqa_inputs(5, 32, 8, 128, 16, "cpu", skip_fraction=0.0)
+    for out in (inp.q_out, inp.k_cache, inp.v_cache):
+        out.fill_(float("nan"))
+    gqa_skeleton.merged_skeleton(inp, chain=chain, lock=lock)
+    assert gqa_skeleton.skeleton_moves_the_rows(inp)
+
+
+def test_flat_skeleton_copies_qkv():
+    import gqa_skeleton
+    from prepfuse.testing import make_gqa_inputs
+
+    inp = make_gqa_inputs(5, 32, 8, 128, 16, "cpu", skip_fraction=0.0)
+    flat = torch.empty_strided(inp.qkv.shape, inp.qkv.stride(), dtype=inp.qkv.dtype).fill_(float("nan"))
+    gqa_skeleton.skeleton(inp, chain=False, lock=False, flat_out=flat)
+    assert torch.equal(flat, inp.qkv)
