@@ -250,7 +250,7 @@ def run_sweep(args) -> dict:
                                                      args.sweep_maxnreg):
                 fn = lambda inp, c=(bh, w, tp, nreg): gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=c)  # noqa: E731
                 row = {"model": name, "T": t, "BLOCK_H": bh, "num_warps": w, "tokens_per_program": tp,
-                       "maxnreg": nreg, "heuristic": (bh, w, tp) == tuple(heuristic) and nreg == 0}
+                       "maxnreg": nreg, "heuristic": (bh, w, tp, nreg) == (tuple(heuristic) + (0,))[:4]}
                 try:
                     row["correct"], _ = _gate(fn, gate, model)
                     graphs = harness.capture_graphs(fn, copies, warmup=2)
