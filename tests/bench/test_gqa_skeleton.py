@@ -19,15 +19,23 @@ pytestmark = pytest.mark.skipif(not (has_triton() and triton_interpret_mode()),
                                 reason="needs triton under TRITON_INTERPRET=1")
 
 
-@pytest.mark.parametrize("block_h", [16, 32])
-@pytest.mark.parametrize("chain, lock", [(False, False), (False, True), (True, False), (True, True)])
-def test_skeleton_moves_the_rows(chain, lock, block_h):
-    import gqa_skeleton
+def _poisoned_inputs():
+    """Five tokens at Qwen3-8B's head counts, every slot valid, q_out and the caches NaN: a row
+    a skeleton leaves unwritten fails ``skeleton_moves_the_rows``."""
     from prepfuse.testing import make_gqa_inputs
 
     inp = make_gqa_inputs(5, 32, 8, 128, 16, "cpu", skip_fraction=0.0)
     for out in (inp.q_out, inp.k_cache, inp.v_cache):
         out.fill_(float("nan"))
+    return inp
+
+
+@pytest.mark.parametrize("block_h", [16, 32])
+@pytest.mark.parametrize("chain, lock", [(False, False), (False, True), (True, False), (True, True)])
+def test_skeleton_moves_the_rows(chain, lock, block_h):
+    import gqa_skeleton
+
+    inp = _poisoned_inputs()
     gqa_skeleton.skeleton(inp, chain=chain, lock=lock, block_h=block_h)
     assert gqa_skeleton.skeleton_moves_the_rows(inp)
 
@@ -49,11 +57,8 @@ def test_persistent_skeleton_moves_the_rows(chain, lock, programs):
     """Fewer programs than work items, each walking the items ``programs`` apart, still move
     every row (3 and 7 do not divide the 5 tokens' 15 items evenly)."""
     import gqa_skeleton
-    from prepfuse.testing import make_gqa_inputs
 
-    inp = make_gqa_inputs(5, 32, 8, 128, 16, "cpu", skip_fraction=0.0)
-    for out in (inp.q_out, inp.k_cache, inp.v_cache):
-        out.fill_(float("nan"))
+    inp = _poisoned_inputs()
     gqa_skeleton.skeleton(inp, chain=chain, lock=lock, programs=programs)
     assert gqa_skeleton.skeleton_moves_the_rows(inp)
 
@@ -71,11 +76,8 @@ def test_triton_copy_copies(programs):
 @pytest.mark.parametrize("chain, lock", [(False, False), (False, True), (True, False), (True, True)])
 def test_merged_skeleton_moves_the_rows(chain, lock):
     import gqa_skeleton
-    from prepfuse.testing import make_gqa_inputs
 
-    inp = make_gqa_inputs(5, 32, 8, 128, 16, "cpu", skip_fraction=0.0)
-    for out in (inp.q_out, inp.k_cache, inp.v_cache):
-        out.fill_(float("nan"))
+    inp = _poisoned_inputs()
     gqa_skeleton.merged_skeleton(inp, chain=chain, lock=lock)
     assert gqa_skeleton.skeleton_moves_the_rows(inp)
 
