@@ -244,7 +244,7 @@ def run_sweep(args) -> dict:
             gate = make_inputs(t, model, skip_fraction=0.1)
             copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
             locked = dedupe_mode(copies[0].slot_mapping) == DEDUPE_LOCK
-            heuristic = _launch_config(t, d, max(hq, hkv), model[5], locked)
+            heuristic = _launch_config(t, d, max(hq, hkv), model[5], locked, full_cos_sin(model), model[6] == FP8)
             rows = []
             for bh, w, tp, nreg in itertools.product(args.sweep_block_h, args.sweep_warps, args.sweep_tokens,
                                                      args.sweep_maxnreg):

@@ -705,8 +705,9 @@ if has_triton():
 
 
 def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True,
-                   locked: bool = True) -> tuple[int, int, int]:
-    """(q heads per program and token, warps per program, tokens per program), from the H200
+                   locked: bool = True, full_cos_sin: bool = False, cache_fp8: bool = False) -> tuple[int, ...]:
+    """(q heads per program and token, warps per program, tokens per program[, register cap]),
+    from the H200
     sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
     ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200*.json``; k and v programs
     take the kv heads up to that many, ``launch_gqa_kernel``).
@@ -744,6 +745,13 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: boo
         block_h = min(block_h, 16)
     block_h = min(block_h, max(1, triton.next_power_of_2(max_heads)))
     num_warps = max(1, block_h * head_dim // (1024 if has_norm else 512)) if locked else 4
+    if locked and has_norm and not full_cos_sin and (head_dim == 128 or (head_dim == 256 and cache_fp8)):
+        # 56 registers a thread where the compiler takes 61-72 with nothing spilled at 56: 18
+        # two-warp programs an SM instead of 14-16 (bench/results/ab_stop35.md: Qwen3-8B
+        # T=16384 106.4 -> 105.6 us, fp8 100.6 -> 98.9, Gemma-3-12B fp8 132.8 -> 125.3); the
+        # full-width cos/sin forms spill 2-6 instructions at 56 (full table 107.8 -> 108.7)
+        # and Gemma-3-12B's bf16 cache gains nothing, so they keep the compiler's count
+        return block_h, num_warps, 1, 56
     return block_h, num_warps, 1
 
 
@@ -793,7 +801,8 @@ def launch_gqa_kernel(
     fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     mode = _duplicate_slots.dedupe_mode(slot_mapping, dedupe)
     config = launch_config or _launch_config(num_tokens, head_dim, max(num_q_heads, num_kv_heads),
-                                             q_norm_weight is not None, mode == _duplicate_slots.DEDUPE_LOCK)
+                                             q_norm_weight is not None, mode == _duplicate_slots.DEDUPE_LOCK,
+                                             bool(full_cos_sin), fp8)
     config = tuple(config)
     # a pair: one token per program; no register cap unless a fourth element asks for one
     block_h, num_warps, tokens, maxnreg = config + (1, 0)[len(config) - 2:]

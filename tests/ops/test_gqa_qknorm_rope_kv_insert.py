@@ -725,7 +725,12 @@ def test_launch_table():
     assert _launch_config(64, 128, 32, locked=False) == (16, 4, 1)
     assert _launch_config(512, 128, 32, has_norm=True, locked=False) == (16, 4, 1)
     assert _launch_config(512, 64, 32, has_norm=False, locked=False) == (32, 4, 1)
-    assert _launch_config(16384, 128, 32, has_norm=True, locked=True) == (16, 2, 1)
+    # a register cap where it measured faster: D 128 with the norm, D 256 with an fp8 cache;
+    # not the full-width cos/sin forms (spills), not without the lock's launch
+    assert _launch_config(16384, 128, 32, has_norm=True, locked=True) == (16, 2, 1, 56)
+    assert _launch_config(16384, 128, 32, has_norm=True, locked=True, full_cos_sin=True) == (16, 2, 1)
+    assert _launch_config(16384, 256, 16, has_norm=True, locked=True, cache_fp8=True) == (8, 2, 1, 56)
+    assert _launch_config(512, 128, 32, has_norm=True, locked=False, cache_fp8=True) == (16, 4, 1)
     assert _launch_config(16384, 128, 32, has_norm=False, locked=True) == (16, 4, 1)
     assert _launch_config(16384, 64, 32, has_norm=False, locked=True) == (16, 2, 1)
     assert _launch_config(16384, 256, 16, has_norm=True, locked=True) == (8, 2, 1)
