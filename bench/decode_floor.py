@@ -11,6 +11,10 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
 - ``gather 48``: each program first loads an int64 index (the slot), then its row at it;
 - ``chain 48``: a position load, then a table row at that position (cos/sin), then the row;
 - ``norm 48``: ``copy 48`` plus a correctly rounded RMSNorm of the row (sum, sqrt_rn, div_rn);
+- ``chain+norm 48``: a GQA q program's dependencies, ``chain 48`` and ``norm 48`` in one
+  program (the norm's arithmetic can overlap the table row's round trip: how much does it?);
+- ``chain 48, 35 arguments``: ``chain 48`` with as many kernel arguments as the GQA op's
+  kernel (31 unused ints): what the op's larger argument block costs a launch;
 - each op at T=1 on the benchmarks' inputs (``bench/profile_kernels.py``'s cases).
 
 The difference between neighbouring rows is what that step costs; the JSON keeps them all.
@@ -48,7 +52,7 @@ def _gather_kernel(src, dst, index, D: tl.constexpr):
 
 
 @triton.jit
-def _chain_kernel(src, dst, pos_ptr, table, D: tl.constexpr):
+def _chain_step(src, dst, pos_ptr, table, D: tl.constexpr):
     p = tl.program_id(0)
     d = tl.arange(0, D)
     pos = tl.load(pos_ptr)
@@ -58,12 +62,34 @@ def _chain_kernel(src, dst, pos_ptr, table, D: tl.constexpr):
 
 
 @triton.jit
+def _chain_kernel(src, dst, pos_ptr, table, D: tl.constexpr):
+    _chain_step(src, dst, pos_ptr, table, D)
+
+
+@triton.jit
 def _norm_kernel(src, dst, eps, D: tl.constexpr):
     p = tl.program_id(0)
     d = tl.arange(0, D)
     x = tl.load(src + p * D + d).to(tl.float32)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
     tl.store(dst + p * D + d, (x * rstd).to(tl.bfloat16))
+
+
+@triton.jit
+def _chain_norm_kernel(src, dst, pos_ptr, table, eps, D: tl.constexpr):
+    p = tl.program_id(0)
+    d = tl.arange(0, D)
+    pos = tl.load(pos_ptr)
+    x = tl.load(src + p * D + d).to(tl.float32)
+    c = tl.load(table + pos * D + d)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+    tl.store(dst + p * D + d, (x * rstd * c).to(tl.bfloat16))
+
+
+@triton.jit
+def _chain_args_kernel(src, dst, pos_ptr, table, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5,
+                       b6, b7, b8, b9, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, e0, D: tl.constexpr):
+    _chain_step(src, dst, pos_ptr, table, D)
 
 
 def ladder() -> dict:
@@ -82,6 +108,11 @@ def ladder() -> dict:
         "chain 48 (position, then table row)": lambda: _chain_kernel[(PROGRAMS,)](src, dst, pos, table, HEAD_DIM,
                                                                                   num_warps=1),
         "norm 48 (sum, sqrt_rn, div_rn)": lambda: _norm_kernel[(PROGRAMS,)](src, dst, 1e-6, HEAD_DIM, num_warps=1),
+        "chain+norm 48 (a q program's dependencies)": lambda: _chain_norm_kernel[(PROGRAMS,)](
+            src, dst, pos, table, 1e-6, HEAD_DIM, num_warps=1),
+        # unused odd ints from 17 (none 1, none a multiple of 16: triton specialises neither)
+        "chain 48, 35 arguments": lambda: _chain_args_kernel[(PROGRAMS,)](
+            src, dst, pos, table, *[17 + 2 * i for i in range(31)], HEAD_DIM, num_warps=1),
     }
 
 

@@ -1,0 +1,54 @@
+"""``bench/decode_floor.py``'s ladder kernels without a GPU: each step computes what its row
+says it does (under the Triton interpreter), so that a difference between two rows on the
+H200 is the cost of that step and not of a kernel that does something else."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prepfuse._compat import has_triton, triton_interpret_mode
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+pytestmark = pytest.mark.skipif(not (has_triton() and triton_interpret_mode()),
+                                reason="needs triton under TRITON_INTERPRET=1")
+
+D = 128
+
+
+def _rows():
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(4, D, generator=g).to(torch.bfloat16)
+    table = torch.randn(16, D, generator=g)
+    pos = torch.tensor([3])
+    return src, table, pos
+
+
+def test_chain_norm_is_the_normed_row_times_the_table_row():
+    import decode_floor
+
+    src, table, pos = _rows()
+    dst = torch.full_like(src, float("nan"))
+    decode_floor._chain_norm_kernel[(4,)](src, dst, pos, table, 1e-6, D, num_warps=1)
+    x = src.float()
+    rstd = 1.0 / torch.sqrt((x * x).sum(1, keepdim=True) / D + 1e-6)
+    torch.testing.assert_close(dst.float(), (x * rstd * table[3]).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_chain_with_unused_arguments_is_the_chain():
+    import decode_floor
+
+    src, table, pos = _rows()
+    dst_chain = torch.full_like(src, float("nan"))
+    dst_args = torch.full_like(src, float("nan"))
+    decode_floor._chain_kernel[(4,)](src, dst_chain, pos, table, D, num_warps=1)
+    decode_floor._chain_args_kernel[(4,)](src, dst_args, pos, table, *[17 + 2 * i for i in range(31)], D,
+                                          num_warps=1)
+    assert torch.equal(dst_args, dst_chain)
+    # the interpreter's bf16 conversion need not round to nearest: one bf16 step apart at most
+    torch.testing.assert_close(dst_chain.float(), src.float() * table[3], rtol=2 ** -7, atol=1e-6)
