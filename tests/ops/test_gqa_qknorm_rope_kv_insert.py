@@ -735,3 +735,14 @@ def test_launch_table():
     assert _launch_config(16384, 64, 32, has_norm=False, locked=True) == (16, 2, 1)
     assert _launch_config(16384, 256, 16, has_norm=True, locked=True) == (8, 2, 1)
     assert _launch_config(16384, 256, 4) == (4, 1, 1)  # capped at the heads there are: 1024 values
+
+
+@needs_triton
+def test_row_eviction_rule():
+    """Rows and outputs marked first to leave L2 without the norm only: the H200 A/B
+    (bench/results/ab_stop36.md) found that faster at T=4096 and 16384 without the norm and
+    slower at T=16384 with it."""
+    from prepfuse.ops.gqa_qknorm_rope_kv_insert import _row_eviction
+
+    assert _row_eviction(has_norm=False) == "evict_first"
+    assert _row_eviction(has_norm=True) == ""
