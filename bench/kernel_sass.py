@@ -80,12 +80,16 @@ def _kernels() -> dict:
 def summary(kernel, stem: Path) -> str:
     import triton
 
+    def named(suffix: str) -> Path:
+        # not Path.with_suffix: a case name with a dot (gqa-llama3.2-1b) would lose its tail
+        return stem.parent / f"{stem.name}.{suffix}"
+
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     for key, text in kernel.asm.items():
-        stem.with_suffix(f".{key}").write_bytes(text if isinstance(text, bytes) else text.encode())
-    cubin = str(stem.with_suffix(".cubin"))
+        named(key).write_bytes(text if isinstance(text, bytes) else text.encode())
+    cubin = str(named("cubin"))
     sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
-    stem.with_suffix(".sass").write_text(sass)
+    named("sass").write_text(sass)
     usage = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     ops = collections.Counter(m.group(1) for m in re.finditer(
