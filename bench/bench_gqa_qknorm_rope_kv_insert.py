@@ -222,8 +222,8 @@ def run_benchmark(args) -> dict:
 
 def run_sweep(args) -> dict:
     """Time the fused kernel alone at each (BLOCK_H, num_warps, tokens per program, register
-    cap); print the best per shape beside the op's ``_launch_config`` choice. Each
-    configuration is gated first."""
+    cap, eviction hints); print the best per shape beside the op's ``_launch_config`` choice
+    (with its own ``_row_eviction`` hints, "rule"). Each configuration is gated first."""
     from prepfuse.ops._duplicate_slots import DEDUPE_LOCK, dedupe_mode
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import _launch_config, gqa_qknorm_rope_kv_insert_triton
 
@@ -246,11 +246,13 @@ def run_sweep(args) -> dict:
             locked = dedupe_mode(copies[0].slot_mapping) == DEDUPE_LOCK
             heuristic = _launch_config(t, d, max(hq, hkv), model[5], locked, full_cos_sin(model), model[6] == FP8)
             rows = []
-            for bh, w, tp, nreg in itertools.product(args.sweep_block_h, args.sweep_warps, args.sweep_tokens,
-                                                     args.sweep_maxnreg):
-                fn = lambda inp, c=(bh, w, tp, nreg): gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=c)  # noqa: E731
+            for bh, w, tp, nreg, ev in itertools.product(args.sweep_block_h, args.sweep_warps, args.sweep_tokens,
+                                                         args.sweep_maxnreg, args.sweep_eviction):
+                fn = lambda inp, c=(bh, w, tp, nreg), e=(None if ev == "rule" else ev): (  # noqa: E731
+                    gqa_qknorm_rope_kv_insert_triton(*inp.args(), launch_config=c, eviction=e))
                 row = {"model": name, "T": t, "BLOCK_H": bh, "num_warps": w, "tokens_per_program": tp,
-                       "maxnreg": nreg, "heuristic": (bh, w, tp, nreg) == (tuple(heuristic) + (0,))[:4]}
+                       "maxnreg": nreg, "eviction": ev,
+                       "heuristic": (bh, w, tp, nreg) == (tuple(heuristic) + (0,))[:4] and ev == "rule"}
                 try:
                     row["correct"], _ = _gate(fn, gate, model)
                     graphs = harness.capture_graphs(fn, copies, warmup=2)
@@ -267,7 +269,7 @@ def run_sweep(args) -> dict:
             best = min(timed, key=lambda r: r["us_median"])
             heur = next((r for r in rows if r["heuristic"]), {})  # {} where the sweep leaves it out
             best_config = [best["BLOCK_H"], best["num_warps"], best["tokens_per_program"]] + (
-                [best["maxnreg"]] if best["maxnreg"] else [])
+                [best["maxnreg"]] if best["maxnreg"] else []) + ([best["eviction"]] if best["eviction"] != "rule" else [])
             data["best"].append({"model": name, "T": t, "best": best_config, "us": best["us_median"],
                                  "heuristic": list(heuristic), "heuristic_us": heur.get("us_median")})
             print(f"{name:13s} T={t:5d}: best {'/'.join(map(str, best_config))} {best['us_median']:.2f} us; "
@@ -388,8 +390,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per program (powers of two)")
     p.add_argument("--sweep-maxnreg", type=lambda s: [int(v) for v in s.split(",")], default=[0],
                    help="registers a thread at most (0: the compiler's choice)")
+    p.add_argument("--sweep-eviction", type=lambda s: s.split(","), default=["rule"],
+                   help="row-load / output-store L2 hints: rule (the op's _row_eviction), none, loads, stores, both")
     p.add_argument("--from-json", default=None)
     args = p.parse_args(argv)
+    from prepfuse.ops.gqa_qknorm_rope_kv_insert import EVICTIONS
+
+    for e in args.sweep_eviction:
+        if e != "rule" and e not in EVICTIONS:
+            p.error(f"--sweep-eviction: unknown {e!r}; known: rule, {', '.join(EVICTIONS)}")
     for m in args.models:
         if m not in MODELS:
             p.error(f"--models: unknown model {m!r}; known: {', '.join(MODELS)}")

@@ -185,7 +185,7 @@ if has_triton():
         scale,  # fp32 kv_scale, loaded (_kv_scale; unused unless QUANT_FP8)
         QUANT_FP8: tl.constexpr,  # FP8_OFF: bf16; else e4m3fn codes of bf16(values) / kv_scale (FP8_*)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
-        ROW_EVICTION: tl.constexpr,  # the stores' L2 eviction policy (_row_eviction)
+        STORE_EVICTION: tl.constexpr,  # the stores' L2 eviction policy (_row_eviction)
     ):
         """Store values as bf16, or as the fp8 cache codes of their bf16 rounding:
         saturating at +-448 (FP8_SATURATE), or NaN where the value rounds past 448
@@ -200,9 +200,9 @@ if has_triton():
             if QUANT_FP8 == 2:  # FP8_OVERFLOW_NAN: the NaN code with the value's sign
                 sign = ((scaled.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
                 codes = tl.where(tl.abs(scaled) > 464.0, sign | 0x7F, codes)
-            tl.store(ptrs, codes, mask=mask, eviction_policy=ROW_EVICTION)
+            tl.store(ptrs, codes, mask=mask, eviction_policy=STORE_EVICTION)
         else:
-            tl.store(ptrs, values, mask=mask, eviction_policy=ROW_EVICTION)
+            tl.store(ptrs, values, mask=mask, eviction_policy=STORE_EVICTION)
 
     @triton.jit
     def _load_heads(
@@ -212,7 +212,7 @@ if has_triton():
         ROT_DIM: tl.constexpr,
         ROT_PAD: tl.constexpr,
         IS_NEOX: tl.constexpr,
-        ROW_EVICTION: tl.constexpr,  # the loads' L2 eviction policy (_row_eviction)
+        LOAD_EVICTION: tl.constexpr,  # the loads' L2 eviction policy (_row_eviction)
     ):
         """The rows' values as ``_norm_rope_store_loaded`` works them, fp32 ``(x, a, b)``: ``x``
         the whole row ``[BLOCK_H, D]`` where the norm or the unrotated dims need it (else 0.0),
@@ -229,26 +229,26 @@ if has_triton():
         b = 0.0
         if ROT_PAD != ROT_DIM or ROT_DIM < HEAD_DIM or not IS_NEOX:
             x = tl.load(src + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask, other=0.0,
-                        eviction_policy=ROW_EVICTION).to(tl.float32)
+                        eviction_policy=LOAD_EVICTION).to(tl.float32)
         if ROT_PAD != ROT_DIM:
             j = tl.arange(0, ROT_PAD)
             if IS_NEOX:
                 partner = tl.where(j < HALF, j + HALF, j - HALF)
             else:
                 partner = j ^ 1
-            a = tl.load(src + j[None, :], mask=head_mask, other=0.0, eviction_policy=ROW_EVICTION).to(tl.float32)
-            b = tl.load(src + partner[None, :], mask=head_mask, other=0.0, eviction_policy=ROW_EVICTION).to(tl.float32)
+            a = tl.load(src + j[None, :], mask=head_mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
+            b = tl.load(src + partner[None, :], mask=head_mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
         elif IS_NEOX:
             # the pairs (i, i + R/2) are the two halves of the rotated dims: two contiguous
             # loads (L1 hits after the row's load where there is one)
             i = tl.arange(0, HALF)[None, :]
-            a = tl.load(src + i, mask=head_mask, other=0.0, eviction_policy=ROW_EVICTION).to(tl.float32)
-            b = tl.load(src + i + HALF, mask=head_mask, other=0.0, eviction_policy=ROW_EVICTION).to(tl.float32)
+            a = tl.load(src + i, mask=head_mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
+            b = tl.load(src + i + HALF, mask=head_mask, other=0.0, eviction_policy=LOAD_EVICTION).to(tl.float32)
         elif ROT_DIM == HEAD_DIM:
             a = x
         else:
             a = tl.load(src + tl.arange(0, ROT_DIM)[None, :], mask=head_mask, other=0.0,
-                        eviction_policy=ROW_EVICTION).to(tl.float32)
+                        eviction_policy=LOAD_EVICTION).to(tl.float32)
         return x, a, b
 
     @triton.jit
@@ -274,7 +274,7 @@ if has_triton():
         QUANT_FP8: tl.constexpr,  # FP8_*: store fp8 cache codes (k), or FP8_OFF: bf16 (q_out, a bf16 cache)
         BLOCK_H: tl.constexpr,  # rows of src and dst (heads of one or more tokens)
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
-        ROW_EVICTION: tl.constexpr,  # the stores' L2 eviction policy (_row_eviction)
+        STORE_EVICTION: tl.constexpr,  # the stores' L2 eviction policy (_row_eviction)
     ):
         """Norm and rotate BLOCK_H loaded rows (heads) and store them: rotated dims [0, R),
         then (partial rotary) the normed dims [R, D) as they are.
@@ -353,14 +353,15 @@ if has_triton():
             rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))[:, None]
         if ROT_DIM < HEAD_DIM:
             _store_values(dst + d, _weighted(x, rstd, w_rest, HAS_NORM, W_FP32, SOFT_ROUNDING),
-                          keep & (d >= ROT_DIM), scale, QUANT_FP8, SOFT_ROUNDING, ROW_EVICTION)
+                          keep & (d >= ROT_DIM), scale, QUANT_FP8, SOFT_ROUNDING, STORE_EVICTION)
         if ROT_PAD != ROT_DIM:
             xj = _weighted(a, rstd, w_j, HAS_NORM, W_FP32, SOFT_ROUNDING)
             xp = _weighted(b, rstd, w_p, HAS_NORM, W_FP32, SOFT_ROUNDING)
             # first of a pair: a*cos - b*sin; second: b*cos + a*sin (each product rounded)
             rot = tl.where(first[None, :], _mul_rn(xj, cos, SOFT_ROUNDING) - _mul_rn(xp, sin, SOFT_ROUNDING),
                            _mul_rn(xj, cos, SOFT_ROUNDING) + _mul_rn(xp, sin, SOFT_ROUNDING))
-            _store_values(dst + j[None, :], rot, keep & in_rot[None, :], scale, QUANT_FP8, SOFT_ROUNDING, ROW_EVICTION)
+            _store_values(dst + j[None, :], rot, keep & in_rot[None, :], scale, QUANT_FP8, SOFT_ROUNDING,
+                          STORE_EVICTION)
         else:
             if not IS_NEOX:
                 a, b = tl.split(tl.reshape(a, [BLOCK_H, HALF, 2]))
@@ -370,27 +371,27 @@ if has_triton():
             a_rot = _mul_rn(a, cos_a, SOFT_ROUNDING) - _mul_rn(b, sin_a, SOFT_ROUNDING)
             b_rot = _mul_rn(b, cos_b, SOFT_ROUNDING) + _mul_rn(a, sin_b, SOFT_ROUNDING)
             if IS_NEOX:
-                _store_values(dst + ia, a_rot, keep, scale, QUANT_FP8, SOFT_ROUNDING, ROW_EVICTION)
-                _store_values(dst + ib, b_rot, keep, scale, QUANT_FP8, SOFT_ROUNDING, ROW_EVICTION)
+                _store_values(dst + ia, a_rot, keep, scale, QUANT_FP8, SOFT_ROUNDING, STORE_EVICTION)
+                _store_values(dst + ib, b_rot, keep, scale, QUANT_FP8, SOFT_ROUNDING, STORE_EVICTION)
             else:
                 rot = tl.reshape(tl.join(a_rot, b_rot), [BLOCK_H, ROT_DIM])
                 r = tl.arange(0, ROT_DIM)[None, :]
-                _store_values(dst + r, rot, keep, scale, QUANT_FP8, SOFT_ROUNDING, ROW_EVICTION)
+                _store_values(dst + r, rot, keep, scale, QUANT_FP8, SOFT_ROUNDING, STORE_EVICTION)
 
     @triton.jit
     def _norm_rope_store_heads(
         src, dst, head_mask, store_ok, w_ptr, cos_row, sin_row, eps, scale_ptr,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, ROT_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
         HAS_NORM: tl.constexpr, W_FP32: tl.constexpr, FULL_COS_SIN: tl.constexpr, QUANT_FP8: tl.constexpr,
-        BLOCK_H: tl.constexpr, SOFT_ROUNDING: tl.constexpr, ROW_EVICTION: tl.constexpr,
+        BLOCK_H: tl.constexpr, SOFT_ROUNDING: tl.constexpr, LOAD_EVICTION: tl.constexpr, STORE_EVICTION: tl.constexpr,
     ):
         """Load BLOCK_H rows (``_load_heads``: src ``[BLOCK_H]`` row pointers, head_mask the
         real heads), norm, rotate and store them (``_norm_rope_store_loaded``): a q or k column."""
-        x, a, b = _load_heads(src, head_mask, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, ROW_EVICTION)
+        x, a, b = _load_heads(src, head_mask, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, LOAD_EVICTION)
         scale = _kv_scale(scale_ptr, QUANT_FP8)
         _norm_rope_store_loaded(
             x, a, b, dst, head_mask, store_ok, w_ptr, cos_row, sin_row, eps, scale, HEAD_DIM, ROT_DIM,
-            ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, QUANT_FP8, BLOCK_H, SOFT_ROUNDING, ROW_EVICTION,
+            ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, QUANT_FP8, BLOCK_H, SOFT_ROUNDING, STORE_EVICTION,
         )
 
     @triton.jit
@@ -462,7 +463,8 @@ if has_triton():
         SCAN: tl.constexpr,
         SLOTS_U32: tl.constexpr,
         SOFT_ROUNDING: tl.constexpr,
-        ROW_EVICTION: tl.constexpr,  # the rows' loads' and stores' L2 eviction policy (_row_eviction)
+        LOAD_EVICTION: tl.constexpr,  # the row loads' L2 eviction policy (_row_eviction)
+        STORE_EVICTION: tl.constexpr,  # the stores' (_row_eviction)
     ):
         """One k or v column of the cache insert: k rows normed, rotated and stored, v rows
         copied or quantised (the kernel's separate k and v programs, T' <= 1024).
@@ -479,24 +481,25 @@ if has_triton():
         if c < KV_COLS:
             heads = c * HEADS + hb
             real = heads < Hkv
-            x, a, b = _load_heads(k_src + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, ROW_EVICTION)
+            x, a, b = _load_heads(k_src + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, LOAD_EVICTION)
             scale = _kv_scale(scale_ptr, CACHE_FP8)
             k_dst, insert = _slot_destination(k_cache_ptr, stride_kb, stride_kr, slot, live, t, slot_ptr, n_insert,
                                               n_slots, block_size, DEDUPE, SCAN, SLOTS_U32)
             _norm_rope_store_loaded(
                 x, a, b, k_dst + heads * stride_kh, real, insert, k_w_ptr, cos_row, sin_row, eps, scale, HEAD_DIM,
-                ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, ROWS, SOFT_ROUNDING, ROW_EVICTION,
+                ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, ROWS, SOFT_ROUNDING,
+                STORE_EVICTION,
             )
         else:
             heads = (c - KV_COLS) * HEADS + hb
             v_real = (heads < Hkv)[:, None]  # (triton merges a name both branches bind: not `real`)
             d = tl.arange(0, HEAD_DIM)[None, :]
-            v = tl.load((v_src + heads * HEAD_DIM)[:, None] + d, mask=v_real, eviction_policy=ROW_EVICTION)
+            v = tl.load((v_src + heads * HEAD_DIM)[:, None] + d, mask=v_real, eviction_policy=LOAD_EVICTION)
             scale = _kv_scale(scale_ptr, CACHE_FP8)
             v_dst, insert = _slot_destination(v_cache_ptr, stride_vb, stride_vr, slot, live, t, slot_ptr, n_insert,
                                               n_slots, block_size, DEDUPE, SCAN, SLOTS_U32)
             _store_values((v_dst + heads * stride_vh)[:, None] + d, v, tl.where(insert[:, None], v_real, False),
-                          scale, CACHE_FP8, SOFT_ROUNDING, ROW_EVICTION)
+                          scale, CACHE_FP8, SOFT_ROUNDING, STORE_EVICTION)
 
     @triton.jit
     def _load_kv_heads(
@@ -508,15 +511,15 @@ if has_triton():
         ROT_DIM: tl.constexpr,
         ROT_PAD: tl.constexpr,
         IS_NEOX: tl.constexpr,
-        ROW_EVICTION: tl.constexpr,  # the loads' L2 eviction policy (_row_eviction)
+        LOAD_EVICTION: tl.constexpr,  # the loads' L2 eviction policy (_row_eviction)
     ):
         """One lock step's rows, loaded apart from their arithmetic: ``(real, v, x, a, b)``,
         which of ``heads`` exist, the v rows ``[KV_BLOCK, D]`` as they are stored, and the k
         rows as ``_load_heads`` gives them."""
         real = heads < Hkv
         v = tl.load((v_src + heads * HEAD_DIM)[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=real[:, None],
-                    eviction_policy=ROW_EVICTION)
-        x, a, b = _load_heads(k_src + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, ROW_EVICTION)
+                    eviction_policy=LOAD_EVICTION)
+        x, a, b = _load_heads(k_src + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, LOAD_EVICTION)
         return real, v, x, a, b
 
     @triton.jit
@@ -616,7 +619,8 @@ if has_triton():
         KV_BLOCK: tl.constexpr,  # kv heads per token of a k or v tile (with DEDUPE 2: per step)
         STRIDE_UNIT: tl.constexpr,  # stride_qt, stride_kt and stride_vt are in units of this many elements
         SLOTS_U32: tl.constexpr,  # NB * BS < 2^32: a slot's block and row in 32-bit arithmetic
-        ROW_EVICTION: tl.constexpr,  # the row loads' and output stores' L2 eviction policy (_row_eviction)
+        LOAD_EVICTION: tl.constexpr,  # the row loads' L2 eviction policy (_row_eviction)
+        STORE_EVICTION: tl.constexpr,  # the output stores' (_row_eviction)
     ):
         # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
         # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
@@ -651,7 +655,7 @@ if has_triton():
                 q_ptr + t * stride_qt + heads * HEAD_DIM, q_out_ptr + t * stride_ot + heads * stride_oh, heads < Hq,
                 live, q_w_ptr, cos_row, sin_row, eps, scale_ptr,
                 HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, False, TOKENS * BLOCK_H,
-                SOFT_ROUNDING, ROW_EVICTION,
+                SOFT_ROUNDING, LOAD_EVICTION, STORE_EVICTION,
             )
         elif DEDUPE == 2:
             # TOKENS = 1 and a single kv column (the launcher's rule with DEDUPE 2): this
@@ -672,7 +676,7 @@ if has_triton():
             k_src = k_ptr + kv_t * stride_kt
             v_src = v_ptr + kv_t * stride_vt
             real, v, x, a, b = _load_kv_heads(k_src, v_src, kh, Hkv, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX,
-                                              ROW_EVICTION)
+                                              LOAD_EVICTION)
             kv_scale = _kv_scale(scale_ptr, CACHE_FP8)
             if (slot >= 0) & (slot < n_slots):
                 # an int64 division here, after the loads (not _slot_block_row): with the 32-bit
@@ -687,14 +691,14 @@ if has_triton():
                     heads = c * KV_BLOCK + kh
                     if c > 0:
                         real, v, x, a, b = _load_kv_heads(k_src, v_src, heads, Hkv, HEAD_DIM, ROT_DIM, ROT_PAD,
-                                                          IS_NEOX, ROW_EVICTION)
+                                                          IS_NEOX, LOAD_EVICTION)
                     _norm_rope_store_loaded(
                         x, a, b, k_dst + heads * stride_kh, real, kh >= 0, k_w_ptr, kv_cos, kv_sin, eps,
                         kv_scale, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
-                        KV_BLOCK, SOFT_ROUNDING, ROW_EVICTION,
+                        KV_BLOCK, SOFT_ROUNDING, STORE_EVICTION,
                     )
                     _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real[:, None], kv_scale, CACHE_FP8,
-                                  SOFT_ROUNDING, ROW_EVICTION)
+                                  SOFT_ROUNDING, STORE_EVICTION)
                 _unlock_row(locks_ptr, slot)
         else:
             # The slot only addresses the stores: its load is issued beside the row's,
@@ -710,7 +714,7 @@ if has_triton():
                 slot, kv_live, kv_t, slot_ptr, n_insert, n_slots, block_size, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, k_w_ptr, kv_cos, kv_sin, Hkv, eps, scale_ptr, HEAD_DIM, ROT_DIM,
                 ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, KV_BLOCK, TOKENS * KV_BLOCK, KV_COLS,
-                DEDUPE, SCAN, SLOTS_U32, SOFT_ROUNDING, ROW_EVICTION,
+                DEDUPE, SCAN, SLOTS_U32, SOFT_ROUNDING, LOAD_EVICTION, STORE_EVICTION,
             )
 
 
@@ -765,9 +769,20 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: boo
     return block_h, num_warps, 1
 
 
-def _row_eviction(has_norm: bool) -> str:
-    """The L2 eviction policy of the row loads (q, k, v) and the output stores (q_out, the
-    caches): ``evict_first`` without the norm, the default with it. Each row is read once
+# L2 eviction policies of the row loads and the output stores, by name, for a benchmark's
+# sweep (``launch_gqa_kernel``'s ``eviction``); the launch's own rule is ``_row_eviction``
+EVICTIONS = {
+    "none": ("", ""),
+    "loads": ("evict_first", ""),
+    "stores": ("", "evict_first"),
+    "both": ("evict_first", "evict_first"),
+}
+
+
+def _row_eviction(has_norm: bool) -> tuple[str, str]:
+    """The L2 eviction policies (row loads, output stores) of a launch: of the row loads
+    (q, k, v) and the output stores (q_out, the caches) ``evict_first`` without the norm
+    (``EVICTIONS["both"]``), the default with it (``"none"``). Each row is read once
     and each output written once, so marking them first to go keeps the lines read again
     (the cos/sin rows, norm weights, slot_mapping, row locks) in L2. Same-run A/B on the H200
     (``bench/results/ab_stop36.md``, two runs each, us): without the norm Llama-3-8B T=4096
@@ -775,7 +790,7 @@ def _row_eviction(has_norm: bool) -> str:
     fp8 cache 15.9 -> 15.3 and 53.3 -> 51.3; with the norm faster at T=4096 (Qwen3-8B fp8 28.2
     -> 27.7) but slower at T=16384 (Qwen3-8B 106.2 -> 107.9, fp8 99.5 -> 101.0, Gemma-3-12B
     fp8 125.7 -> 128.5), so the normed launch keeps the default."""
-    return "" if has_norm else "evict_first"
+    return EVICTIONS["none" if has_norm else "both"]
 
 
 def stride_unit(*strides: int) -> int:
@@ -806,7 +821,7 @@ def cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin) -> tuple[torch.Tensor,
 def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
     kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, *,
-    launch_config: tuple[int, ...] | None = None, dedupe: str | None = None,
+    launch_config: tuple[int, ...] | None = None, dedupe: str | None = None, eviction: str | None = None,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
@@ -815,7 +830,8 @@ def launch_gqa_kernel(
     ``_launch_config``'s (TOKENS is 1 where a duplicated slot is scanned for or locked;
     MAXNREG caps the registers a thread, 0 leaves them to the compiler); ``dedupe`` ("off", "scan", "lock") overrides
     ``_duplicate_slots.dedupe_mode`` (the benchmark measures each, a GPU test what a write
-    without either does). Inputs are not checked here."""
+    without either does); ``eviction`` (a name in ``EVICTIONS``) overrides ``_row_eviction``'s
+    hints, for a sweep. Inputs are not checked here."""
     num_tokens, num_q_heads, head_dim = q_out.shape
     num_kv_heads = k_cache.shape[2]
     if num_tokens == 0:
@@ -840,6 +856,7 @@ def launch_gqa_kernel(
     kv_block = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim) if locked else block_h)
     q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, kv_block)
     has_norm = q_norm_weight is not None
+    load_eviction, store_eviction = EVICTIONS[eviction] if eviction else _row_eviction(has_norm)
     # unread placeholders for absent optional tensors (the constexprs keep them unread)
     q_w = q_norm_weight if has_norm else q
     k_w = k_norm_weight if has_norm else q
@@ -877,7 +894,8 @@ def launch_gqa_kernel(
         KV_BLOCK=kv_block,
         STRIDE_UNIT=unit,
         SLOTS_U32=k_cache.shape[0] * block_size < 1 << 32,  # then BS and every slot fit 32 bits
-        ROW_EVICTION=_row_eviction(has_norm),
+        LOAD_EVICTION=load_eviction,
+        STORE_EVICTION=store_eviction,
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )

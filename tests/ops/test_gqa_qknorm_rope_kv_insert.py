@@ -487,6 +487,22 @@ def test_triton_interpreter_launch_configs(launch_config, rope):
 
 @needs_triton
 @needs_interpreter
+@pytest.mark.parametrize("dedupe", ["off", "lock"])
+@pytest.mark.parametrize("eviction", ["none", "loads", "stores", "both"])
+def test_triton_interpreter_every_eviction_hint(eviction, dedupe):
+    """A sweep's eviction override (``EVICTIONS``) reaches every row load and store of the k/v
+    columns and of the locked kv program and changes no value: bit for bit, some slots
+    skipped (the hints only order L2 evictions on a GPU)."""
+    inputs, seed = seeded_gqa_inputs(5, 3, 1, 64, 16, "cpu", cache_dtype=FP8, num_inserted=4, skip_fraction=0.3)
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_triton(*actual.args(), launch_config=(2, 1), dedupe=dedupe, eviction=eviction)
+    assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
+    assert_untouched(actual, seed)
+
+
+@needs_triton
+@needs_interpreter
 @pytest.mark.parametrize("dedupe", ["off", "scan", "lock"])
 @pytest.mark.parametrize("rope", [(256, True), (256, False), (128, True), (96, True)],
                          ids=lambda r: f"R{r[0]}-{'neox' if r[1] else 'gptj'}")
@@ -742,7 +758,7 @@ def test_row_eviction_rule():
     """Rows and outputs marked first to leave L2 without the norm only: the H200 A/B
     (bench/results/ab_stop36.md) found that faster at T=4096 and 16384 without the norm and
     slower at T=16384 with it."""
-    from prepfuse.ops.gqa_qknorm_rope_kv_insert import _row_eviction
+    from prepfuse.ops.gqa_qknorm_rope_kv_insert import EVICTIONS, _row_eviction
 
-    assert _row_eviction(has_norm=False) == "evict_first"
-    assert _row_eviction(has_norm=True) == ""
+    assert _row_eviction(has_norm=False) == ("evict_first", "evict_first") == EVICTIONS["both"]
+    assert _row_eviction(has_norm=True) == ("", "") == EVICTIONS["none"]
