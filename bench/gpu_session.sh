@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Everything one device-tool call does on the GPU machine, in order, logging under $OUT:
 #   env  - GPU, driver, torch and triton versions
-#   tests - the whole pytest suite on CUDA (GPU-marked tests run, interpreter ones skip)
-#   sanitize - compute-sanitizer memcheck and racecheck on small shapes of each op (bench/sanitize_*.py)
+#   tests - the GPU-marked tests on CUDA, on PREPFUSE_GPU_TEST_WORKERS (8) xdist workers (632 in 4 min at
+#           stop 36; the whole suite in one process did not finish in a 10-minute call: the CPU tests are CI's);
+#           PREPFUSE_TEST_MARK="" runs every test, PREPFUSE_TEST_PATHS picks files
+#   sanitize - compute-sanitizer memcheck and racecheck on small shapes of each op (bench/sanitize_*.py;
+#           PREPFUSE_SANITIZE_SCRIPTS names fewer, e.g. the changed op's and bench/sanitize_duplicate_slots.py)
 #   sweep - the launch-configuration sweep of the fused kernel
 #   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
 #   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
@@ -58,13 +61,15 @@ for what in "${steps[@]}"; do
     tests)
         step tests
         # the whole log stays under $OUT; the reply shows the failures' names and the summary
-        python3 -m pytest -q -rfEs -p no:cacheprovider ${PREPFUSE_TEST_PATHS:-tests} >"$OUT/tests.log" 2>&1 || status=1
+        # shellcheck disable=SC2086
+        python3 -m pytest -q -rfEs -p no:cacheprovider -n "${PREPFUSE_GPU_TEST_WORKERS:-8}" \
+            ${PREPFUSE_TEST_MARK--m gpu} ${PREPFUSE_TEST_PATHS:-tests} >"$OUT/tests.log" 2>&1 || status=1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -n 40 | tee -a "$log"
         ;;
     sanitize)
         for tool in memcheck racecheck; do
             step "sanitize $tool"
-            for script in bench/sanitize_*.py; do
+            for script in ${PREPFUSE_SANITIZE_SCRIPTS:-bench/sanitize_*.py}; do
                 compute-sanitizer --tool "$tool" --error-exitcode 3 python3 "$script" 2>&1 \
                     | tail -n 15 | tee -a "$log" || status=1
             done
