@@ -13,6 +13,9 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
 - ``norm 48``: ``copy 48`` plus a correctly rounded RMSNorm of the row (sum, sqrt_rn, div_rn);
 - ``chain+norm 48``: a GQA q program's dependencies, ``chain 48`` and ``norm 48`` in one
   program (the norm's arithmetic can overlap the table row's round trip: how much does it?);
+- ``chain 48, 3 KB more code``: ``chain 48`` with about 190 more instructions, independent
+  integer work issued while its loads are in flight: if it costs what ``chain+norm 48`` adds
+  over ``chain 48``, a program pays for its code's fetch, not for the norm's arithmetic;
 - ``chain 48, 35 arguments``: ``chain 48`` with as many kernel arguments as the GQA op's
   kernel (31 unused ints): what the op's larger argument block costs a launch;
 - each op at T=1 on the benchmarks' inputs (``bench/profile_kernels.py``'s cases).
@@ -87,6 +90,24 @@ def _chain_norm_kernel(src, dst, pos_ptr, table, eps, D: tl.constexpr):
 
 
 @triton.jit
+def _chain_code_kernel(src, dst, pos_ptr, table, D: tl.constexpr, STEPS: tl.constexpr):
+    p = tl.program_id(0)
+    d = tl.arange(0, D)
+    pos = tl.load(pos_ptr)
+    x = tl.load(src + p * D + d).to(tl.float32)
+    # xorshift32 of each lane's index, STEPS rounds (6 instructions a round and value, four
+    # values a thread, four independent chains): code with no load behind it. It maps only 0
+    # to 0, so the where below changes lane 0 of program 0 alone and keeps the rounds alive.
+    h = (p * D + d).to(tl.uint32)
+    for _ in tl.static_range(STEPS):
+        h ^= h << 13
+        h ^= h >> 17
+        h ^= h << 5
+    c = tl.load(table + pos * D + d)
+    tl.store(dst + p * D + d, tl.where(h == 0, 0.0, x * c).to(tl.bfloat16))
+
+
+@triton.jit
 def _chain_args_kernel(src, dst, pos_ptr, table, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5,
                        b6, b7, b8, b9, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, e0, D: tl.constexpr):
     _chain_step(src, dst, pos_ptr, table, D)
@@ -110,6 +131,8 @@ def ladder() -> dict:
         "norm 48 (sum, sqrt_rn, div_rn)": lambda: _norm_kernel[(PROGRAMS,)](src, dst, 1e-6, HEAD_DIM, num_warps=1),
         "chain+norm 48 (a q program's dependencies)": lambda: _chain_norm_kernel[(PROGRAMS,)](
             src, dst, pos, table, 1e-6, HEAD_DIM, num_warps=1),
+        "chain 48, 3 KB more code": lambda: _chain_code_kernel[(PROGRAMS,)](src, dst, pos, table, HEAD_DIM, 8,
+                                                                           num_warps=1),
         # unused odd ints from 17 (none 1, none a multiple of 16: triton specialises neither)
         "chain 48, 35 arguments": lambda: _chain_args_kernel[(PROGRAMS,)](
             src, dst, pos, table, *[17 + 2 * i for i in range(31)], HEAD_DIM, num_warps=1),

@@ -52,3 +52,18 @@ def test_chain_with_unused_arguments_is_the_chain():
     assert torch.equal(dst_args, dst_chain)
     # the interpreter's bf16 conversion need not round to nearest: one bf16 step apart at most
     torch.testing.assert_close(dst_chain.float(), src.float() * table[3], rtol=2 ** -7, atol=1e-6)
+
+
+def test_chain_with_more_code_is_the_chain_but_its_first_value():
+    """The xorshift rounds only decide one value (lane 0 of program 0, whose index hashes to 0),
+    so the row times the chain's memory traffic with more code, not other work."""
+    import decode_floor
+
+    src, table, pos = _rows()
+    dst_chain = torch.full_like(src, float("nan"))
+    dst_code = torch.full_like(src, float("nan"))
+    decode_floor._chain_kernel[(4,)](src, dst_chain, pos, table, D, num_warps=1)
+    decode_floor._chain_code_kernel[(4,)](src, dst_code, pos, table, D, 8, num_warps=1)
+    assert dst_code[0, 0] == 0
+    dst_code[0, 0] = dst_chain[0, 0]
+    assert torch.equal(dst_code, dst_chain)
