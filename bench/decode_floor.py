@@ -13,9 +13,10 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
 - ``norm 48``: ``copy 48`` plus a correctly rounded RMSNorm of the row (sum, sqrt_rn, div_rn);
 - ``chain+norm 48``: a GQA q program's dependencies, ``chain 48`` and ``norm 48`` in one
   program (the norm's arithmetic can overlap the table row's round trip: how much does it?);
-- ``chain 48, 3 KB more code``: ``chain 48`` with about 190 more instructions, independent
-  integer work issued while its loads are in flight: if it costs what ``chain+norm 48`` adds
-  over ``chain 48``, a program pays for its code's fetch, not for the norm's arithmetic;
+- ``chain 48, 3 KB more code``: ``chain 48`` with about 210 more instructions, independent
+  integer work that sm_90 runs while the table row is in flight (where ``chain+norm 48``
+  runs the norm): if it costs what the norm added there, a program pays for the code it
+  runs during the round trip, not for the norm's latency;
 - ``chain 48, 35 arguments``: ``chain 48`` with as many kernel arguments as the GQA op's
   kernel (31 unused ints): what the op's larger argument block costs a launch;
 - each op at T=1 on the benchmarks' inputs (``bench/profile_kernels.py``'s cases).

@@ -721,8 +721,7 @@ if has_triton():
 def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True,
                    locked: bool = True, full_cos_sin: bool = False, cache_fp8: bool = False) -> tuple[int, ...]:
     """(q heads per program and token, warps per program, tokens per program[, register cap]),
-    from the H200
-    sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
+    from the H200 sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
     ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200*.json``; k and v programs
     take the kv heads up to that many, ``launch_gqa_kernel``).
 
