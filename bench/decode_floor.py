@@ -18,7 +18,7 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
   runs the norm): if it costs what the norm added there, a program pays for the code it
   runs during the round trip, not for the norm's latency;
 - ``chain 48, after a 3 KB jump``: ``chain 48`` reached by a branch over that code, as the
-  GQA op's k and v programs reach theirs (at 2.8 and 6 KB from the kernel's start): what a
+  GQA op's k and v programs reach theirs (Qwen3-8B T=1: 2.8 and 6.3 KB in): what a
   branch target far from the first instructions costs a program that runs once;
 - ``chain 48, 35 arguments``: ``chain 48`` with as many kernel arguments as the GQA op's
   kernel (31 unused ints): what the op's larger argument block costs a launch;
