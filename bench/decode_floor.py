@@ -17,6 +17,9 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
   integer work that sm_90 runs while the table row is in flight (where ``chain+norm 48``
   runs the norm): if it costs what the norm added there, a program pays for the code it
   runs during the round trip, not for the norm's latency;
+- ``chain 48, after a 3 KB jump``: ``chain 48`` reached by a branch over that code, as the
+  GQA op's k and v programs reach theirs (Qwen3-8B T=1: 2.8 and 6.3 KB in): what a
+  branch target far from the first instructions costs a program that runs once;
 - ``chain 48, 35 arguments``: ``chain 48`` with as many kernel arguments as the GQA op's
   kernel (31 unused ints): what the op's larger argument block costs a launch;
 - each op at T=1 on the benchmarks' inputs (``bench/profile_kernels.py``'s cases).
@@ -91,7 +94,7 @@ def _chain_norm_kernel(src, dst, pos_ptr, table, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _chain_code_kernel(src, dst, pos_ptr, table, D: tl.constexpr, STEPS: tl.constexpr):
+def _chain_code_step(src, dst, pos_ptr, table, D: tl.constexpr, STEPS: tl.constexpr):
     p = tl.program_id(0)
     d = tl.arange(0, D)
     pos = tl.load(pos_ptr)
@@ -106,6 +109,23 @@ def _chain_code_kernel(src, dst, pos_ptr, table, D: tl.constexpr, STEPS: tl.cons
         h ^= h << 5
     c = tl.load(table + pos * D + d)
     tl.store(dst + p * D + d, tl.where(h == 0, 0.0, x * c).to(tl.bfloat16))
+
+
+@triton.jit
+def _chain_code_kernel(src, dst, pos_ptr, table, D: tl.constexpr, STEPS: tl.constexpr):
+    _chain_code_step(src, dst, pos_ptr, table, D, STEPS)
+
+
+@triton.jit
+def _chain_far_kernel(src, dst, pos_ptr, table, path, D: tl.constexpr, STEPS: tl.constexpr):
+    # path is 3 at run time (an int argument of 1 would be specialised away): every program
+    # branches over the first branch's code to the chain before any load, as the op's k and
+    # v programs do. The first branch (never run) reads other addresses, so that the compiler
+    # cannot hoist the chain's loads above the branch.
+    if path == 2:
+        _chain_code_step(src + D, dst, pos_ptr + 1, table, D, STEPS)
+    else:
+        _chain_step(src, dst, pos_ptr, table, D)
 
 
 @triton.jit
@@ -134,6 +154,8 @@ def ladder() -> dict:
             src, dst, pos, table, 1e-6, HEAD_DIM, num_warps=1),
         "chain 48, 3 KB more code": lambda: _chain_code_kernel[(PROGRAMS,)](src, dst, pos, table, HEAD_DIM, 8,
                                                                            num_warps=1),
+        "chain 48, after a 3 KB jump": lambda: _chain_far_kernel[(PROGRAMS,)](src, dst, pos, table, 3, HEAD_DIM, 8,
+                                                                             num_warps=1),
         # unused odd ints from 17 (none 1, none a multiple of 16: triton specialises neither)
         "chain 48, 35 arguments": lambda: _chain_args_kernel[(PROGRAMS,)](
             src, dst, pos, table, *[17 + 2 * i for i in range(31)], HEAD_DIM, num_warps=1),

@@ -67,3 +67,14 @@ def test_chain_with_more_code_is_the_chain_but_its_first_value():
     assert dst_code[0, 0] == 0
     dst_code[0, 0] = dst_chain[0, 0]
     assert torch.equal(dst_code, dst_chain)
+
+
+def test_chain_after_a_jump_is_the_chain():
+    import decode_floor
+
+    src, table, pos = _rows()
+    dst_chain = torch.full_like(src, float("nan"))
+    dst_far = torch.full_like(src, float("nan"))
+    decode_floor._chain_kernel[(4,)](src, dst_chain, pos, table, D, num_warps=1)
+    decode_floor._chain_far_kernel[(4,)](src, dst_far, pos, table, 3, D, 8, num_warps=1)
+    assert torch.equal(dst_far, dst_chain)
