@@ -29,12 +29,20 @@ def _rows():
     return src, table, pos
 
 
+def _stored(kernel, *args):
+    """What ``kernel[(4,)](src, dst, pos, table, *args)`` leaves in a NaN-filled ``dst``, on
+    ``_rows()``'s inputs (the same each call)."""
+    src, table, pos = _rows()
+    dst = torch.full_like(src, float("nan"))
+    kernel[(4,)](src, dst, pos, table, *args, num_warps=1)
+    return dst
+
+
 def test_chain_norm_is_the_normed_row_times_the_table_row():
     import decode_floor
 
-    src, table, pos = _rows()
-    dst = torch.full_like(src, float("nan"))
-    decode_floor._chain_norm_kernel[(4,)](src, dst, pos, table, 1e-6, D, num_warps=1)
+    dst = _stored(decode_floor._chain_norm_kernel, 1e-6, D)
+    src, table, _ = _rows()
     x = src.float()
     rstd = 1.0 / torch.sqrt((x * x).sum(1, keepdim=True) / D + 1e-6)
     torch.testing.assert_close(dst.float(), (x * rstd * table[3]).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
@@ -43,13 +51,10 @@ def test_chain_norm_is_the_normed_row_times_the_table_row():
 def test_chain_with_unused_arguments_is_the_chain():
     import decode_floor
 
-    src, table, pos = _rows()
-    dst_chain = torch.full_like(src, float("nan"))
-    dst_args = torch.full_like(src, float("nan"))
-    decode_floor._chain_kernel[(4,)](src, dst_chain, pos, table, D, num_warps=1)
-    decode_floor._chain_args_kernel[(4,)](src, dst_args, pos, table, *[17 + 2 * i for i in range(31)], D,
-                                          num_warps=1)
+    dst_chain = _stored(decode_floor._chain_kernel, D)
+    dst_args = _stored(decode_floor._chain_args_kernel, *[17 + 2 * i for i in range(31)], D)
     assert torch.equal(dst_args, dst_chain)
+    src, table, _ = _rows()
     # the interpreter's bf16 conversion need not round to nearest: one bf16 step apart at most
     torch.testing.assert_close(dst_chain.float(), src.float() * table[3], rtol=2 ** -7, atol=1e-6)
 
@@ -59,11 +64,8 @@ def test_chain_with_more_code_is_the_chain_but_its_first_value():
     so the row times the chain's memory traffic with more code, not other work."""
     import decode_floor
 
-    src, table, pos = _rows()
-    dst_chain = torch.full_like(src, float("nan"))
-    dst_code = torch.full_like(src, float("nan"))
-    decode_floor._chain_kernel[(4,)](src, dst_chain, pos, table, D, num_warps=1)
-    decode_floor._chain_code_kernel[(4,)](src, dst_code, pos, table, D, 8, num_warps=1)
+    dst_chain = _stored(decode_floor._chain_kernel, D)
+    dst_code = _stored(decode_floor._chain_code_kernel, D, 8)
     assert dst_code[0, 0] == 0
     dst_code[0, 0] = dst_chain[0, 0]
     assert torch.equal(dst_code, dst_chain)
@@ -72,9 +74,4 @@ def test_chain_with_more_code_is_the_chain_but_its_first_value():
 def test_chain_after_a_jump_is_the_chain():
     import decode_floor
 
-    src, table, pos = _rows()
-    dst_chain = torch.full_like(src, float("nan"))
-    dst_far = torch.full_like(src, float("nan"))
-    decode_floor._chain_kernel[(4,)](src, dst_chain, pos, table, D, num_warps=1)
-    decode_floor._chain_far_kernel[(4,)](src, dst_far, pos, table, 3, D, 8, num_warps=1)
-    assert torch.equal(dst_far, dst_chain)
+    assert torch.equal(_stored(decode_floor._chain_far_kernel, 3, D, 8), _stored(decode_floor._chain_kernel, D))
