@@ -778,18 +778,23 @@ EVICTIONS = {
 }
 
 
-def _row_eviction(has_norm: bool) -> tuple[str, str]:
+def _row_eviction(has_norm: bool, locked: bool) -> tuple[str, str]:
     """The L2 eviction policies (row loads, output stores) of a launch: of the row loads
-    (q, k, v) and the output stores (q_out, the caches) ``evict_first`` without the norm
-    (``EVICTIONS["both"]``), the default with it (``"none"``). Each row is read once
-    and each output written once, so marking them first to go keeps the lines read again
-    (the cos/sin rows, norm weights, slot_mapping, row locks) in L2. Same-run A/B on the H200
-    (``bench/results/ab_stop36.md``, two runs each, us): without the norm Llama-3-8B T=4096
-    28.88 -> 28.40 and T=16384 106.9 -> 105.1, Llama-3.2-1B 16.00 -> 15.68 and 55.2 -> 53.7, its
-    fp8 cache 15.9 -> 15.3 and 53.3 -> 51.3; with the norm faster at T=4096 (Qwen3-8B fp8 28.2
-    -> 27.7) but slower at T=16384 (Qwen3-8B 106.2 -> 107.9, fp8 99.5 -> 101.0, Gemma-3-12B
-    fp8 125.7 -> 128.5), so the normed launch keeps the default."""
-    return EVICTIONS["none" if has_norm else "both"]
+    (q, k, v) and the output stores (q_out, the caches) ``evict_first`` on the locked launch
+    (more than 1024 rows) without the norm (``EVICTIONS["both"]``), the default otherwise
+    (``"none"``). Each row is read once and each output written once, so marking them first
+    to go keeps the lines read again (the cos/sin rows, norm weights, slot_mapping, row
+    locks) in L2. Same-run A/B on the H200 (``bench/results/ab_stop36.md``, two runs each,
+    us): without the norm Llama-3-8B T=4096 28.88 -> 28.40 and T=16384 106.9 -> 105.1,
+    Llama-3.2-1B 16.00 -> 15.68 and 55.2 -> 53.7, its fp8 cache 15.9 -> 15.3 and 53.3 -> 51.3;
+    with the norm faster at T=4096 (Qwen3-8B fp8 28.2 -> 27.7) but slower at T=16384 (Qwen3-8B
+    106.2 -> 107.9, fp8 99.5 -> 101.0, Gemma-3-12B fp8 125.7 -> 128.5; loads or stores alone
+    slower at every T, ``..._sweep_nvidia-h200_stop37_normed_eviction.json``), so the normed
+    launch keeps the default. The scanned launch (up to 1024 rows, where the whole working set
+    fits in L2) keeps it too: with the hints the pages' T=512 rows ran 2-3% slower (Llama-3-8B
+    3.87 -> 3.95 us, Llama-3.2-1B 2.95 -> 3.03, fp8 3.24 -> 3.34, ``docs/ops.md``) while the
+    normed rows, without them, moved under 0.3%."""
+    return EVICTIONS["both" if locked and not has_norm else "none"]
 
 
 def stride_unit(*strides: int) -> int:
@@ -855,7 +860,7 @@ def launch_gqa_kernel(
     kv_block = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim) if locked else block_h)
     q_cols, kv_cols = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, kv_block)
     has_norm = q_norm_weight is not None
-    load_eviction, store_eviction = EVICTIONS[eviction] if eviction else _row_eviction(has_norm)
+    load_eviction, store_eviction = EVICTIONS[eviction] if eviction else _row_eviction(has_norm, locked)
     # unread placeholders for absent optional tensors (the constexprs keep them unread)
     q_w = q_norm_weight if has_norm else q
     k_w = k_norm_weight if has_norm else q

@@ -755,10 +755,11 @@ def test_launch_table():
 
 @needs_triton
 def test_row_eviction_rule():
-    """Rows and outputs marked first to leave L2 without the norm only: the H200 A/B
-    (bench/results/ab_stop36.md) found that faster at T=4096 and 16384 without the norm and
-    slower at T=16384 with it."""
+    """Rows and outputs marked first to leave L2 on the locked launch without the norm only:
+    the H200 A/B (bench/results/ab_stop36.md) found that faster at T=4096 and 16384 without
+    the norm and slower at T=16384 with it; the pages found it slower at T=512 (scanned)."""
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import EVICTIONS, _row_eviction
 
-    assert _row_eviction(has_norm=False) == ("evict_first", "evict_first") == EVICTIONS["both"]
-    assert _row_eviction(has_norm=True) == ("", "") == EVICTIONS["none"]
+    assert _row_eviction(has_norm=False, locked=True) == ("evict_first", "evict_first") == EVICTIONS["both"]
+    for has_norm, locked in ((True, True), (True, False), (False, False)):
+        assert _row_eviction(has_norm=has_norm, locked=locked) == ("", "") == EVICTIONS["none"]
