@@ -22,7 +22,13 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
   branch target far from the first instructions costs a program that runs once;
 - ``chain 48, 35 arguments``: ``chain 48`` with as many kernel arguments as the GQA op's
   kernel (31 unused ints): what the op's larger argument block costs a launch;
-- each op at T=1 on the benchmarks' inputs (``bench/profile_kernels.py``'s cases).
+- each op at T=1 on the benchmarks' inputs (``bench/profile_kernels.py``'s cases);
+- each GQA op's launch cut to the first programs of its grid (``_gqa_grid_cut``: at T=1
+  one head a program, the q heads', then the k heads', then the v heads'): its first
+  program alone, its q programs, its q and k programs. The op's time is its slowest
+  program's, so these rows say which kind of program holds a T=1 launch above the
+  ladder's minimal kernels. They store only part of the op's outputs and are not gated
+  (the whole op is, before them).
 
 The difference between neighbouring rows is what that step costs; the JSON keeps them all.
 """
@@ -30,6 +36,7 @@ The difference between neighbouring rows is what that step costs; the JSON keeps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -162,8 +169,44 @@ def ladder() -> dict:
     }
 
 
+@contextlib.contextmanager
+def _gqa_grid_cut(programs: int):
+    """While open, the GQA op launches its kernel on the first ``programs`` programs of the
+    grid it asks for (the module's kernel stands in behind an object whose ``[grid]`` cuts
+    the grid). A CUDA graph captured inside keeps the cut launch."""
+    from prepfuse.ops import gqa_qknorm_rope_kv_insert as gqa_op
+
+    kernel = gqa_op._gqa_qknorm_rope_kv_insert_kernel
+
+    class _Cut:
+        def __getitem__(self, grid):
+            return kernel[(min(grid[0], programs),)]
+
+    gqa_op._gqa_qknorm_rope_kv_insert_kernel = _Cut()
+    try:
+        yield
+    finally:
+        gqa_op._gqa_qknorm_rope_kv_insert_kernel = kernel
+
+
+def gqa_prefixes(case: str) -> dict[str, int]:
+    """Row names and program counts of a GQA case's cut launches at T=1 (one head a program:
+    Hq q programs, then Hkv k and Hkv v programs)."""
+    import bench_gqa_qknorm_rope_kv_insert as gqa
+
+    hq, hkv = gqa.MODELS[case.removeprefix("gqa-")][:2]
+    total = hq + 2 * hkv
+    return {f"op {case}, first program only": 1,
+            f"op {case}, q programs only ({hq} of {total})": hq,
+            f"op {case}, q and k programs ({hq + hkv} of {total})": hq + hkv}
+
+
 def op_rows(cases: list[str]) -> dict:
     import profile_kernels
+
+    def cut(launch, inputs, programs):
+        with _gqa_grid_cut(programs):
+            launch(inputs)
 
     rows = {}
     for case in cases:
@@ -172,6 +215,9 @@ def op_rows(cases: list[str]) -> dict:
         if not ok:
             raise SystemExit(f"{case}: the fused op's gate failed at T=1; no time is reported")
         rows[f"op {case}"] = (lambda launch=launch, inputs=inputs: launch(inputs))
+        if case.startswith("gqa-"):
+            for name, programs in gqa_prefixes(case).items():
+                rows[name] = (lambda launch=launch, inputs=inputs, programs=programs: cut(launch, inputs, programs))
     return rows
 
 

@@ -75,3 +75,46 @@ def test_chain_after_a_jump_is_the_chain():
     import decode_floor
 
     assert torch.equal(_stored(decode_floor._chain_far_kernel, 3, D, 8), _stored(decode_floor._chain_kernel, D))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def test_gqa_grid_cut_runs_only_the_first_programs():
+    """The cut rows time what their names say: at T=1 the q programs write q_out and no
+    cache row, the q and k programs q_out and k_cache but no v row, and a cut as large as
+    the grid is the whole op; the module's kernel is restored after each."""
+    import decode_floor
+
+    from prepfuse.ops import gqa_qknorm_rope_kv_insert as gqa_op
+    from prepfuse.ops import gqa_qknorm_rope_kv_insert_triton
+    from prepfuse.testing import seeded_gqa_inputs
+
+    hq, hkv = 4, 2
+    inputs, seed = seeded_gqa_inputs(1, hq, hkv, 64, 16, "cpu", skip_fraction=0.0)
+    whole = inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_triton(*whole.args())
+    kernel = gqa_op._gqa_qknorm_rope_kv_insert_kernel
+    for programs, writes in ((hq, ("q_out",)), (hq + hkv, ("q_out", "k_cache")),
+                             (hq + 2 * hkv, ("q_out", "k_cache", "v_cache"))):
+        cut, poisoned = inputs.fresh_outputs(), inputs.fresh_outputs()
+        with decode_floor._gqa_grid_cut(programs):
+            gqa_qknorm_rope_kv_insert_triton(*cut.args())
+        assert gqa_op._gqa_qknorm_rope_kv_insert_kernel is kernel
+        for name in ("q_out", "k_cache", "v_cache"):
+            expected = getattr(whole if name in writes else poisoned, name)
+            assert torch.equal(_bits(getattr(cut, name)), _bits(expected)), f"seed={seed}: {programs} programs, {name}"
+    # the whole op does write every output (the poisoned copies are not what it leaves)
+    for name in ("q_out", "k_cache", "v_cache"):
+        assert not torch.equal(_bits(getattr(whole, name)), _bits(getattr(inputs.fresh_outputs(), name)))
+
+
+def test_gqa_prefixes_name_the_grid_of_the_case():
+    import decode_floor
+
+    assert decode_floor.gqa_prefixes("gqa-qwen3-8b") == {
+        "op gqa-qwen3-8b, first program only": 1,
+        "op gqa-qwen3-8b, q programs only (32 of 48)": 32,
+        "op gqa-qwen3-8b, q and k programs (40 of 48)": 40,
+    }
