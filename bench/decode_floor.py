@@ -28,7 +28,9 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
   program alone, its q programs, its q and k programs. The op's time is its slowest
   program's, so these rows say which kind of program holds a T=1 launch above the
   ladder's minimal kernels. They store only part of the op's outputs and are not gated
-  (the whole op is, before them).
+  (the whole op is, before them);
+- the q and k cut and the whole GQA op with every slot -1 (``gqa_slots_skipped``): the
+  same programs with their cache stores masked off, what those stores cost.
 
 The difference between neighbouring rows is what that step costs; the JSON keeps them all.
 """
@@ -201,6 +203,15 @@ def gqa_prefixes(case: str) -> dict[str, int]:
             f"op {case}, q and k programs ({hq + hkv} of {total})": hq + hkv}
 
 
+def gqa_slots_skipped(inputs):
+    """The same inputs with every slot -1: the k and v programs compute as before and store
+    nothing (a skipped slot masks their stores), so beside the op's rows this says what the
+    cache stores, whose address waits on the slot, cost a T=1 launch."""
+    import dataclasses
+
+    return dataclasses.replace(inputs, slot_mapping=torch.full_like(inputs.slot_mapping, -1))
+
+
 def op_rows(cases: list[str]) -> dict:
     import profile_kernels
 
@@ -218,6 +229,12 @@ def op_rows(cases: list[str]) -> dict:
         if case.startswith("gqa-"):
             for name, programs in gqa_prefixes(case).items():
                 rows[name] = (lambda launch=launch, inputs=inputs, programs=programs: cut(launch, inputs, programs))
+            # the q and k cut (the last) and the whole op again, with no cache store
+            name, programs = list(gqa_prefixes(case).items())[-1]
+            skipped = gqa_slots_skipped(inputs)
+            rows[f"{name}, slot -1"] = (lambda launch=launch, skipped=skipped, programs=programs:
+                                        cut(launch, skipped, programs))
+            rows[f"op {case}, slot -1"] = (lambda launch=launch, skipped=skipped: launch(skipped))
     return rows
 
 

@@ -118,3 +118,24 @@ def test_gqa_prefixes_name_the_grid_of_the_case():
         "op gqa-qwen3-8b, q programs only (32 of 48)": 32,
         "op gqa-qwen3-8b, q and k programs (40 of 48)": 40,
     }
+
+
+def test_gqa_slots_skipped_computes_q_and_stores_no_cache_row():
+    """The slot -1 rows run the same programs with the cache stores masked: q_out as the
+    op's, both caches untouched, and the original inputs' slots left as they were."""
+    import decode_floor
+
+    from prepfuse.ops import gqa_qknorm_rope_kv_insert_triton
+    from prepfuse.testing import seeded_gqa_inputs
+
+    inputs, seed = seeded_gqa_inputs(1, 4, 2, 64, 16, "cpu", skip_fraction=0.0)
+    slots = inputs.slot_mapping.clone()
+    whole = inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_triton(*whole.args())
+    skipped = decode_floor.gqa_slots_skipped(inputs.fresh_outputs())
+    poisoned = inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_triton(*skipped.args())
+    assert torch.equal(_bits(skipped.q_out), _bits(whole.q_out)), f"seed={seed}"
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(_bits(getattr(skipped, name)), _bits(getattr(poisoned, name))), f"seed={seed}: {name}"
+    assert torch.equal(inputs.slot_mapping, slots) and bool((slots >= 0).all())
