@@ -30,7 +30,12 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
   ladder's minimal kernels. They store only part of the op's outputs and are not gated
   (the whole op is, before them);
 - the q and k cut and the whole GQA op with every slot -1 (``gqa_slots_skipped``): the
-  same programs with their cache stores masked off, what those stores cost.
+  same programs with their cache stores masked off, what those stores cost;
+- the whole GQA op with its kv programs first (``launch_gqa_kernel``'s ``kv_first``: the
+  grid dispatches a token's k and v programs before its q programs), and that launch cut
+  to its k programs: whether the normed k programs, dispatched last in the op's own
+  order, are what holds it, and how long a launch of only them takes beside ``first
+  program only`` (one q program).
 
 The difference between neighbouring rows is what that step costs; the JSON keeps them all.
 """
@@ -212,6 +217,28 @@ def gqa_slots_skipped(inputs):
     return dataclasses.replace(inputs, slot_mapping=torch.full_like(inputs.slot_mapping, -1))
 
 
+def gqa_kv_first_rows(case: str, inputs, cut) -> dict:
+    """The kv-first rows of a GQA case at T=1: the whole launch with each token's kv programs
+    first, gated first as the op's own launch is, and that launch cut to its Hkv k
+    programs (``cut(launch, inputs, programs)``)."""
+    import bench_gqa_qknorm_rope_kv_insert as gqa
+
+    from prepfuse.ops import gqa_qknorm_rope_kv_insert_triton
+
+    model = gqa.MODELS[case.removeprefix("gqa-")]
+    hq, hkv = model[:2]
+
+    def kv_first(inp):
+        gqa_qknorm_rope_kv_insert_triton(*inp.args(), kv_first=True)
+
+    ok, _ = gqa._gate(kv_first, inputs, model)
+    if not ok:
+        raise SystemExit(f"{case}: the kv-first launch's gate failed at T=1; no time is reported")
+    return {f"op {case}, kv programs first": lambda: kv_first(inputs),
+            f"op {case}, kv programs first, k programs only ({hkv} of {hq + 2 * hkv})":
+                lambda: cut(kv_first, inputs, hkv)}
+
+
 def op_rows(cases: list[str]) -> dict:
     import profile_kernels
 
@@ -235,6 +262,7 @@ def op_rows(cases: list[str]) -> dict:
             rows[f"{name}, slot -1"] = (lambda launch=launch, skipped=skipped, programs=programs:
                                         cut(launch, skipped, programs))
             rows[f"op {case}, slot -1"] = (lambda launch=launch, skipped=skipped: launch(skipped))
+            rows.update(gqa_kv_first_rows(case, inputs, cut))
     return rows
 
 

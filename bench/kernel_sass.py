@@ -1,6 +1,6 @@
 """Compile one op's Triton kernel for sm_90 on a machine without a GPU, and count what it does.
 
-    python bench/kernel_sass.py gqa-qwen3-8b 16384 [--launch-config 16,2] [--dedupe lock] [--out DIR]
+    python bench/kernel_sass.py gqa-qwen3-8b 16384 [--launch-config 16,2] [--dedupe lock] [--kv-first] [--out DIR]
 
 The case names and inputs are ``bench/profile_kernels.py``'s (the benchmarks' own, made on
 the CPU), so the kernel compiled here is the one the benchmark times, with the same
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("tokens", type=int)
     p.add_argument("--launch-config", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
     p.add_argument("--dedupe", choices=["off", "scan", "lock"], default=None)
+    p.add_argument("--kv-first", action="store_true", help="GQA: each token's kv programs first (kv_first)")
     p.add_argument("--out", type=Path, default=Path("/tmp/prepfuse_sass"))
     args = p.parse_args(argv)
     compiled = _compile_only()
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kernel_fn = next(f for prefix, f in _kernels().items() if args.case.startswith(prefix))
     _, inputs, _ = profile_kernels.CASES[args.case](args.tokens)
-    options = {k: v for k, v in (("launch_config", args.launch_config), ("dedupe", args.dedupe)) if v is not None}
+    options = {k: v for k, v in (("launch_config", args.launch_config), ("dedupe", args.dedupe),
+                                 ("kv_first", args.kv_first or None)) if v is not None}
     kernel_fn(*inputs.args(), **options)
     if not compiled:
         print("no Triton kernel was launched", file=sys.stderr)

@@ -621,6 +621,7 @@ if has_triton():
         SLOTS_U32: tl.constexpr,  # NB * BS < 2^32: a slot's block and row in 32-bit arithmetic
         LOAD_EVICTION: tl.constexpr,  # the row loads' L2 eviction policy (_row_eviction)
         STORE_EVICTION: tl.constexpr,  # the output stores' (_row_eviction)
+        KV_FIRST: tl.constexpr,  # a token's kv columns take its first programs, its q columns the rest
     ):
         # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
         # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
@@ -638,6 +639,10 @@ if has_triton():
             n_cols = Q_COLS + 2 * KV_COLS
         col = pid % n_cols
         tok = pid // n_cols
+        if KV_FIRST:
+            # the kv columns first: at T=1 the normed k programs are the launch's longest
+            # (launch_gqa_kernel's kv_first), so they are dispatched before the q programs
+            col = (col + Q_COLS) % n_cols
         # token strides arrive divided by STRIDE_UNIT, so that the row loads vectorise
         # where a token stride is a multiple of 16 bytes but not of 16 elements (a slice
         # of a wider buffer): triton only marks an int argument divisible by 16
@@ -826,6 +831,7 @@ def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
     kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, *,
     launch_config: tuple[int, ...] | None = None, dedupe: str | None = None, eviction: str | None = None,
+    kv_first: bool = False,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
@@ -835,7 +841,11 @@ def launch_gqa_kernel(
     MAXNREG caps the registers a thread, 0 leaves them to the compiler); ``dedupe`` ("off", "scan", "lock") overrides
     ``_duplicate_slots.dedupe_mode`` (the benchmark measures each, a GPU test what a write
     without either does); ``eviction`` (a name in ``EVICTIONS``) overrides ``_row_eviction``'s
-    hints, for a sweep. Inputs are not checked here."""
+    hints, for a sweep; ``kv_first`` orders each token's programs kv columns first, q
+    columns after (the grid otherwise follows qkv's order), for the decode floor's rows: at
+    T=1 the normed k programs hold the launch 0.17-0.27 us over its q programs
+    (``bench/decode_floor.py``'s cut rows), and the grid dispatches them last. Inputs are
+    not checked here."""
     num_tokens, num_q_heads, head_dim = q_out.shape
     num_kv_heads = k_cache.shape[2]
     if num_tokens == 0:
@@ -900,6 +910,7 @@ def launch_gqa_kernel(
         SLOTS_U32=k_cache.shape[0] * block_size < 1 << 32,  # then BS and every slot fit 32 bits
         LOAD_EVICTION=load_eviction,
         STORE_EVICTION=store_eviction,
+        KV_FIRST=bool(kv_first),
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -139,3 +139,39 @@ def test_gqa_slots_skipped_computes_q_and_stores_no_cache_row():
     for name in ("k_cache", "v_cache"):
         assert torch.equal(_bits(getattr(skipped, name)), _bits(getattr(poisoned, name))), f"seed={seed}: {name}"
     assert torch.equal(inputs.slot_mapping, slots) and bool((slots >= 0).all())
+
+
+def test_gqa_kv_first_rows_launch_the_k_programs_first(monkeypatch):
+    """The kv-first rows run what they say: the whole launch writes every output as the op's
+    own order does, and its cut to Hkv programs writes k_cache and nothing else (the k
+    programs lead the grid); the rows are gated before they are timed."""
+    import bench_gqa_qknorm_rope_kv_insert as gqa
+    import decode_floor
+
+    from prepfuse.ops import gqa_qknorm_rope_kv_insert_triton
+    from prepfuse.testing import seeded_gqa_inputs
+
+    hq, hkv = 4, 2
+    monkeypatch.setitem(gqa.MODELS, "tiny", (hq, hkv) + tuple(gqa.MODELS["qwen3-8b"][2:]))
+    gated = []
+    monkeypatch.setattr(gqa, "_gate", lambda fn, inputs, model: (gated.append(model) or True, {}))
+    inputs, seed = seeded_gqa_inputs(1, hq, hkv, 64, 16, "cpu", skip_fraction=0.0)
+    whole = inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_triton(*whole.args())
+
+    def cut(launch, inp, programs):
+        with decode_floor._gqa_grid_cut(programs):
+            launch(inp)
+
+    rows = decode_floor.gqa_kv_first_rows("gqa-tiny", inputs, cut)
+    assert list(rows) == ["op gqa-tiny, kv programs first",
+                          "op gqa-tiny, kv programs first, k programs only (2 of 8)"]
+    assert len(gated) == 1
+    poisoned = inputs.fresh_outputs()
+    for name, writes in zip(rows, (("q_out", "k_cache", "v_cache"), ("k_cache",))):
+        for out in ("q_out", "k_cache", "v_cache"):
+            getattr(inputs, out).copy_(getattr(poisoned, out))
+        rows[name]()
+        for out in ("q_out", "k_cache", "v_cache"):
+            expected = getattr(whole if out in writes else poisoned, out)
+            assert torch.equal(_bits(getattr(inputs, out)), _bits(expected)), f"seed={seed}: {name}, {out}"

@@ -503,6 +503,24 @@ def test_triton_interpreter_every_eviction_hint(eviction, dedupe):
 
 @needs_triton
 @needs_interpreter
+@pytest.mark.parametrize("tokens, launch_config, dedupe", [
+    (1, (1, 1), "off"), (5, (2, 1), "off"), (5, (2, 1, 2), "off"), (5, (2, 1), "scan"), (5, (2, 1), "lock"),
+], ids=["T1", "T5", "T5-two-token-tiles", "T5-scan", "T5-lock"])
+def test_triton_interpreter_kv_first_order(tokens, launch_config, dedupe):
+    """``kv_first`` (the decode floor's rows) only reorders each token's programs: bit for bit
+    the reference with one token a program and two (a scan or a lock reads one), on every
+    dedupe mode, some slots skipped, every lock released."""
+    inputs, seed = seeded_gqa_inputs(tokens, 3, 2, 64, 16, "cpu", cache_dtype=FP8, skip_fraction=0.3)
+    expected = run(gqa_qknorm_rope_kv_insert_reference, inputs)
+    actual = inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_triton(*actual.args(), launch_config=launch_config, dedupe=dedupe, kv_first=True)
+    assert compare_gqa(expected, actual).exact(), f"seed={seed}: {compare_gqa(expected, actual)}"
+    assert_untouched(actual, seed)
+    assert not _duplicate_slots.row_locks(actual.k_cache.device).any()
+
+
+@needs_triton
+@needs_interpreter
 @pytest.mark.parametrize("dedupe", ["off", "scan", "lock"])
 @pytest.mark.parametrize("rope", [(256, True), (256, False), (128, True), (96, True)],
                          ids=lambda r: f"R{r[0]}-{'neox' if r[1] else 'gptj'}")
