@@ -269,6 +269,8 @@ def run_benchmark(args) -> dict:
     data["copy_bandwidth"] = harness.measure_copy_bandwidth(4 << 30)
     copy_bw = data["copy_bandwidth"]["GBps"]
     print(f"{info['device']}: copy bandwidth {copy_bw:.0f} GB/s ({data['copy_bandwidth']['method']})", flush=True)
+    data["tiny_graph"] = harness.measure_tiny_graph()  # the T=1 target's floor, this run's
+    print(f"one tiny kernel in a graph {data['tiny_graph']['us_median']:.2f} us", flush=True)
     for fmt in args.formats:
         impls = [i for i in args.impls if i == "fused" or fmt in MODEL_SPELLINGS]
         for t in sorted(args.tokens):
@@ -361,6 +363,9 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         f"(all inserted), block size {data['block_size']}.",
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
         *harness.same_size_note(ceiling_file),
+        harness.decode_target_note(data, {
+            fmt: next((r["us_median"] for r in data["rows"] if r["format"] == fmt and r["impl"] == "fused"
+                       and r["T"] == 1 and "us_median" in r), None) for fmt in formats}),
         "",
         "**Method.** As `docs/benchmarks.md`: per shape, a gate before timing compares each implementation "
         "with the op's reference on fresh random inputs and poisoned outputs (the fused op with ~10% skipped "

@@ -182,6 +182,8 @@ def run_benchmark(args) -> dict:
     data["copy_bandwidth"] = harness.measure_copy_bandwidth(4 << 30)
     copy_bw = data["copy_bandwidth"]["GBps"]
     print(f"{info['device']}: copy bandwidth {copy_bw:.0f} GB/s ({data['copy_bandwidth']['method']})", flush=True)
+    data["tiny_graph"] = harness.measure_tiny_graph()  # the T=1 target's floor, this run's
+    print(f"one tiny kernel in a graph {data['tiny_graph']['us_median']:.2f} us", flush=True)
     impls = make_impls(args.impls)
     for name in args.models:
         model = MODELS[name]
@@ -307,6 +309,9 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             for k, v in data["models"].items()),
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
         *harness.same_size_note(ceiling_file),
+        harness.decode_target_note(data, {
+            model: next((r["us_median"] for r in data["rows"] if r["model"] == model and r["impl"] == "fused"
+                         and r["T"] == 1 and "us_median" in r), None) for model in data["models"]}),
         "",
         "| model | T | fused us | GB/s | % copy BW | % same-size copy | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",

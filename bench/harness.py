@@ -242,6 +242,25 @@ def measure_tiny_graph() -> dict:
     return stats
 
 
+DECODE_MARGIN_US = 0.5  # the performance issue's T=1 target: within this of one tiny kernel in a graph
+
+
+def decode_target_note(data: dict, t1_us: dict[str, float | None]) -> str:
+    """A page's line on the T=1 target: each fused row's T=1 median (``t1_us``, by row name)
+    against one tiny kernel in a graph timed in the same run (``data["tiny_graph"]``,
+    ``measure_tiny_graph``) plus ``DECODE_MARGIN_US``; a JSON from before the floor was
+    timed with the rows says so rather than borrow another run's floor."""
+    if "tiny_graph" not in data:
+        return ("- **T=1 target** (within 0.5 us of one tiny kernel in a graph, same run): not judged, this run "
+                "did not time the tiny kernel (its JSON predates it; `bench/decode_floor.py` times both)")
+    floor = data["tiny_graph"]["us_median"]
+    limit = floor + DECODE_MARGIN_US
+    cells = [f"{name} {us:.2f} us ({'yes' if us <= limit else f'no, +{us - limit:.2f}'})"
+             for name, us in t1_us.items() if us is not None]
+    return (f"- **T=1 target** (one tiny kernel in a graph, this run: {floor:.2f} us, + {DECODE_MARGIN_US}: "
+            f"<= {limit:.2f} us): " + ("; ".join(cells) if cells else "no T=1 row timed"))
+
+
 def _gpu_events(fn) -> list:
     """torch.profiler's GPU activity records over one call of ``fn``, in the profiler's order."""
     from torch.autograd import DeviceType

@@ -96,6 +96,7 @@ def _stub_timing(monkeypatch):
     """the harness's CUDA timing, replaced by stubs that still call the implementation."""
     monkeypatch.setattr(harness, "device_info", lambda: dict(FAKE_DEVICE))
     monkeypatch.setattr(harness, "measure_copy_bandwidth", lambda nbytes: {"GBps": 4000.0, "method": "stub"})
+    monkeypatch.setattr(harness, "measure_tiny_graph", lambda: {"us_median": 1.25, "us_p10": 1.2, "us_p90": 1.3})
     monkeypatch.setattr(harness, "capture_graphs", lambda fn, copies, warmup: [lambda: [fn(c) for c in copies]])
 
     def time_graphs(graphs, target_ms, min_replays, max_replays):
@@ -146,6 +147,8 @@ def test_measuring_loop_on_cpu(small_cpu, monkeypatch, tmp_path):
     assert "## fp8 (`prepfuse::dsv4_indexer_rope_fp8_insert`)" in md and "## mxfp4" in md
     assert "| 7 | 1 |" in md and "ok/error/" in md
     assert "mxfp4 eager T=7: `RuntimeError: stub failure`" in md
+    # the T=1 target line is there, judged against this run's floor, with no T=1 row to judge
+    assert "- **T=1 target** (one tiny kernel in a graph, this run: 1.25 us, + 0.5: <= 1.75 us): no T=1 row" in md
 
 
 def test_inputs_that_cannot_be_made_fail_their_rows(small_cpu, monkeypatch, tmp_path):
