@@ -9,7 +9,8 @@ shorter than T with skipped rows, fp32 norm weights (Gemma-3's form, the kernel'
 W_FP32 path), cos/sin as two tensors (bf16 per token with positions=None, or fp32 rows
 of a wider buffer), T large enough for the large-T launch (bf16 and fp8), and each shape
 again with a launch configuration of several tokens per program (a last program with
-tokens past T; with dedupe "off": a scan or the row locks take one token a program), fp8
+tokens past T; with dedupe "off": a scan or the row locks take one token a program) and
+once more with each token's kv programs first (``kv_first``, the decode floor's probe), fp8
 codes into uint8 caches (vLLM's "fp8" cache) and with
 ``fp8_saturate=False`` (NaN past 464); a wrong result fails the run too.
 """
@@ -68,7 +69,8 @@ def main() -> int:
         gqa_qknorm_rope_kv_insert_reference(*ref.args())
         launches = (("op", lambda o: GQA_QKNORM_ROPE_KV_INSERT(*o.args())),
                     (MULTI_TOKEN_CONFIG, lambda o: gqa_qknorm_rope_kv_insert_triton(
-                        *o.args(), launch_config=MULTI_TOKEN_CONFIG, dedupe="off")))
+                        *o.args(), launch_config=MULTI_TOKEN_CONFIG, dedupe="off")),
+                    ("kv_first", lambda o: gqa_qknorm_rope_kv_insert_triton(*o.args(), kv_first=True)))
         for how, launch in launches:
             fused = base.fresh_outputs()
             launch(fused)
