@@ -23,7 +23,7 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
 - ``chain 48, 35 arguments``: ``chain 48`` with as many kernel arguments as the GQA op's
   kernel (31 unused ints): what the op's larger argument block costs a launch;
 - each op at T=1 on the benchmarks' inputs (``bench/profile_kernels.py``'s cases);
-- each GQA op's launch cut to the first programs of its grid (``_gqa_grid_cut``: at T=1
+- each GQA op's launch cut to the first programs of its grid (``_grid_cut``: at T=1
   one head a program, the q heads', then the k heads', then the v heads'): its first
   program alone, its q programs, its q and k programs. The op's time is its slowest
   program's, so these rows say which kind of program holds a T=1 launch above the
@@ -35,7 +35,11 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
   grid dispatches a token's k and v programs before its q programs), and that launch cut
   to its k programs: whether the normed k programs, dispatched last in the op's own
   order, are what holds it, and how long a launch of only them takes beside ``first
-  program only`` (one q program).
+  program only`` (one q program);
+- each indexer op's launch cut to its q programs (one head each at T=1; the grid's last
+  program is the one k row's), and the launch with that k program first
+  (``launch_indexer_kernel``'s ``k_first``), whole and cut to it: whether the k row,
+  dispatched last, holds the launch.
 
 The difference between neighbouring rows is what that step costs; the JSON keeps them all.
 """
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 from pathlib import Path
 
@@ -176,24 +181,36 @@ def ladder() -> dict:
     }
 
 
-@contextlib.contextmanager
-def _gqa_grid_cut(programs: int):
-    """While open, the GQA op launches its kernel on the first ``programs`` programs of the
-    grid it asks for (the module's kernel stands in behind an object whose ``[grid]`` cuts
-    the grid). A CUDA graph captured inside keeps the cut launch."""
-    from prepfuse.ops import gqa_qknorm_rope_kv_insert as gqa_op
+# the module and kernel of each op family whose launch the cut rows cut
+CUT_KERNELS = {
+    "gqa": ("prepfuse.ops.gqa_qknorm_rope_kv_insert", "_gqa_qknorm_rope_kv_insert_kernel"),
+    "indexer": ("prepfuse.ops.dsv4_indexer_common", "_dsv4_indexer_rope_quant_insert_kernel"),
+}
 
-    kernel = gqa_op._gqa_qknorm_rope_kv_insert_kernel
+
+@contextlib.contextmanager
+def _grid_cut(family: str, programs: int):
+    """While open, the family's op (``CUT_KERNELS``) launches its kernel on the first
+    ``programs`` programs of the grid it asks for (the module's kernel stands in behind an
+    object whose ``[grid]`` cuts the grid). A CUDA graph captured inside keeps the cut launch."""
+    module_name, attr = CUT_KERNELS[family]
+    module = importlib.import_module(module_name)
+    kernel = getattr(module, attr)
 
     class _Cut:
         def __getitem__(self, grid):
             return kernel[(min(grid[0], programs),)]
 
-    gqa_op._gqa_qknorm_rope_kv_insert_kernel = _Cut()
+    setattr(module, attr, _Cut())
     try:
         yield
     finally:
-        gqa_op._gqa_qknorm_rope_kv_insert_kernel = kernel
+        setattr(module, attr, kernel)
+
+
+def _cut(family: str, launch, inputs, programs: int) -> None:
+    with _grid_cut(family, programs):
+        launch(inputs)
 
 
 def gqa_prefixes(case: str) -> dict[str, int]:
@@ -217,10 +234,9 @@ def gqa_slots_skipped(inputs):
     return dataclasses.replace(inputs, slot_mapping=torch.full_like(inputs.slot_mapping, -1))
 
 
-def gqa_kv_first_rows(case: str, inputs, cut) -> dict:
+def gqa_kv_first_rows(case: str, inputs) -> dict:
     """The kv-first rows of a GQA case at T=1: the whole launch with each token's kv programs
-    first, gated first as the op's own launch is, and that launch cut to its Hkv k
-    programs (``cut(launch, inputs, programs)``)."""
+    first, gated first as the op's own launch is, and that launch cut to its Hkv k programs."""
     import bench_gqa_qknorm_rope_kv_insert as gqa
 
     from prepfuse.ops import gqa_qknorm_rope_kv_insert_triton
@@ -236,15 +252,49 @@ def gqa_kv_first_rows(case: str, inputs, cut) -> dict:
         raise SystemExit(f"{case}: the kv-first launch's gate failed at T=1; no time is reported")
     return {f"op {case}, kv programs first": lambda: kv_first(inputs),
             f"op {case}, kv programs first, k programs only ({hkv} of {hq + 2 * hkv})":
-                lambda: cut(kv_first, inputs, hkv)}
+                lambda: _cut("gqa", kv_first, inputs, hkv)}
+
+
+def gqa_rows(case: str, launch, inputs) -> dict:
+    """A GQA case's rows beside the whole op: its cut launches (``gqa_prefixes``), the q and k
+    cut and the whole op with every slot -1, and the kv-first rows."""
+    rows = {name: (lambda programs=programs: _cut("gqa", launch, inputs, programs))
+            for name, programs in gqa_prefixes(case).items()}
+    # the q and k cut (the last) and the whole op again, with no cache store
+    name, programs = list(gqa_prefixes(case).items())[-1]
+    skipped = gqa_slots_skipped(inputs)
+    rows[f"{name}, slot -1"] = lambda: _cut("gqa", launch, skipped, programs)
+    rows[f"op {case}, slot -1"] = lambda: launch(skipped)
+    return {**rows, **gqa_kv_first_rows(case, inputs)}
+
+
+def indexer_rows(case: str, launch, inputs) -> dict:
+    """An indexer case's rows beside the whole op at T=1, whose grid is the H q programs (one
+    head each) and then the one k program: the launch cut to its q programs, and the launch
+    with the k program first (``k_first``, gated first), whole and cut to that program."""
+    import bench_dsv4_indexer_rope_quant_insert as idx
+
+    from prepfuse.ops import dsv4_indexer_rope_fp8_insert_triton, dsv4_indexer_rope_mxfp4_insert_triton
+
+    fmt = case.removeprefix("indexer-")
+    triton_impl = dsv4_indexer_rope_fp8_insert_triton if fmt == "fp8" else dsv4_indexer_rope_mxfp4_insert_triton
+    n_q, n_k = inputs.q.shape[0] * inputs.q.shape[1], inputs.k.shape[0]
+
+    def k_first(inp):
+        triton_impl(*inp.args(), k_first=True)
+
+    ok, _ = idx.gate("fused", fmt, k_first, inputs)
+    if not ok:
+        raise SystemExit(f"{case}: the k-first launch's gate failed at T=1; no time is reported")
+    total = n_q + n_k
+    return {f"op {case}, q programs only ({n_q} of {total})": lambda: _cut("indexer", launch, inputs, n_q),
+            f"op {case}, k programs first": lambda: k_first(inputs),
+            f"op {case}, k programs first, k programs only ({n_k} of {total})":
+                lambda: _cut("indexer", k_first, inputs, n_k)}
 
 
 def op_rows(cases: list[str]) -> dict:
     import profile_kernels
-
-    def cut(launch, inputs, programs):
-        with _gqa_grid_cut(programs):
-            launch(inputs)
 
     rows = {}
     for case in cases:
@@ -254,15 +304,9 @@ def op_rows(cases: list[str]) -> dict:
             raise SystemExit(f"{case}: the fused op's gate failed at T=1; no time is reported")
         rows[f"op {case}"] = (lambda launch=launch, inputs=inputs: launch(inputs))
         if case.startswith("gqa-"):
-            for name, programs in gqa_prefixes(case).items():
-                rows[name] = (lambda launch=launch, inputs=inputs, programs=programs: cut(launch, inputs, programs))
-            # the q and k cut (the last) and the whole op again, with no cache store
-            name, programs = list(gqa_prefixes(case).items())[-1]
-            skipped = gqa_slots_skipped(inputs)
-            rows[f"{name}, slot -1"] = (lambda launch=launch, skipped=skipped, programs=programs:
-                                        cut(launch, skipped, programs))
-            rows[f"op {case}, slot -1"] = (lambda launch=launch, skipped=skipped: launch(skipped))
-            rows.update(gqa_kv_first_rows(case, inputs, cut))
+            rows.update(gqa_rows(case, launch, inputs))
+        elif case.startswith("indexer-"):
+            rows.update(indexer_rows(case, launch, inputs))
     return rows
 
 

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("tokens", type=int)
     p.add_argument("--launch-config", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
     p.add_argument("--dedupe", choices=["off", "scan", "lock"], default=None)
-    p.add_argument("--kv-first", action="store_true", help="GQA: each token's kv programs first (kv_first)")
+    p.add_argument("--kv-first", action="store_true",
+                   help="the cache-insert programs first: GQA kv_first, indexer k_first")
     p.add_argument("--out", type=Path, default=Path("/tmp/prepfuse_sass"))
     args = p.parse_args(argv)
     compiled = _compile_only()
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     kernel_fn = next(f for prefix, f in _kernels().items() if args.case.startswith(prefix))
     _, inputs, _ = profile_kernels.CASES[args.case](args.tokens)
     options = {k: v for k, v in (("launch_config", args.launch_config), ("dedupe", args.dedupe),
-                                 ("kv_first", args.kv_first or None)) if v is not None}
+                                 ("k_first" if args.case.startswith("indexer") else "kv_first",
+                                  args.kv_first or None)) if v is not None}
     kernel_fn(*inputs.args(), **options)
     if not compiled:
         print("no Triton kernel was launched", file=sys.stderr)

@@ -241,6 +241,7 @@ if has_triton():
         stride_cs,  # elements between positions of cos_sin_cache
         weights_scale,  # fp32 factor of weights_out (softmax scale * head scale)
         block_size,  # slots per cache block
+        n_k,  # Tk: programs that insert k rows (read with K_FIRST)
         BLOCK_H: tl.constexpr,  # query heads per program
         N_QCOLS: tl.constexpr,  # programs per token on the q side: cdiv(H, BLOCK_H)
         MXFP4: tl.constexpr,  # the format: mxfp4, else fp8
@@ -248,6 +249,7 @@ if has_triton():
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= Tk')
+        K_FIRST: tl.constexpr,  # the k programs take the grid's first Tk programs, the q programs the rest
     ):
         # A 1-D grid: programs [0, T * N_QCOLS) rotate, quantise and store BLOCK_H heads of
         # one token's q (columns fastest, so q streams in address order); the Tk programs
@@ -256,6 +258,11 @@ if has_triton():
         # Every row is read as two contiguous halves and written as contiguous bytes: the
         # pairs RoPE and MXFP4 work on are split and joined in registers, not gathered.
         pid = tl.program_id(0).to(tl.int64)
+        if K_FIRST:
+            # the k programs first (launch_indexer_kernel's k_first): program p < Tk is k
+            # row p, the others the q programs in their order (Tk an argument, not the grid's
+            # size less the q programs: the decode floor's rows launch a cut grid)
+            pid = tl.where(pid < n_k, pid + n_q_programs, pid - n_k)
         d32 = tl.arange(0, 32)[None, :]
         d64 = tl.arange(0, 64)[None, :]
         if pid < n_q_programs:
@@ -370,12 +377,14 @@ def _rows_hold_words(x: torch.Tensor) -> bool:
 def launch_indexer_kernel(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
     cos_sin_cache, weights_scale, block_size, *, mxfp4: bool, launch_config: tuple[int, ...] | None = None,
-    dedupe: str | None = None,
+    dedupe: str | None = None, k_first: bool = False,
 ) -> None:
     """The one launch of both ops (q side and k side together). Inputs are not checked here.
     ``dedupe`` overrides ``_duplicate_slots.dedupe_mode`` (the benchmark and a GPU test use it);
     ``launch_config`` ``(heads per program, warps[, register cap])`` overrides
-    ``_launch_config`` (the sweep's).
+    ``_launch_config`` (the sweep's); ``k_first`` puts the k programs at the front of the
+    grid (which otherwise holds every q program first), for the decode floor's rows: at T=1
+    the one k program is the grid's last, and whether that holds the launch is unmeasured.
 
     ``q_out`` and ``q_scale`` are passed as byte views; ``q_scale`` is ignored for fp8.
     Traffic per token: reads 256*H (q) + 2-4*H (weights) + 256 (cos/sin) bytes, writes
@@ -397,7 +406,7 @@ def launch_indexer_kernel(
         q.stride(0), q.stride(1), weights.stride(0), k.stride(0),
         q_bytes.stride(0), q_bytes.stride(1), scale_bytes.stride(0), scale_bytes.stride(1),
         weights_out.stride(0), k_cache.stride(0), cos_sin_cache.stride(0),
-        weights_scale, block_size,
+        weights_scale, block_size, num_k,
         BLOCK_H=block_h,
         N_QCOLS=n_qcols,
         MXFP4=mxfp4,
@@ -405,6 +414,7 @@ def launch_indexer_kernel(
         SOFT_ROUNDING=triton_interpret_mode(),
         DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
         SCAN=_duplicate_slots.scan_block(slot_mapping),
+        K_FIRST=bool(k_first),
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -56,13 +56,14 @@ SCHEMA = (
 def dsv4_indexer_rope_mxfp4_insert_triton(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
     weights_scale, block_size, *, launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
+    k_first: bool = False,
 ) -> None:
     """Launch the fused kernel once (q and k sides together). Inputs are not checked here;
-    ``launch_config`` and ``dedupe`` as ``launch_indexer_kernel`` takes them."""
+    ``launch_config``, ``dedupe`` and ``k_first`` as ``launch_indexer_kernel`` takes them."""
     launch_indexer_kernel(
         q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
         cos_sin_cache, weights_scale, block_size, mxfp4=True, launch_config=launch_config,
-        dedupe=dedupe,
+        dedupe=dedupe, k_first=k_first,
     )
 
 

@@ -99,7 +99,7 @@ def test_gqa_grid_cut_runs_only_the_first_programs():
     for programs, writes in ((hq, ("q_out",)), (hq + hkv, ("q_out", "k_cache")),
                              (hq + 2 * hkv, ("q_out", "k_cache", "v_cache"))):
         cut, poisoned = inputs.fresh_outputs(), inputs.fresh_outputs()
-        with decode_floor._gqa_grid_cut(programs):
+        with decode_floor._grid_cut("gqa", programs):
             gqa_qknorm_rope_kv_insert_triton(*cut.args())
         assert gqa_op._gqa_qknorm_rope_kv_insert_kernel is kernel
         for name in ("q_out", "k_cache", "v_cache"):
@@ -159,11 +159,7 @@ def test_gqa_kv_first_rows_launch_the_k_programs_first(monkeypatch):
     whole = inputs.fresh_outputs()
     gqa_qknorm_rope_kv_insert_triton(*whole.args())
 
-    def cut(launch, inp, programs):
-        with decode_floor._gqa_grid_cut(programs):
-            launch(inp)
-
-    rows = decode_floor.gqa_kv_first_rows("gqa-tiny", inputs, cut)
+    rows = decode_floor.gqa_kv_first_rows("gqa-tiny", inputs)
     assert list(rows) == ["op gqa-tiny, kv programs first",
                           "op gqa-tiny, kv programs first, k programs only (2 of 8)"]
     assert len(gated) == 1
@@ -175,3 +171,43 @@ def test_gqa_kv_first_rows_launch_the_k_programs_first(monkeypatch):
         for out in ("q_out", "k_cache", "v_cache"):
             expected = getattr(whole if out in writes else poisoned, out)
             assert torch.equal(_bits(getattr(inputs, out)), _bits(expected)), f"seed={seed}: {name}, {out}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_indexer_rows_cut_the_q_programs_and_put_the_k_row_first(fmt, monkeypatch):
+    """The indexer rows run what they say at T=1 (64 q programs of one head, then the k row):
+    the q-programs cut writes q and the weights and no cache byte, the k-first launch writes
+    what the op writes, and its cut to one program writes the k row's slot and nothing of q;
+    the k-first launch is gated before it is timed."""
+    import bench_dsv4_indexer_rope_quant_insert as idx
+    import decode_floor
+
+    from prepfuse.ops import dsv4_indexer_rope_fp8_insert_triton, dsv4_indexer_rope_mxfp4_insert_triton
+    from prepfuse.testing import make_dsv4_indexer_inputs
+
+    # the Triton launch itself (on the CPU the op's dispatcher runs the reference)
+    op = dsv4_indexer_rope_fp8_insert_triton if fmt == "fp8" else dsv4_indexer_rope_mxfp4_insert_triton
+    gated = []
+    monkeypatch.setattr(idx, "gate", lambda impl, f, fn, inputs: (gated.append((impl, f)) or True, {}))
+    inputs = make_dsv4_indexer_inputs(fmt, 1, 64, 64, "cpu", num_k=1, skip_fraction=0.0,
+                                      generator=torch.Generator().manual_seed(7))
+    outputs = ["q_out", "weights_out", "k_cache"] + (["q_scale"] if fmt == "mxfp4" else [])
+    whole = inputs.fresh_outputs()
+    op(*whole.args())
+
+    def launch(inp):
+        op(*inp.args())
+
+    rows = decode_floor.indexer_rows(f"indexer-{fmt}", launch, inputs)
+    assert list(rows) == [f"op indexer-{fmt}, q programs only (64 of 65)", f"op indexer-{fmt}, k programs first",
+                          f"op indexer-{fmt}, k programs first, k programs only (1 of 65)"]
+    assert gated == [("fused", fmt)]
+    poisoned = inputs.fresh_outputs()
+    writes = (("q_out", "weights_out", "q_scale"), tuple(outputs), ("k_cache",))
+    for name, written in zip(rows, writes):
+        for out in outputs:
+            getattr(inputs, out).copy_(getattr(poisoned, out))
+        rows[name]()
+        for out in outputs:
+            expected = getattr(whole if out in written else poisoned, out)
+            assert torch.equal(_bits(getattr(inputs, out)), _bits(expected)), f"{name}, {out}"

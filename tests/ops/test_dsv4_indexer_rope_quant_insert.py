@@ -20,6 +20,7 @@ comparison is byte for byte, on the GPU as well.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from dataclasses import replace
@@ -406,6 +407,22 @@ INTERPRETER_CASES = [
 def test_triton_interpreter_matches_reference(fmt, num_tokens, num_heads, block_size, options):
     inputs, seed = indexer_inputs(fmt, num_tokens, num_heads, block_size, "cpu", **options)
     assert_matches_reference(KERNELS[fmt], fmt, inputs, seed)
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("num_tokens, num_k, dedupe", [(1, 1, None), (5, 9, "scan"), (5, 3, "lock"), (0, 3, None),
+                                                      (3, 0, None)])
+def test_triton_interpreter_k_first_order(fmt, num_tokens, num_k, dedupe):
+    """``k_first`` (the decode floor's rows) only reorders the grid: bit for bit the reference
+    with more k rows than tokens and fewer, under the scan and the row locks, and with one
+    side empty; every lock released."""
+    from prepfuse.ops import _duplicate_slots
+
+    inputs, seed = indexer_inputs(fmt, num_tokens, 3, 16, "cpu", num_k=num_k)
+    assert_matches_reference(functools.partial(KERNELS[fmt], k_first=True, dedupe=dedupe), fmt, inputs, seed)
+    assert not _duplicate_slots.row_locks(inputs.k_cache.device).any()
 
 
 @needs_triton
