@@ -23,8 +23,9 @@
 #             PREPFUSE_PROFILE_RUNS="case:T case:T" picks the runs
 #   dupes - duplicated slots: torn rows with no dedupe, the scan and the row locks, and what each
 #           costs (bench/duplicate_slots.py; JSON and benchmarks_duplicate_slots.md into $OUT)
-#   floor - what a decode-sized launch costs: a ladder of tiny Triton kernels beside each op at T=1
-#           (bench/decode_floor.py; JSON into $OUT)
+#   floor - what a decode-sized launch costs: a ladder of tiny Triton kernels beside each op at T=1, its
+#           cut and reordered launches (bench/decode_floor.py; JSON into $OUT; PREPFUSE_FLOOR_RUNS=2 runs it
+#           twice, decode_floor_<device>_run<i>.json)
 #   skeleton - where a large GQA launch's time goes: skeletons of its grid (moves only, + lock,
 #           + position -> table chain, flat, merged kv) beside the op and a same-size copy
 #           (bench/gqa_skeleton.py; PREPFUSE_SKELETON_ARGS, e.g. --contiguous-qkv or --programs-per-sm 8,16)
@@ -139,7 +140,13 @@ for what in "${steps[@]}"; do
         ;;
     floor)
         step floor
-        python3 bench/decode_floor.py --out-dir "$OUT" 2>&1 | tail -n 16 | tee -a "$log" || status=1
+        runs=${PREPFUSE_FLOOR_RUNS:-1}
+        for ((run = 1; run <= runs; run++)); do
+            # several runs (PREPFUSE_FLOOR_RUNS) each keep their JSON: decode_floor_<device>_run<i>.json
+            suffix=""; [ "$runs" -gt 1 ] && suffix="_run$run"
+            python3 bench/decode_floor.py --out-dir "$OUT" --name-suffix "$suffix" 2>&1 | tail -n 60 | tee -a "$log" \
+                || status=1
+        done
         ;;
     skeleton)
         step skeleton
