@@ -13,6 +13,9 @@ Triton kernels that each add one thing a fused op does at T=1, then the ops them
 - ``norm 48``: ``copy 48`` plus a correctly rounded RMSNorm of the row (sum, sqrt_rn, div_rn);
 - ``chain+norm 48``: a GQA q program's dependencies, ``chain 48`` and ``norm 48`` in one
   program (the norm's arithmetic can overlap the table row's round trip: how much does it?);
+- ``chain+norm 48, rsqrt.approx`` and ``chain+sum 48``: the same with the correctly rounded
+  ``1 / sqrt`` replaced by one approximate instruction, and with no root at all (the
+  reduction alone): which part of the norm stands out past the table row's round trip;
 - ``chain 48, 3 KB more code``: ``chain 48`` with about 210 more instructions, independent
   integer work that sm_90 runs while the table row is in flight (where ``chain+norm 48``
   runs the norm): if it costs what the norm added there, a program pays for the code it
@@ -102,13 +105,23 @@ def _norm_kernel(src, dst, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _chain_norm_kernel(src, dst, pos_ptr, table, eps, D: tl.constexpr):
+def _chain_norm_kernel(src, dst, pos_ptr, table, eps, D: tl.constexpr, RSTD: tl.constexpr = 0):
+    # RSTD 0: the op's correctly rounded 1/sqrt (sqrt_rn, then div_rn); 1: rsqrt.approx, one
+    # MUFU instruction; 2: no root at all, the sum of squares itself scales the row (the
+    # reduction alone). Rows 1 and 2 split chain+norm's time over chain into the reduction's
+    # shuffles and the two correctly rounded operations.
     p = tl.program_id(0)
     d = tl.arange(0, D)
     pos = tl.load(pos_ptr)
     x = tl.load(src + p * D + d).to(tl.float32)
     c = tl.load(table + pos * D + d)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+    mean_sq = tl.sum(x * x, axis=0) / D + eps
+    if RSTD == 0:
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_sq))
+    elif RSTD == 1:
+        rstd = tl.math.rsqrt(mean_sq)
+    else:
+        rstd = mean_sq
     tl.store(dst + p * D + d, (x * rstd * c).to(tl.bfloat16))
 
 
@@ -171,6 +184,10 @@ def ladder() -> dict:
         "norm 48 (sum, sqrt_rn, div_rn)": lambda: _norm_kernel[(PROGRAMS,)](src, dst, 1e-6, HEAD_DIM, num_warps=1),
         "chain+norm 48 (a q program's dependencies)": lambda: _chain_norm_kernel[(PROGRAMS,)](
             src, dst, pos, table, 1e-6, HEAD_DIM, num_warps=1),
+        "chain+norm 48, rsqrt.approx": lambda: _chain_norm_kernel[(PROGRAMS,)](
+            src, dst, pos, table, 1e-6, HEAD_DIM, 1, num_warps=1),
+        "chain+sum 48 (the norm's reduction, no root)": lambda: _chain_norm_kernel[(PROGRAMS,)](
+            src, dst, pos, table, 1e-6, HEAD_DIM, 2, num_warps=1),
         "chain 48, 3 KB more code": lambda: _chain_code_kernel[(PROGRAMS,)](src, dst, pos, table, HEAD_DIM, 8,
                                                                            num_warps=1),
         "chain 48, after a 3 KB jump": lambda: _chain_far_kernel[(PROGRAMS,)](src, dst, pos, table, 3, HEAD_DIM, 8,

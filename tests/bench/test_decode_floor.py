@@ -48,6 +48,22 @@ def test_chain_norm_is_the_normed_row_times_the_table_row():
     torch.testing.assert_close(dst.float(), (x * rstd * table[3]).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
 
 
+def test_chain_norm_variants_scale_by_what_their_rows_say():
+    """rsqrt.approx is the normed row to approximation; the no-root row scales by the mean
+    square itself (the reduction's result, kept alive)."""
+    import decode_floor
+
+    src, table, _ = _rows()
+    x = src.float()
+    mean_sq = (x * x).sum(1, keepdim=True) / D + 1e-6
+    exact = _stored(decode_floor._chain_norm_kernel, 1e-6, D, 0).float()
+    approx = _stored(decode_floor._chain_norm_kernel, 1e-6, D, 1).float()
+    torch.testing.assert_close(approx, exact, rtol=1e-2, atol=1e-2)
+    summed = _stored(decode_floor._chain_norm_kernel, 1e-6, D, 2).float()
+    torch.testing.assert_close(summed, (x * mean_sq * table[3]).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(summed, exact, rtol=1e-2, atol=1e-2)
+
+
 def test_chain_with_unused_arguments_is_the_chain():
     import decode_floor
 
