@@ -363,9 +363,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         f"(all inserted), block size {data['block_size']}.",
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
         *harness.same_size_note(ceiling_file),
-        harness.decode_target_note(data, {
-            fmt: next((r["us_median"] for r in data["rows"] if r["format"] == fmt and r["impl"] == "fused"
-                       and r["T"] == 1 and "us_median" in r), None) for fmt in formats}),
+        harness.decode_target_note(data, "format", formats),
         "",
         "**Method.** As `docs/benchmarks.md`: per shape, a gate before timing compares each implementation "
         "with the op's reference on fresh random inputs and poisoned outputs (the fused op with ~10% skipped "

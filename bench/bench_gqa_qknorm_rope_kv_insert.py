@@ -309,9 +309,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             for k, v in data["models"].items()),
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
         *harness.same_size_note(ceiling_file),
-        harness.decode_target_note(data, {
-            model: next((r["us_median"] for r in data["rows"] if r["model"] == model and r["impl"] == "fused"
-                         and r["T"] == 1 and "us_median" in r), None) for model in data["models"]}),
+        harness.decode_target_note(data, "model", data["models"]),
         "",
         "| model | T | fused us | GB/s | % copy BW | % same-size copy | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",

@@ -292,10 +292,14 @@ def indexer_rows(case: str, launch, inputs) -> dict:
     import bench_dsv4_indexer_rope_quant_insert as idx
 
     from prepfuse.ops import dsv4_indexer_rope_fp8_insert_triton, dsv4_indexer_rope_mxfp4_insert_triton
+    from prepfuse.ops.dsv4_indexer_common import _launch_config
 
     fmt = case.removeprefix("indexer-")
     triton_impl = dsv4_indexer_rope_fp8_insert_triton if fmt == "fp8" else dsv4_indexer_rope_mxfp4_insert_triton
-    n_q, n_k = inputs.q.shape[0] * inputs.q.shape[1], inputs.k.shape[0]
+    num_tokens, num_heads = inputs.q.shape[:2]
+    # the q programs as the launcher counts them (its rule's heads per program)
+    n_q = num_tokens * triton.cdiv(num_heads, _launch_config(num_tokens, num_heads)[0])
+    n_k = inputs.k.shape[0]
 
     def k_first(inp):
         triton_impl(*inp.args(), k_first=True)

@@ -245,18 +245,22 @@ def measure_tiny_graph() -> dict:
 DECODE_MARGIN_US = 0.5  # the performance issue's T=1 target: within this of one tiny kernel in a graph
 
 
-def decode_target_note(data: dict, t1_us: dict[str, float | None]) -> str:
-    """A page's line on the T=1 target: each fused row's T=1 median (``t1_us``, by row name)
-    against one tiny kernel in a graph timed in the same run (``data["tiny_graph"]``,
-    ``measure_tiny_graph``) plus ``DECODE_MARGIN_US``; a JSON from before the floor was
-    timed with the rows says so rather than borrow another run's floor."""
+def decode_target_note(data: dict, key: str, names) -> str:
+    """A page's line on the T=1 target: the fused T=1 median of each of ``names`` (the rows'
+    ``key`` field: a model, a format) against one tiny kernel in a graph timed in the same
+    run (``data["tiny_graph"]``, ``measure_tiny_graph``) plus ``DECODE_MARGIN_US``; a JSON
+    from before the floor was timed with the rows says so rather than borrow another run's
+    floor."""
     if "tiny_graph" not in data:
-        return ("- **T=1 target** (within 0.5 us of one tiny kernel in a graph, same run): not judged, this run "
-                "did not time the tiny kernel (its JSON predates it; `bench/decode_floor.py` times both)")
+        return (f"- **T=1 target** (within {DECODE_MARGIN_US} us of one tiny kernel in a graph, same run): not "
+                "judged, this run did not time the tiny kernel (its JSON predates it; `bench/decode_floor.py` "
+                "times both)")
     floor = data["tiny_graph"]["us_median"]
     limit = floor + DECODE_MARGIN_US
-    cells = [f"{name} {us:.2f} us ({'yes' if us <= limit else f'no, +{us - limit:.2f}'})"
-             for name, us in t1_us.items() if us is not None]
+    t1_us = {r[key]: r["us_median"] for r in data["rows"]
+             if r["impl"] == "fused" and r["T"] == 1 and "us_median" in r}
+    cells = [f"{name} {t1_us[name]:.2f} us ({'yes' if t1_us[name] <= limit else f'no, +{t1_us[name] - limit:.2f}'})"
+             for name in names if name in t1_us]
     return (f"- **T=1 target** (one tiny kernel in a graph, this run: {floor:.2f} us, + {DECODE_MARGIN_US}: "
             f"<= {limit:.2f} us): " + ("; ".join(cells) if cells else "no T=1 row timed"))
 

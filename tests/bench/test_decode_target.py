@@ -14,15 +14,23 @@ sys.path.insert(0, str(BENCH))
 import harness  # noqa: E402
 
 
+def _row(model, us, impl="fused", t=1):
+    return {"model": model, "impl": impl, "T": t, "us_median": us}
+
+
 def test_rows_within_and_over_the_floor_plus_half_a_microsecond():
-    data = {"tiny_graph": {"us_median": 1.15}}
-    note = harness.decode_target_note(data, {"llama3-8b": 1.56, "qwen3-8b": 1.68, "qwen3-8b-fp8": 1.83, "x": None})
+    rows = [_row("llama3-8b", 1.56), _row("qwen3-8b", 1.68), _row("qwen3-8b-fp8", 1.83),
+            # not T=1 fused medians: never judged
+            _row("qwen3-8b", 1.10, impl="compile"), _row("qwen3-8b", 29.2, t=4096), {"model": "x", "impl": "fused",
+                                                                                    "T": 1, "error": "failed"}]
+    data = {"tiny_graph": {"us_median": 1.15}, "rows": rows}
+    note = harness.decode_target_note(data, "model", ["llama3-8b", "qwen3-8b", "qwen3-8b-fp8", "x"])
     assert note == ("- **T=1 target** (one tiny kernel in a graph, this run: 1.15 us, + 0.5: <= 1.65 us): "
                     "llama3-8b 1.56 us (yes); qwen3-8b 1.68 us (no, +0.03); qwen3-8b-fp8 1.83 us (no, +0.18)")
 
 
 def test_a_run_without_the_floor_is_not_judged():
-    note = harness.decode_target_note({}, {"qwen3-8b": 1.68})
+    note = harness.decode_target_note({"rows": [_row("qwen3-8b", 1.68)]}, "model", ["qwen3-8b"])
     assert "not judged" in note and "1.68" not in note
 
 
