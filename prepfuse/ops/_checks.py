@@ -69,15 +69,28 @@ def can_read_index_values(t: torch.Tensor) -> bool:
     return CHECK_INDEX_VALUES and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def check_index_tensor(name: str, t, device) -> None:
+    """A 1-d int64 or int32 index tensor (slots, positions) on ``device``."""
+    dtype = getattr(t, "dtype", None)
+    if dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name}: expected dtype torch.int64 or torch.int32, "
+                         f"got {dtype if dtype is not None else type(t).__name__}")
+    check_tensor(name, t, dtype=dtype, ndim=1, device=device)
+
+
 def check_slot_and_position_values(
-    slot_mapping: torch.Tensor, num_blocks: int, block_size: int, positions: torch.Tensor | None, max_pos: int
+    slot_mapping: torch.Tensor, num_blocks: int, block_size: int, positions: torch.Tensor | None, max_pos: int,
+    *, wrap: bool = False,
 ) -> None:
     """Slots below ``num_blocks * block_size`` and each given to one token, positions in
     ``[0, max_pos)`` (None: rows by token, which the shape checks bound).
 
     Reads the values, so does nothing when they cannot be read now
     (``can_read_index_values``; what the ops do then: ``_indices``). Negative slots are
-    valid, and may repeat: they mean "skip this row".
+    valid, and may repeat: they mean "skip this row". With ``wrap`` (an op's
+    ``wrap_indices``) a value counts from the end when negative, as PyTorch indexing does:
+    slots and positions lie in ``[-n, n)``, and a slot several tokens name holds the last
+    one's row, as eager index assignment leaves it.
     """
     if not can_read_index_values(slot_mapping):
         return
@@ -87,11 +100,18 @@ def check_slot_and_position_values(
             f"slot_mapping: slot {int(slot_mapping.max())} is beyond the cache's {n_slots} slots "
             f"({num_blocks} blocks of {block_size})"
         )
-    check_distinct_slots(slot_mapping)
+    if wrap:
+        if slot_mapping.numel() and int(slot_mapping.min()) < -n_slots:
+            raise ValueError(f"slot_mapping: slot {int(slot_mapping.min())} counts from the end of a cache of "
+                             f"only {n_slots} slots")
+    else:
+        check_distinct_slots(slot_mapping)
     if positions is not None and positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= max_pos:
-            raise ValueError(f"positions: values must lie in [0, {max_pos}) (rows of the cos/sin table), got [{lo}, {hi}]")
+        low = -max_pos if wrap else 0
+        if lo < low or hi >= max_pos:
+            raise ValueError(f"positions: values must lie in [{low}, {max_pos}) (rows of the cos/sin table), "
+                             f"got [{lo}, {hi}]")
 
 
 def check_distinct_slots(slot_mapping: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ kernels still never read or write out of bounds, and the reference does what the
 instead of failing half-way (an IndexError after some rows were written) or wrapping a
 position -1 to the table's last row:
 
-- a position is clamped into ``[0, P)``;
+- a position is clamped into ``[0, P)`` (with ``wrap_indices``, a negative one first
+  counted from the table's end, and likewise a negative slot);
 - a row whose slot is negative or not below the cache's slot count is skipped;
 - a slot given to several tokens is written whole by the last of them (its data and
   scale bytes, its k and v): never a row mixed from two tokens. The kernels do the same
@@ -21,12 +22,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["clamped_positions", "written_rows"]
+__all__ = ["clamped_positions", "wrapped", "written_rows"]
 
 
 def clamped_positions(positions: torch.Tensor, rows: int) -> torch.Tensor:
     """``positions`` clamped into ``[0, rows)``, as the kernels read them."""
     return positions.clamp(0, max(rows - 1, 0))
+
+
+def wrapped(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``index`` (int64) with negative values counted from the end, as PyTorch indexing
+    counts them (an op's ``wrap_indices``: a rewrite keeps the meaning of model code)."""
+    index = index.long()
+    return torch.where(index < 0, index + size, index)
 
 
 def written_rows(slots: torch.Tensor, n_slots: int) -> torch.Tensor:

@@ -19,13 +19,30 @@ if has_triton():
     _ROW_LOCK_WORDS = tl.constexpr(N_ROW_LOCKS)
 
     @triton.jit
-    def _last_writer(slot_ptr, t, slot, n_insert, SCAN: tl.constexpr):
+    def _last_writer(slot_ptr, t, slot, n_insert, n_slots, SCAN: tl.constexpr, WRAP: tl.constexpr):
         """Whether no inserted row after row ``t`` names ``slot``: the scan rule of
         ``_duplicate_slots`` (the last of a slot's writers stores it), one vector load of the
-        whole slot_mapping (``SCAN >= n_insert`` lanes), issued beside the row's own loads."""
+        whole slot_mapping (``SCAN >= n_insert`` lanes), issued beside the row's own loads.
+        With ``WRAP`` the later slots are read as ``_slot_at`` reads them (a negative one
+        counted from the end), so -1 and ``n_slots - 1`` are one slot."""
         i = tl.arange(0, SCAN)
         later = tl.load(slot_ptr + i, mask=(i > t) & (i < n_insert), other=-1)
+        if WRAP:
+            later = tl.where((i > t) & (i < n_insert) & (later < 0), later + n_slots, later)
         return tl.sum((later == slot).to(tl.int32), axis=0) == 0
+
+    @triton.jit
+    def _slot_at(slot_ptr, t, n_insert, n_slots, WRAP: tl.constexpr):
+        """Row ``t``'s slot (int64; int32 slot mappings widen), or one that skips the row
+        past ``n_insert``. Without ``WRAP`` a negative slot skips its row (engines' -1);
+        with it a slot counts from the cache's end, as PyTorch indexing does (a rewrite of
+        model code keeps its meaning: ``cache[s // bs, s % bs] = k`` with ``s = -1`` writes
+        the last row)."""
+        if WRAP:
+            s = tl.load(slot_ptr + t, mask=t < n_insert, other=n_slots).to(tl.int64)
+            return tl.where(s < 0, s + n_slots, s)
+        else:
+            return tl.load(slot_ptr + t, mask=t < n_insert, other=-1).to(tl.int64)
 
     @triton.jit
     def _lock_row(locks_ptr, slot):
@@ -203,11 +220,15 @@ if has_triton():
             return q
 
     @triton.jit
-    def _table_position(pos_at, max_pos):
-        """The position at ``pos_at``, clamped into a table of ``max_pos`` rows. Out-of-range
-        positions are rejected on the host when it can read them; here they are clamped only
-        so that no read leaves the table."""
-        return tl.minimum(tl.maximum(tl.load(pos_at), 0), max_pos - 1)
+    def _table_position(pos_at, max_pos, WRAP: tl.constexpr):
+        """The position at ``pos_at`` (int64; int32 positions widen), clamped into a table of
+        ``max_pos`` rows; with ``WRAP`` a negative one first counted from the table's end.
+        Out-of-range positions are rejected on the host when it can read them; here they are
+        clamped only so that no read leaves the table."""
+        pos = tl.load(pos_at).to(tl.int64)
+        if WRAP:
+            pos = tl.where(pos < 0, pos + max_pos, pos)
+        return tl.minimum(tl.maximum(pos, 0), max_pos - 1)
 
     @triton.jit
     def _slot_block_row(slot, block_size, SLOTS_U32: tl.constexpr):

@@ -68,6 +68,7 @@ from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj, ue8m0_bytes
 from prepfuse.ops._checks import (
     can_read_index_values,
+    check_index_tensor,
     check_size,
     check_slot_and_position_values,
     check_tensor,
@@ -75,7 +76,7 @@ from prepfuse.ops._checks import (
     require,
 )
 from prepfuse.ops import _duplicate_slots
-from prepfuse.ops._indices import clamped_positions, written_rows
+from prepfuse.ops._indices import clamped_positions, wrapped, written_rows
 
 HEAD_DIM = 128
 ROPE_DIM = 64
@@ -111,6 +112,7 @@ if has_triton():
         _max_keep_nan,
         _rope_pairs_split,
         _round_bf16x2_words,
+        _slot_at,
         _table_position,
         _to_e4m3_bits,
         _unlock_row,
@@ -250,6 +252,7 @@ if has_triton():
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= Tk')
         K_FIRST: tl.constexpr,  # the k programs take the grid's first Tk programs, the q programs the rest
+        WRAP: tl.constexpr,  # slots and positions count from the end when negative (_slot_at)
     ):
         # A 1-D grid: programs [0, T * N_QCOLS) rotate, quantise and store BLOCK_H heads of
         # one token's q (columns fastest, so q streams in address order); the Tk programs
@@ -273,7 +276,7 @@ if has_triton():
             # issues the rows with the cos/sin loads: two round trips to memory either way.
             # (The rows first and the position behind a barrier, as the DSV4 kernel now
             # loads, was slower here: H200 T=4096 mxfp4 27.2 -> 28.7 us, fp8 28.5 -> 29.4.)
-            pos = _table_position(pos_ptr + t, max_pos)
+            pos = _table_position(pos_ptr + t, max_pos, WRAP)
             rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
             cs_row = cos_sin_ptr + pos * stride_cs
             w = tl.load(w_ptr + t * stride_wt + heads, mask=in_h, other=0.0).to(tl.float32)
@@ -303,7 +306,7 @@ if has_triton():
             r = pid - n_q_programs
             # the row (and its position's cos/sin) is loaded beside the slot, not after
             # it: the branch waits on one round trip to memory, not two
-            pos = _table_position(k_pos_ptr + r, max_pos)
+            pos = _table_position(k_pos_ptr + r, max_pos, WRAP)
             # the row as one "head" ([1, ...] tensors), so the q side's helpers apply as they
             # are (k_ names: triton wants a name's type alike in both branches of the if)
             k_row = k_ptr + r * stride_kt + tl.zeros([1, 1], dtype=tl.int64)
@@ -312,10 +315,10 @@ if has_triton():
                 k_nope_words, k_rope_words = _load_rotated_words(k_row, k_mask, cos_sin_ptr + pos * stride_cs, WORDS, SOFT_ROUNDING)
             else:
                 k_ne, k_no, k_re, k_ro = _load_rotated_pairs(k_row, k_mask, cos_sin_ptr + pos * stride_cs, SOFT_ROUNDING)
-            slot = tl.load(slot_ptr + r, mask=r < n_insert, other=-1)
+            slot = _slot_at(slot_ptr, r, n_insert, n_slots, WRAP)
             write = (slot >= 0) & (slot < n_slots)
             if DEDUPE == 1:  # the last row naming the slot writes it (_duplicate_slots)
-                write = write & _last_writer(slot_ptr, r, slot, n_insert, SCAN)
+                write = write & _last_writer(slot_ptr, r, slot, n_insert, n_slots, SCAN, WRAP)
             if write:
                 blk = slot // block_size
                 row = slot % block_size
@@ -377,7 +380,7 @@ def _rows_hold_words(x: torch.Tensor) -> bool:
 def launch_indexer_kernel(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
     cos_sin_cache, weights_scale, block_size, *, mxfp4: bool, launch_config: tuple[int, ...] | None = None,
-    dedupe: str | None = None, k_first: bool = False,
+    dedupe: str | None = None, k_first: bool = False, wrap_indices: bool = False,
 ) -> None:
     """The one launch of both ops (q side and k side together). Inputs are not checked here.
     ``dedupe`` overrides ``_duplicate_slots.dedupe_mode`` (the benchmark and a GPU test use it);
@@ -415,6 +418,7 @@ def launch_indexer_kernel(
         DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
         SCAN=_duplicate_slots.scan_block(slot_mapping),
         K_FIRST=bool(k_first),
+        WRAP=bool(wrap_indices),
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
@@ -500,9 +504,9 @@ def check_common_inputs(
     check_tensor("k", k, dtype=torch.bfloat16, ndim=2, device=device)
     check_tensor("weights_out", weights_out, dtype=torch.float32, ndim=2, device=device)
     check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
-    check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=device)
-    check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
-    check_tensor("k_positions", k_positions, dtype=torch.int64, ndim=1, device=device)
+    check_index_tensor("slot_mapping", slot_mapping, device)
+    check_index_tensor("positions", positions, device)
+    check_index_tensor("k_positions", k_positions, device)
     check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
     num_tokens, num_heads = q.shape[0], q.shape[1]
     check_size("q", q, 2, HEAD_DIM, "the indexer head dim")
@@ -547,12 +551,25 @@ def check_q_output(name: str, t: torch.Tensor, q: torch.Tensor, dtype: torch.dty
     check_unit_last_stride(name, t)
 
 
-def check_index_values(k_cache, slot_mapping, positions, k_positions, cos_sin_cache, block_size) -> None:
+def check_index_values(k_cache, slot_mapping, positions, k_positions, cos_sin_cache, block_size,
+                       wrap_indices=False) -> None:
     """Slot and position values in range (eager use; skipped while capturing a graph)."""
-    check_slot_and_position_values(slot_mapping, k_cache.shape[0], block_size, positions, cos_sin_cache.shape[0])
+    check_slot_and_position_values(slot_mapping, k_cache.shape[0], block_size, positions, cos_sin_cache.shape[0],
+                                   wrap=wrap_indices)
     if k_positions.numel() and can_read_index_values(k_positions):
-        lo, hi = int(k_positions.min()), int(k_positions.max())
-        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+        lo, hi, rows = int(k_positions.min()), int(k_positions.max()), cos_sin_cache.shape[0]
+        low = -rows if wrap_indices else 0
+        if lo < low or hi >= rows:
             raise ValueError(
-                f"k_positions: values must lie in [0, {cos_sin_cache.shape[0]}) (rows of cos_sin_cache), got [{lo}, {hi}]"
+                f"k_positions: values must lie in [{low}, {rows}) (rows of cos_sin_cache), got [{lo}, {hi}]"
             )
+
+
+def wrapped_indices(k_cache, slot_mapping, positions, k_positions, cos_sin_cache, block_size, wrap_indices):
+    """(slots, positions, k_positions) as the kernel reads them: with ``wrap_indices`` a
+    negative value counted from the end, as PyTorch indexing does."""
+    if not wrap_indices:
+        return slot_mapping, positions, k_positions
+    rows = cos_sin_cache.shape[0]
+    return (wrapped(slot_mapping, k_cache.shape[0] * block_size), wrapped(positions, rows),
+            wrapped(k_positions, rows))

@@ -43,35 +43,39 @@ from prepfuse.ops.dsv4_indexer_common import (
     launch_indexer_kernel,
     mxfp4_quant_reference,
     rope_tail_reference,
+    wrapped_indices,
     write_cache_rows,
 )
 
 SCHEMA = (
     "dsv4_indexer_rope_mxfp4_insert(Tensor q, Tensor weights, Tensor k, Tensor(a!) q_out, "
     "Tensor(b!) q_scale, Tensor(c!) weights_out, Tensor(d!) k_cache, Tensor slot_mapping, "
-    "Tensor positions, Tensor k_positions, Tensor cos_sin_cache, float weights_scale, int block_size) -> ()"
+    "Tensor positions, Tensor k_positions, Tensor cos_sin_cache, float weights_scale, int block_size, "
+    "bool wrap_indices=False) -> ()"
 )
 
 
 def dsv4_indexer_rope_mxfp4_insert_triton(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
-    weights_scale, block_size, *, launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
-    k_first: bool = False,
+    weights_scale, block_size, wrap_indices=False, *, launch_config: tuple[int, int] | None = None,
+    dedupe: str | None = None, k_first: bool = False,
 ) -> None:
     """Launch the fused kernel once (q and k sides together). Inputs are not checked here;
     ``launch_config``, ``dedupe`` and ``k_first`` as ``launch_indexer_kernel`` takes them."""
     launch_indexer_kernel(
         q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions,
         cos_sin_cache, weights_scale, block_size, mxfp4=True, launch_config=launch_config,
-        dedupe=dedupe, k_first=k_first,
+        dedupe=dedupe, k_first=k_first, wrap_indices=wrap_indices,
     )
 
 
 def _reference(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
-    weights_scale, block_size,
+    weights_scale, block_size, wrap_indices=False,
 ) -> None:
     """The op in plain PyTorch, unchecked: ``define_op`` runs the checks first."""
+    slot_mapping, positions, k_positions = wrapped_indices(k_cache, slot_mapping, positions, k_positions,
+                                                           cos_sin_cache, block_size, wrap_indices)
     packed, scale_bytes = mxfp4_quant_reference(rope_tail_reference(q, positions, cos_sin_cache))
     q_out.copy_(packed)
     q_scale.copy_(scale_bytes)
@@ -85,9 +89,11 @@ def _reference(
 
 def check_inputs(
     q, weights, k, q_out, q_scale, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
-    weights_scale, block_size,
+    weights_scale, block_size, wrap_indices=False,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument."""
+    if not isinstance(wrap_indices, bool):
+        raise ValueError(f"wrap_indices: must be a bool, got {wrap_indices!r}")
     check_common_inputs(
         q, weights, k, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
         weights_scale, block_size, slot_bytes=MXFP4_SLOT_BYTES,

@@ -48,9 +48,11 @@ from __future__ import annotations
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
-from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._checks import (
+    check_index_tensor, check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require,
+)
 from prepfuse.ops import _duplicate_slots
-from prepfuse.ops._indices import clamped_positions, written_rows
+from prepfuse.ops._indices import clamped_positions, wrapped, written_rows
 from prepfuse.ops._library import define_op
 from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj, ue8m0_bytes
 
@@ -67,7 +69,8 @@ AMAX_FLOOR = 1e-4
 
 SCHEMA = (
     "dsv4_qnorm_rope_kv_insert(Tensor q, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, "
-    "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, float eps, int block_size) -> ()"
+    "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, float eps, int block_size, "
+    "bool wrap_indices=False) -> ()"
 )
 
 
@@ -79,8 +82,8 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
-        _amax, _finite, _last_writer, _load_cos_sin, _lock_row, _rotate_pairs, _table_position, _to_bf16, _to_e4m3_bits,
-        _unlock_row,
+        _amax, _finite, _last_writer, _load_cos_sin, _lock_row, _rotate_pairs, _slot_at, _table_position, _to_bf16,
+        _to_e4m3_bits, _unlock_row,
     )
 
     @triton.jit
@@ -91,7 +94,7 @@ if has_triton():
         return tl.reshape(tl.join(e_rot, o_rot), y.shape)
 
     @triton.jit
-    def _cos_sin_at(pos_at, cos_sin_ptr, stride_cs, max_pos):
+    def _cos_sin_at(pos_at, cos_sin_ptr, stride_cs, max_pos, WRAP: tl.constexpr):
         """The cos and sin of the position at ``pos_at`` (``_table_position``, ``_load_cos_sin``).
 
         Called after a program's row loads, behind a barrier (a few cycles): the position
@@ -99,7 +102,7 @@ if has_triton():
         Loaded at the kernel's top, the position was waited on (for the clamp) before any
         row load was issued, and the cos/sin loads came after the norm's sqrt and division
         (sm_90 SASS): three round trips a program instead of two."""
-        return _load_cos_sin(cos_sin_ptr + _table_position(pos_at, max_pos) * stride_cs)
+        return _load_cos_sin(cos_sin_ptr + _table_position(pos_at, max_pos, WRAP) * stride_cs)
 
     @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
@@ -131,6 +134,7 @@ if has_triton():
         ROPE_U16: tl.constexpr,  # cache base and stride even: store RoPE bytes as uint16
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
+        WRAP: tl.constexpr,  # slots and positions count from the end when negative (_slot_at)
     ):
         # A 1-D grid of T * N_COLS programs, N_COLS = 1 + cdiv(HP, BLOCK_H): column 0
         # inserts token t's kv row, the others each normalise, rotate and store BLOCK_H
@@ -150,12 +154,12 @@ if has_triton():
             in_nope = (r < 7)[:, None]
             x = tl.load(kv_row + r[:, None] * 64 + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
             pe = tl.load(kv_row + 448 + tl.arange(0, 64)).to(tl.float32)
-            slot = tl.load(slot_ptr + t, mask=t < n_insert, other=-1)
+            slot = _slot_at(slot_ptr, t, n_insert, n_slots, WRAP)
             tl.debug_barrier()  # see _cos_sin_at
-            kv_cos, kv_sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos)
+            kv_cos, kv_sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WRAP)
             write = (slot >= 0) & (slot < n_slots)
             if DEDUPE == 1:  # the last row naming the slot writes it (_duplicate_slots)
-                write = write & _last_writer(slot_ptr, t, slot, n_insert, SCAN)
+                write = write & _last_writer(slot_ptr, t, slot, n_insert, n_slots, SCAN, WRAP)
             if write:
                 blk = slot // block_size
                 row = slot % block_size
@@ -213,7 +217,7 @@ if has_triton():
             # so that the rotation costs 64 dims of work per head, not masked work on 512.
             pe = tl.load(q_rows + 448 + tl.arange(0, 64)[None, :], mask=real[:, None], other=0.0).to(tl.float32)
             tl.debug_barrier()  # see _cos_sin_at
-            cos, sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos)
+            cos, sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WRAP)
             mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
             # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
             # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
@@ -258,7 +262,7 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
 
 
 def dsv4_qnorm_rope_kv_insert_triton(
-    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *,
+    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices=False, *,
     launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
 ) -> None:
     """Launch the fused kernel once (q and kv sides together). Inputs are not checked here.
@@ -289,6 +293,7 @@ def dsv4_qnorm_rope_kv_insert_triton(
         ROPE_U16=k_cache.data_ptr() % 2 == 0 and k_cache.stride(0) % 2 == 0,
         DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
         SCAN=_duplicate_slots.scan_block(slot_mapping),
+        WRAP=bool(wrap_indices),
         num_warps=num_warps,
     )
 
@@ -357,7 +362,8 @@ def write_rows(k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, 
 
 
 def unchecked_reference(
-    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, *, as_baseline: bool = False,
+    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices=False, *,
+    as_baseline: bool = False,
 ) -> None:
     """The op in plain PyTorch, unchecked (``define_op`` runs the checks first).
 
@@ -366,6 +372,9 @@ def unchecked_reference(
     and in the cache, positions in the table), so every row is written without filtering
     skipped (negative) slots, which needs a boolean mask, i.e. a host sync, and positions are
     read as they are; blocks are quantised without the non-finite rule (the models' math)."""
+    if wrap_indices:  # counted from the end when negative, as PyTorch indexing does
+        positions = wrapped(positions, cos_sin_cache.shape[0])
+        slot_mapping = wrapped(slot_mapping, k_cache.shape[0] * block_size)
     if not as_baseline:  # the kernel's reading of positions outside the table (``_indices``)
         positions = clamped_positions(positions, cos_sin_cache.shape[0])
     num_heads = q.shape[1]
@@ -380,7 +389,8 @@ def unchecked_reference(
 # --------------------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------------------
-def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size) -> None:
+def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
+                 wrap_indices=False) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
     Runs in the eager paths and in the fake impl (where sizes may be symbolic).
@@ -390,8 +400,8 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
     check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, device=device)
     check_tensor("q_out", q_out, dtype=torch.bfloat16, ndim=3, device=device)
     check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
-    check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=device)
-    check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
+    check_index_tensor("slot_mapping", slot_mapping, device)
+    check_index_tensor("positions", positions, device)
     check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
     num_tokens, num_heads = q.shape[0], q.shape[1]
     check_size("q", q, 2, HEAD_DIM, "the head dim")
@@ -424,11 +434,14 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
     )
     if not (eps >= 0.0):
         raise ValueError(f"eps: must be >= 0, got {eps!r}")
+    if not isinstance(wrap_indices, bool):
+        raise ValueError(f"wrap_indices: must be a bool, got {wrap_indices!r}")
 
 
-def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size) -> None:
+def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size, wrap_indices=False) -> None:
     """Slot and position values in range (eager use; skipped while capturing a graph)."""
-    check_slot_and_position_values(slot_mapping, k_cache.shape[0], block_size, positions, cos_sin_cache.shape[0])
+    check_slot_and_position_values(slot_mapping, k_cache.shape[0], block_size, positions, cos_sin_cache.shape[0],
+                                   wrap=wrap_indices)
 
 
 # --------------------------------------------------------------------------------------

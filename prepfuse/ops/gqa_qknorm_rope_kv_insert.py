@@ -99,9 +99,11 @@ from __future__ import annotations
 import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
-from prepfuse.ops._checks import check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require
+from prepfuse.ops._checks import (
+    check_index_tensor, check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require,
+)
 from prepfuse.ops import _duplicate_slots
-from prepfuse.ops._indices import clamped_positions, written_rows
+from prepfuse.ops._indices import clamped_positions, wrapped, written_rows
 from prepfuse.ops._library import define_op
 from prepfuse.ops._math import rope_gptj, rope_neox
 
@@ -122,7 +124,8 @@ SCHEMA = (
     "gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, "
     "Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor? positions, "
     "Tensor? cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps, "
-    "bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None, bool fp8_saturate=True) -> ()"
+    "bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None, bool fp8_saturate=True, bool wrap_indices=False, "
+    "Tensor? v_scale=None) -> ()"
 )
 # the cos and sin operands' dtypes: read as fp32 (a bf16 value widens exactly)
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
@@ -136,7 +139,8 @@ if has_triton():
     import triton.language as tl
 
     from prepfuse.ops._triton_helpers import (
-        _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _slot_block_row, _table_position, _to_bf16, _to_e4m3_bits,
+        _e4m3_quotient, _last_writer, _lock_row, _mul_rn, _slot_at, _slot_block_row, _table_position, _to_bf16,
+        _to_e4m3_bits,
         _unlock_row,
     )
 
@@ -409,6 +413,7 @@ if has_triton():
         DEDUPE: tl.constexpr,  # 0 off, 1 scan (_duplicate_slots; the locked path has its own code)
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
         SLOTS_U32: tl.constexpr,  # NB * BS < 2^32: block and row in 32-bit arithmetic
+        WRAP: tl.constexpr,  # slots count from the cache's end when negative (_slot_at)
     ):
         """``(dst, insert)``: each row's slot in the cache (head 0; slot 0 where it is
         skipped) and whether it is written. Called after the program's loads are issued,
@@ -417,7 +422,7 @@ if has_triton():
         if DEDUPE == 1:
             # TOKENS = 1 (the launcher's rule): the rows are one token's, which stores
             # them only if no later row names its slot; its k and v programs decide alike
-            insert = tl.where(_last_writer(slot_ptr, t, slot, n_insert, SCAN), insert, False)
+            insert = tl.where(_last_writer(slot_ptr, t, slot, n_insert, n_slots, SCAN, WRAP), insert, False)
         blk, row = _slot_block_row(tl.where(insert, slot, 0), block_size, SLOTS_U32)
         return cache_ptr + blk * stride_b + row * stride_r, insert
 
@@ -447,7 +452,8 @@ if has_triton():
         sin_row,  # [ROWS] the same of the sin table
         Hkv,  # kv heads
         eps,  # RMSNorm epsilon
-        scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
+        scale_ptr,  # [1] fp32 kv_scale of the k rows (unread unless CACHE_FP8)
+        v_scale_ptr,  # [1] fp32 scale of the v rows (kv_scale's own pointer where one scale serves both)
         HEAD_DIM: tl.constexpr,
         ROT_DIM: tl.constexpr,
         ROT_PAD: tl.constexpr,
@@ -465,6 +471,7 @@ if has_triton():
         SOFT_ROUNDING: tl.constexpr,
         LOAD_EVICTION: tl.constexpr,  # the row loads' L2 eviction policy (_row_eviction)
         STORE_EVICTION: tl.constexpr,  # the stores' (_row_eviction)
+        WRAP: tl.constexpr,  # as _slot_destination's
     ):
         """One k or v column of the cache insert: k rows normed, rotated and stored, v rows
         copied or quantised (the kernel's separate k and v programs, T' <= 1024).
@@ -484,7 +491,7 @@ if has_triton():
             x, a, b = _load_heads(k_src + heads * HEAD_DIM, real, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, LOAD_EVICTION)
             scale = _kv_scale(scale_ptr, CACHE_FP8)
             k_dst, insert = _slot_destination(k_cache_ptr, stride_kb, stride_kr, slot, live, t, slot_ptr, n_insert,
-                                              n_slots, block_size, DEDUPE, SCAN, SLOTS_U32)
+                                              n_slots, block_size, DEDUPE, SCAN, SLOTS_U32, WRAP)
             _norm_rope_store_loaded(
                 x, a, b, k_dst + heads * stride_kh, real, insert, k_w_ptr, cos_row, sin_row, eps, scale, HEAD_DIM,
                 ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, ROWS, SOFT_ROUNDING,
@@ -495,9 +502,9 @@ if has_triton():
             v_real = (heads < Hkv)[:, None]  # (triton merges a name both branches bind: not `real`)
             d = tl.arange(0, HEAD_DIM)[None, :]
             v = tl.load((v_src + heads * HEAD_DIM)[:, None] + d, mask=v_real, eviction_policy=LOAD_EVICTION)
-            scale = _kv_scale(scale_ptr, CACHE_FP8)
+            scale = _kv_scale(v_scale_ptr, CACHE_FP8)
             v_dst, insert = _slot_destination(v_cache_ptr, stride_vb, stride_vr, slot, live, t, slot_ptr, n_insert,
-                                              n_slots, block_size, DEDUPE, SCAN, SLOTS_U32)
+                                              n_slots, block_size, DEDUPE, SCAN, SLOTS_U32, WRAP)
             _store_values((v_dst + heads * stride_vh)[:, None] + d, v, tl.where(insert[:, None], v_real, False),
                           scale, CACHE_FP8, SOFT_ROUNDING, STORE_EVICTION)
 
@@ -535,6 +542,7 @@ if has_triton():
         HEADS: tl.constexpr,  # heads per token of the tile
         TOKENS: tl.constexpr,  # tokens of the tile (a power of two)
         HAS_POSITIONS: tl.constexpr,  # token t reads row positions[t], else row t
+        WRAP: tl.constexpr,  # a negative position counts from the table's end (_table_position)
     ):
         """The rows of a program's TOKENS x HEADS tile (row r: token r // HEADS, head r % HEADS):
         ``(t, hb, live, cos_row, sin_row)``, each row's token (clamped to T - 1), head within
@@ -555,7 +563,7 @@ if has_triton():
             live = t < n_tokens
             t = tl.minimum(t, n_tokens - 1)
         if HAS_POSITIONS:
-            pos = _table_position(pos_ptr + t, max_pos)
+            pos = _table_position(pos_ptr + t, max_pos, WRAP)
         else:  # the token's index is its position (clamped into the tables as well)
             pos = tl.minimum(t, max_pos - 1)
         cos_row = cos_ptr + pos * stride_cos + tl.zeros([1], dtype=tl.int32)
@@ -577,6 +585,7 @@ if has_triton():
         cos_ptr,  # [P, R/2] fp32 or bf16 ([P, R] with FULL_COS_SIN): the cos table
         sin_ptr,  # the sin table, like cos
         scale_ptr,  # [1] fp32 kv_scale (unread unless CACHE_FP8)
+        v_scale_ptr,  # [1] fp32 scale of the v rows (scale_ptr itself where one scale serves both)
         locks_ptr,  # [N_ROW_LOCKS] int32 row locks (_duplicate_slots; read with DEDUPE_LOCK)
         Hq,  # query heads
         Hkv,  # kv heads
@@ -622,6 +631,7 @@ if has_triton():
         LOAD_EVICTION: tl.constexpr,  # the row loads' L2 eviction policy (_row_eviction)
         STORE_EVICTION: tl.constexpr,  # the output stores' (_row_eviction)
         KV_FIRST: tl.constexpr,  # a token's kv columns take its first programs, its q columns the rest
+        WRAP: tl.constexpr,  # slots and positions count from the end when negative, as PyTorch indexing does
     ):
         # A 1-D grid of cdiv(T, TOKENS) * (Q_COLS + 2 * KV_COLS) programs. Columns vary
         # fastest and follow qkv's order (q heads, k heads, v heads), so programs running
@@ -653,7 +663,7 @@ if has_triton():
         if col < Q_COLS:
             t, hb, live, cos_row, sin_row = _token_rows(
                 tok, n_tokens, pos_ptr, max_pos, cos_ptr, sin_ptr, stride_cos, stride_sin, BLOCK_H, TOKENS,
-                HAS_POSITIONS,
+                HAS_POSITIONS, WRAP,
             )
             heads = col * BLOCK_H + hb
             _norm_rope_store_heads(
@@ -673,9 +683,9 @@ if has_triton():
             # under the lock. (kv_ names: triton merges a name that both sides of the
             # branch on col bind, so the k and v tiles' rows cannot reuse the q tile's.)
             kv_t, kv_hb, kv_live, kv_cos, kv_sin = _token_rows(
-                tok, n_tokens, pos_ptr, max_pos, cos_ptr, sin_ptr, stride_cos, stride_sin, 1, 1, HAS_POSITIONS,
+                tok, n_tokens, pos_ptr, max_pos, cos_ptr, sin_ptr, stride_cos, stride_sin, 1, 1, HAS_POSITIONS, WRAP,
             )
-            slot = tl.load(slot_ptr + kv_t, mask=kv_t < n_insert, other=-1)
+            slot = _slot_at(slot_ptr, kv_t, n_insert, n_slots, WRAP)
             kh = tl.arange(0, KV_BLOCK)
             d = tl.arange(0, HEAD_DIM)[None, :]
             k_src = k_ptr + kv_t * stride_kt
@@ -683,6 +693,7 @@ if has_triton():
             real, v, x, a, b = _load_kv_heads(k_src, v_src, kh, Hkv, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX,
                                               LOAD_EVICTION)
             kv_scale = _kv_scale(scale_ptr, CACHE_FP8)
+            v_scale = _kv_scale(v_scale_ptr, CACHE_FP8)
             if (slot >= 0) & (slot < n_slots):
                 # an int64 division here, after the loads (not _slot_block_row): with the 32-bit
                 # one ptxas moved this branch in front of the row loads and gave the whole
@@ -702,7 +713,7 @@ if has_triton():
                         kv_scale, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
                         KV_BLOCK, SOFT_ROUNDING, STORE_EVICTION,
                     )
-                    _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real[:, None], kv_scale, CACHE_FP8,
+                    _store_values((v_dst + heads * stride_vh)[:, None] + d, v, real[:, None], v_scale, CACHE_FP8,
                                   SOFT_ROUNDING, STORE_EVICTION)
                 _unlock_row(locks_ptr, slot)
         else:
@@ -711,15 +722,15 @@ if has_triton():
             # trip to memory, not two; a skipped slot's rows load and store nothing.
             kv_t, kv_hb, kv_live, kv_cos, kv_sin = _token_rows(
                 tok, n_tokens, pos_ptr, max_pos, cos_ptr, sin_ptr, stride_cos, stride_sin, KV_BLOCK, TOKENS,
-                HAS_POSITIONS,
+                HAS_POSITIONS, WRAP,
             )
-            slot = tl.load(slot_ptr + kv_t, mask=kv_t < n_insert, other=-1)
+            slot = _slot_at(slot_ptr, kv_t, n_insert, n_slots, WRAP)
             _insert_kv_column(
                 col - Q_COLS, kv_hb, k_ptr + kv_t * stride_kt, v_ptr + kv_t * stride_vt, k_cache_ptr, v_cache_ptr,
                 slot, kv_live, kv_t, slot_ptr, n_insert, n_slots, block_size, stride_kb, stride_kr, stride_kh,
-                stride_vb, stride_vr, stride_vh, k_w_ptr, kv_cos, kv_sin, Hkv, eps, scale_ptr, HEAD_DIM, ROT_DIM,
-                ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, KV_BLOCK, TOKENS * KV_BLOCK, KV_COLS,
-                DEDUPE, SCAN, SLOTS_U32, SOFT_ROUNDING, LOAD_EVICTION, STORE_EVICTION,
+                stride_vb, stride_vr, stride_vh, k_w_ptr, kv_cos, kv_sin, Hkv, eps, scale_ptr, v_scale_ptr, HEAD_DIM,
+                ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, KV_BLOCK, TOKENS * KV_BLOCK,
+                KV_COLS, DEDUPE, SCAN, SLOTS_U32, SOFT_ROUNDING, LOAD_EVICTION, STORE_EVICTION, WRAP,
             )
 
 
@@ -829,9 +840,9 @@ def cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin) -> tuple[torch.Tensor,
 
 def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, *,
-    launch_config: tuple[int, ...] | None = None, dedupe: str | None = None, eviction: str | None = None,
-    kv_first: bool = False,
+    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, wrap_indices=False,
+    v_scale=None, *, launch_config: tuple[int, ...] | None = None, dedupe: str | None = None,
+    eviction: str | None = None, kv_first: bool = False,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
     ranges of one qkv or separate tensors); heads and head size come from ``q_out`` and
@@ -875,6 +886,7 @@ def launch_gqa_kernel(
     q_w = q_norm_weight if has_norm else q
     k_w = k_norm_weight if has_norm else q
     scale = kv_scale if fp8 else cos
+    scale_v = v_scale if fp8 and v_scale is not None else scale
     block_size = k_cache.shape[1]
     grid = (triton.cdiv(num_tokens, tokens) * (q_cols + (1 if locked else 2 * kv_cols)),)
     unit = stride_unit(q.stride(0), k.stride(0), v.stride(0))
@@ -882,7 +894,7 @@ def launch_gqa_kernel(
         q, k, v, q_w, k_w, q_out,
         k_cache.view(torch.uint8) if fp8 else k_cache,
         v_cache.view(torch.uint8) if fp8 else v_cache,
-        slot_mapping, slot_mapping if positions is None else positions, cos, sin, scale,
+        slot_mapping, slot_mapping if positions is None else positions, cos, sin, scale, scale_v,
         _duplicate_slots.row_locks(k_cache.device),
         num_q_heads, num_kv_heads, num_tokens, slot_mapping.shape[0], k_cache.shape[0] * block_size, cos.shape[0],
         q.stride(0) // unit, k.stride(0) // unit, v.stride(0) // unit, q_out.stride(0), q_out.stride(1),
@@ -911,6 +923,7 @@ def launch_gqa_kernel(
         LOAD_EVICTION=load_eviction,
         STORE_EVICTION=store_eviction,
         KV_FIRST=bool(kv_first),
+        WRAP=bool(wrap_indices),
         num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
@@ -975,7 +988,8 @@ def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch
 
 def sources_reference(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, *, as_baseline: bool = False,
+    kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, wrap_indices=False,
+    v_scale=None, *, as_baseline: bool = False,
 ) -> None:
     """Both GQA ops in plain PyTorch, unchecked (``define_op`` runs the checks first), from
     q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``: the separate op's reference as it stands, the
@@ -988,13 +1002,16 @@ def sources_reference(
     cos, sin, _ = cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin)
     if positions is None:  # token t reads row t
         positions = torch.arange(q.shape[0], device=q.device)
+    if wrap_indices:  # counted from the end when negative, as PyTorch indexing does
+        positions = wrapped(positions, cos.shape[0])
+        slot_mapping = wrapped(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     if not as_baseline:  # the kernel's reading of positions outside the table (``_indices``)
         positions = clamped_positions(positions, cos.shape[0])
     head_dim = q_out.shape[2]
     q_vals, k_rows, v_rows = prepared_heads_reference(
         q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
         q_norm_weight, k_norm_weight, cos[positions].float(), sin[positions].float(), kv_scale,
-        slot_mapping.shape[0], is_neox, eps, full_cos_sin=full_cos_sin, fp8_saturate=fp8_saturate,
+        slot_mapping.shape[0], is_neox, eps, full_cos_sin=full_cos_sin, fp8_saturate=fp8_saturate, v_scale=v_scale,
     )
     q_out.copy_(q_vals)
     insert_cache_reference(k_cache, k_rows, slot_mapping, as_baseline=as_baseline)
@@ -1008,10 +1025,11 @@ def on_qkv_columns(impl):
 
     def on_qkv(qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
                cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, cos=None,
-               sin=None, fp8_saturate=True, **options):
+               sin=None, fp8_saturate=True, wrap_indices=False, v_scale=None, **options):
         q, k, v = split_qkv_columns(qkv, num_q_heads, num_kv_heads)
         impl(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
-             cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, **options)
+             cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, wrap_indices, v_scale,
+             **options)
 
     on_qkv.__name__ = on_qkv.__qualname__ = f"{impl.__name__}_on_qkv_columns"
     on_qkv.__doc__ = f"``{impl.__name__}`` on qkv's column ranges (``on_qkv_columns``); inputs are not checked here."
@@ -1039,6 +1057,7 @@ def prepared_heads_reference(
     *,
     full_cos_sin: bool = False,
     fp8_saturate: bool = True,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them)
     from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]`` and each token's fp32 ``cos`` and
@@ -1050,7 +1069,7 @@ def prepared_heads_reference(
     q = rope_reference(q, cos, sin, is_neox, full=full_cos_sin)
     k = rope_reference(k[:n_insert], cos[:n_insert], sin[:n_insert], is_neox, full=full_cos_sin)
     return (q, quantize_cache_reference(k, kv_scale, fp8_saturate),
-            quantize_cache_reference(v[:n_insert], kv_scale, fp8_saturate))
+            quantize_cache_reference(v[:n_insert], v_scale if v_scale is not None else kv_scale, fp8_saturate))
 
 
 # --------------------------------------------------------------------------------------
@@ -1059,7 +1078,7 @@ def prepared_heads_reference(
 def check_inputs(
     qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
     cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, cos=None, sin=None,
-    fp8_saturate=True,
+    fp8_saturate=True, wrap_indices=False, v_scale=None,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
@@ -1082,7 +1101,8 @@ def check_inputs(
         f"qkv: head size {head_dim} (width {width} / {n_heads} heads) is not one of {HEAD_DIMS}",
     )
     check_prep_args(q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-                    kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, num_tokens=num_tokens,
+                    kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, wrap_indices, v_scale,
+                    num_tokens=num_tokens,
                     num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
                     source="qkv")
     check_unit_last_stride("qkv", qkv)
@@ -1090,8 +1110,8 @@ def check_inputs(
 
 def check_prep_args(
     q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
-    is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, *, num_tokens, num_q_heads, num_kv_heads, head_dim, device,
-    source: str,
+    is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, wrap_indices, v_scale, *, num_tokens, num_q_heads,
+    num_kv_heads, head_dim, device, source: str,
 ) -> None:
     """Everything but the q/k/v source (both GQA ops): dtypes, shapes, devices and strides
     against the token count, heads and head size the source gave (``source`` names it)."""
@@ -1121,12 +1141,12 @@ def check_prep_args(
     check_tensor("v_cache", v_cache, dtype=k_cache.dtype, ndim=4, device=device)
     for dim in range(4):
         check_size("v_cache", v_cache, dim, k_cache.shape[dim], f"k_cache's size {dim}")
-    check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=device)
+    check_index_tensor("slot_mapping", slot_mapping, device)
     require(
         slot_mapping.shape[0] <= num_tokens,
         f"slot_mapping: has {slot_mapping.shape[0]} rows, more than T={num_tokens} tokens",
     )
-    for name, flag in (("full_cos_sin", full_cos_sin), ("fp8_saturate", fp8_saturate)):
+    for name, flag in (("full_cos_sin", full_cos_sin), ("fp8_saturate", fp8_saturate), ("wrap_indices", wrap_indices)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}: must be a bool, got {flag!r}")
     tables = check_cos_sin(cos_sin_cache, cos, sin, full_cos_sin, head_dim, device)
@@ -1135,19 +1155,21 @@ def check_prep_args(
                 f"positions: is None, so token t reads row t of the cos/sin tables, which have "
                 f"{tables[0].shape[0]} rows for T={num_tokens} tokens")
     else:
-        check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=device)
+        check_index_tensor("positions", positions, device)
         check_size("positions", positions, 0, num_tokens, f"T, {source}'s token count")
     if k_cache.dtype in FP8_CACHE_DTYPES:
         if kv_scale is None:
             raise ValueError(f"kv_scale: an fp8 cache ({k_cache.dtype}) needs a device fp32 scale tensor of shape "
                              "[1] or [], got None")
-        check_tensor("kv_scale", kv_scale, dtype=torch.float32, ndim=kv_scale.dim(), device=device)
-        require(
-            (kv_scale.dim() <= 1) & (kv_scale.numel() == 1),
-            f"kv_scale: must have shape [1] or [], got {tuple(kv_scale.shape)}",
-        )
-    elif kv_scale is not None:
-        raise ValueError("kv_scale: must be None for a bf16 cache (it only scales fp8 caches)")
+        for name, scale in (("kv_scale", kv_scale), ("v_scale", v_scale)):
+            if scale is None:
+                continue
+            check_tensor(name, scale, dtype=torch.float32, ndim=scale.dim(), device=device)
+            require((scale.dim() <= 1) & (scale.numel() == 1), f"{name}: must have shape [1] or [], got {tuple(scale.shape)}")
+    else:
+        for name, scale in (("kv_scale", kv_scale), ("v_scale", v_scale)):
+            if scale is not None:
+                raise ValueError(f"{name}: must be None for a bf16 cache (it only scales fp8 caches)")
     named = (
         ("q_out", q_out), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping),
         ("positions", positions), *tables[1],
@@ -1211,10 +1233,11 @@ def check_cos_sin(cos_sin_cache, cos, sin, full_cos_sin, head_dim, device) -> tu
     return cos, (("cos", cos), ("sin", sin))
 
 
-def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, cos) -> None:
+def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, cos, wrap_indices=False) -> None:
     """Slot and position values in range (eager use; skipped while capturing a graph)."""
     rows = (cos_sin_cache if cos_sin_cache is not None else cos).shape[0]
-    check_slot_and_position_values(slot_mapping, k_cache.shape[0], k_cache.shape[1], positions, rows)
+    check_slot_and_position_values(slot_mapping, k_cache.shape[0], k_cache.shape[1], positions, rows,
+                                   wrap=wrap_indices)
 
 
 # --------------------------------------------------------------------------------------

@@ -42,13 +42,14 @@ SCHEMA = (
     "gqa_separate_qknorm_rope_kv_insert(Tensor q, Tensor k, Tensor v, Tensor? q_norm_weight, "
     "Tensor? k_norm_weight, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
     "Tensor? positions, Tensor? cos_sin_cache, Tensor? kv_scale, bool is_neox, float eps, bool full_cos_sin=False, "
-    "Tensor? cos=None, Tensor? sin=None, bool fp8_saturate=True) -> ()"
+    "Tensor? cos=None, Tensor? sin=None, bool fp8_saturate=True, bool wrap_indices=False, Tensor? v_scale=None) -> ()"
 )
 
 
 def check_separate_inputs(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
     cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True,
+    wrap_indices=False, v_scale=None,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
@@ -75,7 +76,8 @@ def check_separate_inputs(
         check_unit_last_stride(name, t)
     check_unit_last_stride("q", q)
     check_prep_args(q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
-                    kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, num_tokens=q.shape[0],
+                    kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, wrap_indices, v_scale,
+                    num_tokens=q.shape[0],
                     num_q_heads=num_q_heads,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, device=device, source="q")
 
