@@ -70,7 +70,7 @@ from prepfuse._compat import inductor_config_keys, inductor_mode_options, regist
 from prepfuse.fx_passes.defunctionalize import DefunctionalizePass
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
 from prepfuse.fx_passes.placement import PlacementPass, PlacementPolicy
-from prepfuse.fx_passes.matching.validation import VALIDATE_MODES
+from prepfuse.fx_passes.matching.search import VALIDATE_MODES
 from prepfuse.fx_passes.registry import LAST_PASS, get_pass, placement_position, registered_passes
 from prepfuse.fx_passes.report import GraphReport, Reports
 from prepfuse.ops import NAMESPACE

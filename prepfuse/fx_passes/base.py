@@ -17,6 +17,17 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger("prepfuse.passes")
+_WARNED: set = set()
+
+
+def _warn_once(pass_name: str, err: Exception) -> None:
+    """Warn once per pass and error type; every time, the traceback at DEBUG (for a report)."""
+    key = (pass_name, type(err).__name__)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("%s: an unexpected %s while reading a region (declined, compiled as written): %s",
+                    pass_name, type(err).__name__, err)
+    log.debug("%s: the unexpected error's traceback", pass_name, exc_info=err)
 
 
 @dataclass
@@ -57,6 +68,9 @@ class PrepfusePass(CustomGraphPass):
     # fusion passes prove each rewrite on probes before making it ("probe") or not ("off");
     # the backend's ``validate`` option sets it, and it enters the uuid
     validate: str = "probe"
+    # a fusion pass reads the canonical graph (``matching/canonical.py``): the pass manager
+    # canonicalizes once before the first such pass
+    canonical_graph: bool = False
 
     def __init__(self) -> None:
         self.matched_count = 0
@@ -64,13 +78,39 @@ class PrepfusePass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.log = PassLog()
-        self.matched_count = self.run(graph)
+        try:
+            self.matched_count = self.run(graph)
+        except Exception as err:  # noqa: BLE001 - a pass's own failure must not fail the compile
+            # every rewrite is made whole or not at all (``attempt``), so the graph is valid here
+            _warn_once(self.name, err)
+            self.matched_count = sum(e.kind == "matched" for e in self.log.events)
         if self.matched_count:
             graph.eliminate_dead_code()
             graph.lint()
 
     def run(self, graph: torch.fx.Graph) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def attempt(self, fn, pattern: str, anchor: torch.fx.Node) -> bool:
+        """Run one rewrite attempt ``fn()``; a decline (``NoMatch``) or an unexpected error is
+        logged as a near miss and the graph left as the code wrote it: a valid program never
+        becomes a compile error because a pass could not read it (an unexpected error also
+        warns once, as it is the pass's fault)."""
+        from prepfuse.fx_passes.matching.nodes import NoMatch
+
+        try:
+            fn()
+            return True
+        except NoMatch as err:
+            self.declined_at(pattern, anchor, str(err))
+        except Exception as err:  # noqa: BLE001 - the pass's own failure must not fail the compile
+            _warn_once(self.name, err)
+            self.declined_at(pattern, anchor, f"the pass failed here ({type(err).__name__}: {err}); "
+                                              "the code is compiled as written")
+        return False
+
+    def declined_at(self, pattern: str, anchor: torch.fx.Node, why: str) -> None:
+        self.log.declined(self.name, pattern, anchor, why)
 
     def settings(self) -> tuple:
         """Anything besides source code that changes what the pass does."""

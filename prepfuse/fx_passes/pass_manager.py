@@ -47,6 +47,7 @@ from prepfuse._compat import current_compile_id
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.graph_print import normalized_graph
 from prepfuse.fx_passes.placement import PlacementPolicy, placement_uuid, plan_and_check, raise_on_problems
+from prepfuse.fx_passes.matching.canonical import canonicalize
 from prepfuse.fx_passes.matching.scratch_buffers import scratch_to_pool_buffers
 from prepfuse.fx_passes.report import GraphReport
 from prepfuse.ops import NAMESPACE
@@ -99,6 +100,8 @@ class PrepfusePassManager(CustomGraphPass):
         compile_id = current_compile_id() or "?"
         report = GraphReport(graph_id=f"{compile_id}#{len(self.reports)}", passes=self.pass_names)
         dump_to = self._dump_folder(report.graph_id) if self.debug_dir else None
+        if any(p.canonical_graph for p in self.passes):
+            canonicalize(graph)  # one form per concept, before any family
         for i, p in enumerate(self.passes):
             stack_traces = {n.name: n.meta.get("stack_trace") for n in graph.nodes if n.meta.get("stack_trace")}
             if dump_to:
@@ -138,6 +141,7 @@ class PrepfusePassManager(CustomGraphPass):
     def uuid(self) -> str:
         digest = hashlib.sha256()
         digest.update(inspect.getsource(sys.modules[__name__]).encode())
+        digest.update(inspect.getsource(sys.modules[canonicalize.__module__]).encode())
         for p in self.passes:
             digest.update(f"{p.name}:{p.uuid()};".encode())
         if self.placement is not None:

@@ -85,30 +85,30 @@ class ClientCase:
 
 
 CLIENT_CASES: tuple[ClientCase, ...] = (
-    ClientCase("hf-qwen3", "qwen3", "Qwen3", pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
-    ClientCase("hf-llama", "llama", "Llama", pattern="gqa_rope_kv+separate+bf16_rope"),
-    ClientCase("hf-qwen2", "qwen2", "Qwen2", pattern="gqa_rope_kv+separate+bf16_rope"),
-    ClientCase("hf-mistral", "mistral", "Mistral", pattern="gqa_rope_kv+separate+bf16_rope"),
+    ClientCase("hf-qwen3", "qwen3", "Qwen3", pattern="gqa_qknorm_rope_kv+separate"),
+    ClientCase("hf-llama", "llama", "Llama", pattern="gqa_rope_kv+separate"),
+    ClientCase("hf-qwen2", "qwen2", "Qwen2", pattern="gqa_rope_kv+separate"),
+    ClientCase("hf-mistral", "mistral", "Mistral", pattern="gqa_rope_kv+separate"),
     # one sequence's static cache, written as transformers' StaticCache writes it (index_copy_)
-    ClientCase("hf-qwen3-static-cache", "qwen3", "Qwen3", cache="static", pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
+    ClientCase("hf-qwen3-static-cache", "qwen3", "Qwen3", cache="static", pattern="gqa_qknorm_rope_kv+separate"),
     # a batch of sequences' static cache [B, Hkv, max_len, D], every sequence at the step's
     # positions (a padded batch): the pass computes each token's slot b * max_len + pos
     ClientCase("hf-llama-static-cache-batch3", "llama", "Llama", cache="static", batch=3,
-               pattern="gqa_rope_kv+separate+bf16_rope"),
+               pattern="gqa_rope_kv+separate"),
     # cos/sin made outside the compiled code: full-width values the graph cannot prove are
     # two equal halves, read whole by the op (``full_cos_sin``: cos and sin [T, R] each)
     ClientCase("hf-qwen3-cos-sin-inputs", "qwen3", "Qwen3", rotary="inputs",
-               pattern="gqa_qknorm_rope_kv+separate+bf16_rope+full_cos_sin"),
+               pattern="gqa_qknorm_rope_kv+separate"),
     ClientCase("hf-llama-cos-sin-inputs", "llama", "Llama", rotary="inputs",
-               pattern="gqa_rope_kv+separate+bf16_rope+full_cos_sin"),
+               pattern="gqa_rope_kv+separate"),
     # transformers' own continuous-batching path: attention "paged|sdpa", PagedAttentionCache.update
     ClientCase("hf-qwen3-paged-attention-cache", "qwen3", "Qwen3", cache="hf-paged",
-               pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
+               pattern="gqa_qknorm_rope_kv+separate"),
     # another norm: Gemma3RMSNorm, (x * (1 + w)).to(bf16) in fp32 (the op's fp32-weight form);
     # one sliding-window and one global layer, each with its own rotary table (layer types)
     ClientCase("hf-gemma3", "gemma3", "Gemma3", config_prefix="Gemma3Text",
                config=(("layer_types", ("sliding_attention", "full_attention")), ("sliding_window", 64)),
-               pattern="gqa_qknorm_rope_kv+separate+bf16_rope"),
+               pattern="gqa_qknorm_rope_kv+separate"),
 )
 
 

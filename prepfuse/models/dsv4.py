@@ -11,6 +11,7 @@ norm        ``pow_mean``: ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep
             ``mul_mean``: ``x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)``
             ``rms_norm``: ``F.rms_norm(x, (512,), eps=eps)``
             ``sqrt_recip``: ``x * torch.sqrt(x.square().mean(-1, keepdim=True) + eps).reciprocal()``
+            ``div_sqrt``: ``x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)``
 split       ``slice``: ``x[..., :448]``, ``x[..., 448:]``; ``split``: ``x.split([448, 64], -1)``
 rope        ``strided``: ``x[..., ::2]``, ``x[..., 1::2]`` then ``torch.stack(.., -1).flatten(-2)``
             ``complex``: ``torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))`` times
@@ -31,15 +32,13 @@ rounded (its sqrt goes through fp64), while ``torch.rsqrt`` and the vectorised f
 
 :data:`DSV4_LOOKALIKES` are code that looks the same but computes something else (eps
 after the sqrt, a missing rsqrt, NeoX rotate-half RoPE, 128-wide quant blocks, a cache
-row of another size, fp16 tensors). The pass must leave them alone.
+row placed at another pitch, fp16 tensors). The pass must leave them alone, naming why.
+``cache_row_offset_by_one`` (each row one row further into its block) stays in the list as
+code a reader of slot indices could misread; its rows are computable, and it fuses.
 
-Negative slots. The op skips a row whose slot is negative. Eager code cannot skip it
-without a host sync (a boolean mask or ``nonzero``), and masking it onto a valid slot
-would overwrite a real row, so these spellings assume every slot is valid: a negative
-slot here is written through Python's index wraparound (slot -1 becomes the last row of
-the last block). After the pass fuses the write, that row is skipped instead. Engines
-that pad ``slot_mapping`` with -1 get the skip they meant; code that relied on the
-wraparound would not, which is why ``docs/passes.md`` states it.
+Negative slots. Eager index assignment writes a negative slot through Python's wraparound
+(slot -1 is the last row of the last block); the fused call does the same (the pass emits
+``wrap_indices=True``), so a rewrite equals the code for every slot the code accepts.
 """
 
 from __future__ import annotations
@@ -95,19 +94,19 @@ DSV4_SPELLINGS: tuple[Dsv4Spelling, ...] = (
     Dsv4Spelling("rms_norm-split-strided-new_zeros-exp2", "rms_norm", "split", "strided", "new_zeros", "exp2"),
     Dsv4Spelling("rms_norm-slice-complex-pad-pow-columns", "rms_norm", "slice", "complex", "pad", "pow", "columns"),
     Dsv4Spelling("sqrt_recip-slice-strided-pad-exp2", "sqrt_recip", "slice", "strided", "pad", "exp2"),
+    Dsv4Spelling("div_sqrt-split-strided-pad-exp2", "div_sqrt", "split", "strided", "pad", "exp2"),
 )
 
-# Code that looks like the above and computes something else: never fused.
+# Code that looks like the above and computes something else: declined (but the last, see the docstring).
 DSV4_LOOKALIKES: tuple[Dsv4Spelling, ...] = (
     Dsv4Spelling("eps_after_sqrt", norm="eps_after_sqrt"),
     Dsv4Spelling("no_rsqrt", norm="no_rsqrt"),
-    Dsv4Spelling("div_sqrt", norm="div_sqrt"),
     Dsv4Spelling("neox_rope", rope="neox"),
     Dsv4Spelling("quant_block_128", quant_block=128),
     Dsv4Spelling("cache_row_640", cache_row_bytes=640),
     Dsv4Spelling("cache_row_640_columns", write="columns", cache_row_bytes=640),
-    Dsv4Spelling("cache_row_offset_by_one", write="columns_next_row"),
     Dsv4Spelling("float16", dtype=torch.float16),
+    Dsv4Spelling("cache_row_offset_by_one", write="columns_next_row"),
 )
 
 
@@ -223,7 +222,7 @@ def dsv4_kv_insert(
     spelling: Dsv4Spelling,
 ) -> None:
     """Rotate, quantise and write the first ``len(slot_mapping)`` rows of kv [T, 512] into
-    ``k_cache`` (fp8_ds_mla). Every slot must be valid (see the module docstring)."""
+    ``k_cache`` (fp8_ds_mla). A negative slot wraps (see the module docstring)."""
     n = slot_mapping.shape[0]
     x = kv[:n].float()
     nope, pe = split_rope_dims(x, spelling)

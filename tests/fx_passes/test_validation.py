@@ -1,73 +1,73 @@
-"""Translation validation (``validate="probe"``, the default): a rewrite is made only when the
-fused call and the code it replaces agree on probes.
+"""The probes (``matching/probes.py``, ``compare.py``, ``search.py``): a family decides which
+call computes a region by running candidates against it, and a rewrite is made only when one
+agrees.
 
-To show it catching what the structure alone would accept, each family's test plants a
-recogniser bug (``blind_paged_slots``: the block-row index of a cache write is taken to be
-``slot % block_size`` without checking whose slots it reads) and compiles model code that
-bug misreads: each row written one row further into its block (``(slot + 1) % bs``, the
-``cache_row_offset_by_one`` look-alikes). With validation the rewrite is declined, the
-report says where the values differ, and the compiled code is Inductor's own, byte for byte
-against ``backend="inductor"``; with ``validate="off"`` the blind match goes through and
-the cache is wrong, which is what makes each test able to fail.
+To show the probes catching what a family's structure alone would accept, each family's
+test takes its cos/sin candidates and makes every one read cos where it should read sin
+(``wrong_rope``; the candidates already hold both orders of the two operands, as the
+structure cannot tell them apart): every call then differs from the code, the rewrite is
+declined naming the closest candidate and the first value where it differs, and the
+compiled code is Inductor's own, byte for byte against ``backend="inductor"``. With the
+true candidates the same code fuses, which is what makes each test able to fail.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from prepfuse.backend import PrepfuseBackend, PrepfuseOptions
-from prepfuse.fx_passes.fusion import gqa_patterns
-from prepfuse.fx_passes.matching import cache_writes
-from prepfuse.fx_passes.matching.recognizers import NoMatch
-from prepfuse.fx_passes.matching.validation import NUM_PROBES
-from prepfuse.models import dsv4_indexer as indexer_model
-from prepfuse.models.dsv4_indexer import IndexerSpelling
-from tests.fx_passes.fusion import indexer_harness
-from tests.fx_passes.fusion import test_dsv4 as dsv4
-from tests.fx_passes.fusion import test_dsv4_indexer as indexer
-from tests.fx_passes.fusion import test_gqa as gqa
+from prepfuse.fx_passes.matching import rope_operands
+from prepfuse.fx_passes.matching.compare import Checked, compare
+from prepfuse.fx_passes.matching.probes import NUM_PROBES, Mismatch
+from prepfuse.fx_passes.fusion import dsv4, dsv4_indexer, gqa
+from tests.fx_passes.fusion import test_dsv4 as dsv4_tests
+from tests.fx_passes.fusion import test_dsv4_indexer as indexer_tests
+from tests.fx_passes.fusion import test_gqa as gqa_tests
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
-def blind_paged_slots(indices, block_size: int):
-    """The planted recogniser bug: ``slots`` of ``(slots // bs, <anything>)``."""
-    blk, _ = indices
-    return blk.args[0]
+def wrong(forms):
+    """Each cos/sin candidate with its sin operand replaced by its cos (a complex operand,
+    which holds both, dropped)."""
+    return [dataclasses.replace(f, sin=f.cos) if f.kind == "values"
+            else dataclasses.replace(f, columns=(f.columns[0], f.columns[0], f.columns[2]))
+            for f in forms if f.kind == "table" or f.sin is not None]
 
 
 @pytest.fixture
-def blind_recogniser(monkeypatch):
-    monkeypatch.setattr(gqa_patterns, "paged_slots", blind_paged_slots)
-    monkeypatch.setattr(cache_writes, "paged_slots", blind_paged_slots)
+def wrong_rope(monkeypatch):
+    real = rope_operands.rope_forms
+    for module in (gqa, dsv4, dsv4_indexer):
+        monkeypatch.setattr(module, "rope_forms", lambda *a, **k: wrong(real(*a, **k)))
 
 
 def gqa_case():
-    case = gqa.make_case(gqa.LOOKALIKES["cache_row_offset_by_one"])
-    return gqa.prep(case), lambda: case.args(case.k_cache.clone(), case.v_cache.clone())
+    case = gqa_tests.make_case(gqa_tests.SPELLINGS["qwen3-hf_fp32-slice-fp8"])
+    return gqa_tests.prep(case), lambda: case.args(case.k_cache.clone(), case.v_cache.clone())
 
 
 def dsv4_case():
-    inputs = dsv4.make_inputs()
+    inputs = dsv4_tests.make_inputs()
     rest = (inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache)
-    return dsv4.prep(dsv4.LOOKALIKES["cache_row_offset_by_one"]), lambda: (
-        inputs.q, inputs.kv, inputs.k_cache.clone(), *rest)
+    return dsv4_tests.prep(dsv4_tests.DSV4_SPELLINGS[0]), lambda: (inputs.q, inputs.kv, inputs.k_cache.clone(), *rest)
 
 
 def indexer_case():
-    inputs = indexer.make_inputs()
-    spelling = IndexerSpelling("cache_row_offset_by_one", write="columns_next_row", scales="bytes")
+    inputs = indexer_tests.make_inputs()
     rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
-    return indexer_harness.prep(indexer_model, spelling), lambda: (
+    return indexer_tests.prep(indexer_tests.INDEXER_SPELLINGS[0]), lambda: (
         inputs.q, inputs.weights, inputs.k, inputs.k_cache.clone(), *rest)
 
 
 FAMILIES = {
-    # family: (case, the pass, the declined pattern)
-    "gqa": (gqa_case, "fuse_gqa_prep", "gqa"),
-    "dsv4": (dsv4_case, "fuse_dsv4_prep", "dsv4_q+kv"),
-    "dsv4_indexer": (indexer_case, "fuse_dsv4_indexer_prep", "dsv4_indexer_q+k"),
+    # family: (case, the pass)
+    "gqa": (gqa_case, "fuse_gqa_prep"),
+    "dsv4": (dsv4_case, "fuse_dsv4_prep"),
+    "dsv4_indexer": (indexer_case, "fuse_dsv4_indexer_prep"),
 }
 
 
@@ -89,50 +89,52 @@ def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_look_alike_the_structure_accepts_is_declined_by_validation(family, blind_recogniser):
-    make_case, pass_name, pattern = FAMILIES[family]
+def test_wrong_candidates_are_declined_by_the_probes(family, wrong_rope):
+    make_case, pass_name = FAMILIES[family]
     fn, make_args = make_case()
     inductor = compiled(fn, make_args, "inductor")
-
     backend = PrepfuseBackend({"passes": (pass_name,), "record_graphs": True})
     probed = compiled(fn, make_args, backend)
     (report,) = backend.reports
     assert report.matched_counts[pass_name] == 0 and not report.ops_after
-    declined = [(r.pattern, r.why) for r in report.near_misses() if r.why.startswith("validation:")]
-    assert len(declined) == 1 and declined[0][0] == pattern, report.near_misses()
-    why = declined[0][1]
-    assert why.startswith("validation: k_cache differs at [") and ", region gives " in why, why
+    reasons = [r.why for r in report.near_misses()]
+    assert reasons and all(why.startswith("closest: ") and " differs at [" in why and ", the code gives " in why
+                           for why in reasons), reasons
     assert same_bytes(probed, inductor)  # declined means Inductor's code for the model, byte for byte
-
-    unchecked = PrepfuseBackend({"passes": (pass_name,), "validate": "off"})
-    wrong = compiled(fn, make_args, unchecked)
-    assert unchecked.reports[0].matched_counts[pass_name] == 1  # the blind recogniser's rewrite went in
-    assert not same_bytes(wrong, inductor)  # and the cache it wrote is not the model's
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_true_spelling_validates(family):
-    """Without the planted bug the same pass fuses its first spelling and says it validated."""
-    _, pass_name, _ = FAMILIES[family]
-    spelling_case = {
-        "gqa": lambda: gqa.run(gqa.prep, gqa.make_case(gqa.GQA_SPELLINGS[0])),
-        "dsv4": lambda: dsv4.run(dsv4.prep(dsv4.DSV4_SPELLINGS[0])),
-        "dsv4_indexer": lambda: indexer.run(indexer.prep(indexer.INDEXER_SPELLINGS[0])),
-    }[family]
-    r = spelling_case()
-    (match,) = r.report.matches()
-    assert match.pass_name == pass_name and match.why == f"validated on {NUM_PROBES} probes"
-    assert f"validated on {NUM_PROBES} probes" in r.report.format()
+def test_the_true_candidates_validate(family):
+    """With the true candidates the same code fuses and says which call it validated."""
+    make_case, pass_name = FAMILIES[family]
+    fn, make_args = make_case()
+    backend = PrepfuseBackend({"passes": (pass_name,), "record_graphs": True})
+    compiled(fn, make_args, backend)
+    (report,) = backend.reports
+    (match,) = report.matches()
+    assert match.pass_name == pass_name and match.why.startswith(f"validated on {NUM_PROBES} probes: ")
+    assert "RoPE on " in match.why
 
 
 def test_validate_option():
-    with pytest.raises(ValueError, match="validate: expected one of 'probe', 'off'"):
-        PrepfuseOptions(validate="yes")
-    probe, off = (PrepfuseBackend({"validate": v}).pass_manager() for v in ("probe", "off"))
-    assert probe.uuid() != off.uuid()
-    assert {p.validate for p in off.passes} == {"off"} and {p.validate for p in probe.passes} == {"probe"}
+    with pytest.raises(ValueError, match="validate: expected one of 'probe', 'quick'"):
+        PrepfuseOptions(validate="off")
+    probe, quick = (PrepfuseBackend({"validate": v}).pass_manager() for v in ("probe", "quick"))
+    assert probe.uuid() != quick.uuid()
+    assert {p.validate for p in quick.passes} == {"quick"} and {p.validate for p in probe.passes} == {"probe"}
 
 
+def test_quick_runs_the_unit_scale_probe_alone():
+    fn, make_args = gqa_case()
+    backend = PrepfuseBackend({"passes": ("fuse_gqa_prep",), "validate": "quick"})
+    compiled(fn, make_args, backend)
+    (match,) = backend.reports[0].matches()
+    assert match.why.startswith("validated on 1 probes: ")
+
+
+# --------------------------------------------------------------------------------------
+# The bounds (``compare.py``)
+# --------------------------------------------------------------------------------------
 def _fp8(values) -> torch.Tensor:
     """fp8 values from floats, NaN as the NaN code of its sign (0x7F, 0xFF)."""
     t = torch.tensor(values)
@@ -142,67 +144,77 @@ def _fp8(values) -> torch.Tensor:
 
 
 NAN, NEG_NAN = float("nan"), -float("nan")
+K_CACHE = Checked("k_cache", None, None)
+
+
+def check(got, want, probe=1, checked=K_CACHE, values=None):
+    compare(checked, got, want, probe, values or {})
 
 
 def test_nan_past_448_is_one_step_where_both_casts_give_nan():
     """Two non-saturating casts a bf16 ULP apart at 464 put one value on either side: NaN
     against 448 counts as the one e4m3 step it is; a saturating cast against a
     non-saturating one (448 where the other gives NaN at every overflow) is still a mismatch."""
-    from prepfuse.fx_passes.matching.validation import _compare
-
     region = [NAN] * 8 + [NEG_NAN] * 8 + [1.0, 448.0]
     near_464 = [NAN] * 8 + [NEG_NAN] * 8 + [1.0, NAN]  # the last value a ULP past 464 here
-    _compare("k_cache", _fp8(near_464).reshape(1, -1), _fp8(region).reshape(1, -1), probe=1)
-    _compare("k_cache", _fp8(region).reshape(1, -1), _fp8(near_464).reshape(1, -1), probe=1)
+    check(_fp8(near_464).reshape(1, -1), _fp8(region).reshape(1, -1))
+    check(_fp8(region).reshape(1, -1), _fp8(near_464).reshape(1, -1))
     saturating = [448.0] * 8 + [-448.0] * 8 + [1.0, 448.0]
     for got, want in ((saturating, region), (region, saturating)):
-        with pytest.raises(NoMatch, match="k_cache differs"):
-            _compare("k_cache", _fp8(got).reshape(1, -1), _fp8(want).reshape(1, -1), probe=1)
+        with pytest.raises(Mismatch, match="k_cache differs"):
+            check(_fp8(got).reshape(1, -1), _fp8(want).reshape(1, -1))
     wrong_sign = [NAN] * 8 + [NEG_NAN] * 8 + [1.0, NEG_NAN]
-    with pytest.raises(NoMatch, match="k_cache differs"):
-        _compare("k_cache", _fp8(wrong_sign).reshape(1, -1), _fp8(region).reshape(1, -1), probe=1)
+    with pytest.raises(Mismatch, match="k_cache differs"):
+        check(_fp8(wrong_sign).reshape(1, -1), _fp8(region).reshape(1, -1))
 
 
 def test_a_byte_cache_of_e4m3_codes_is_compared_as_fp8_values():
-    """A uint8 cache holding e4m3fn codes (vLLM's "fp8" cache) is compared as the values
-    (``codes``): codes 0x13 and 0x15 are two steps apart as bytes, and well inside the
-    bound of a row whose largest value is 448."""
-    from prepfuse.fx_passes.matching.validation import _compare
-
+    """A uint8 cache holding e4m3fn codes (vLLM's "fp8" cache) is compared as the values it
+    decodes to: codes 0x13 and 0x15 are two steps apart as bytes, and well inside the bound
+    of a row whose largest value is 448."""
     want = torch.tensor([[0x13, 0x7E]], dtype=torch.uint8)
     got = torch.tensor([[0x15, 0x7E]], dtype=torch.uint8)
-    with pytest.raises(NoMatch, match="bound one code step"):
-        _compare("k_cache", got, want, probe=0)
-    _compare("k_cache", got, want, probe=0, codes=torch.float8_e4m3fn)
+    with pytest.raises(Mismatch, match="bound one code step"):
+        check(got, want, probe=0)
+    check(got, want, probe=0, checked=Checked("k_cache", None, None, decode=torch.float8_e4m3fn))
+
+
+def test_a_buffer_of_several_encodings_is_compared_part_by_part():
+    """A decoder returning named parts (a DeepSeek-V4 cache row: codes, bf16 values, scale
+    bytes) holds each part to its own rule, and names the part that differs."""
+    decode = lambda t: {"values": t[:, :4].contiguous().view(torch.bfloat16), "bytes": t[:, 4:]}  # noqa: E731
+    want = torch.cat([torch.tensor([[1.0, 2.0]]).bfloat16().view(torch.uint8), torch.tensor([[7, 9]], dtype=torch.uint8)], 1)
+    got = want.clone()
+    got[0, 5] = 20
+    with pytest.raises(Mismatch, match=r"k_cache \(bytes\) differs at \[0, 1\]"):
+        check(got, want, checked=Checked("k_cache", None, None, decode=decode))
+    check(want.clone(), want, checked=Checked("k_cache", None, None, decode=decode))
 
 
 def test_an_fp8_rows_nan_counts_as_448_for_its_bound():
     """A row a non-saturating cast overflowed (NaN codes) still holds values past 448: the
     bound of its other values is 2^-6 of 448 plus one step, as in the saturated row."""
-    from prepfuse.fx_passes.matching.validation import _compare
-
     want = _fp8([NAN] * 8 + [36.0]).reshape(1, -1)
-    got = _fp8([NAN] * 8 + [22.0]).reshape(1, -1)  # 14 apart: inside 448 / 64 + 36 / 8 = 11.5? no
-    with pytest.raises(NoMatch, match="k_cache differs"):
-        _compare("k_cache", got, want, probe=1)
-    _compare("k_cache", _fp8([NAN] * 8 + [28.0]).reshape(1, -1), want, probe=1)  # 8 apart: inside
-    with pytest.raises(NoMatch, match="k_cache differs"):  # a row of small values keeps its small bound
-        _compare("k_cache", _fp8([1.0] * 8 + [28.0]).reshape(1, -1), _fp8([1.0] * 8 + [36.0]).reshape(1, -1), probe=1)
+    with pytest.raises(Mismatch, match="k_cache differs"):  # 14 apart: outside 448 / 64 + 36 / 8 = 11.5
+        check(_fp8([NAN] * 8 + [22.0]).reshape(1, -1), want)
+    check(_fp8([NAN] * 8 + [28.0]).reshape(1, -1), want)  # 8 apart: inside
+    with pytest.raises(Mismatch, match="k_cache differs"):  # a row of small values keeps its small bound
+        check(_fp8([1.0] * 8 + [28.0]).reshape(1, -1), _fp8([1.0] * 8 + [36.0]).reshape(1, -1))
 
 
 def test_a_saturated_fp8_row_is_bounded_by_its_values_before_the_cast():
-    """22 against 36 in a row of 448s (the H200's Llama-3-8B-wide fp8 cases): outside the
-    bound of 448, inside that of the rows' largest |value| before the cast (2300: 36 + 4.5),
-    which only a row the cast saturated takes; a row of small values keeps its own bound."""
-    from prepfuse.fx_passes.matching.validation import _compare
-
+    """22 against 36 in a row of 448s (wide projections' fp8 edge probes): outside the bound
+    of 448, inside that of the rows' largest |value| before the cast (2300: 36 + 4.5), which
+    only a row the cast saturated takes; a row of small values keeps its own bound."""
+    rows = torch.fx.Graph().placeholder("rows")
+    before = Checked("k_cache", None, None, before_cast=((rows, None),))
     want = _fp8([448.0] * 8 + [36.0]).reshape(1, -1)
     got = _fp8([448.0] * 8 + [22.0]).reshape(1, -1)
-    with pytest.raises(NoMatch, match="k_cache differs"):
-        _compare("k_cache", got, want, probe=1)
-    _compare("k_cache", got, want, probe=1, before_cast=2300.0)
-    with pytest.raises(NoMatch, match="k_cache differs"):  # 26 apart: outside 1000 / 64 + 36 / 8 = 20.1
-        _compare("k_cache", _fp8([448.0] * 8 + [10.0]).reshape(1, -1), want, probe=1, before_cast=1000.0)
-    with pytest.raises(NoMatch, match="k_cache differs"):
-        _compare("k_cache", _fp8([1.0] * 8 + [22.0]).reshape(1, -1), _fp8([1.0] * 8 + [36.0]).reshape(1, -1),
-                 probe=1, before_cast=2300.0)
+    with pytest.raises(Mismatch, match="k_cache differs"):
+        check(got, want)
+    check(got, want, checked=before, values={rows: torch.tensor([2300.0])})
+    with pytest.raises(Mismatch, match="k_cache differs"):  # 26 apart: outside 1000 / 64 + 36 / 8 = 20.1
+        check(_fp8([448.0] * 8 + [10.0]).reshape(1, -1), want, checked=before, values={rows: torch.tensor([1000.0])})
+    with pytest.raises(Mismatch, match="k_cache differs"):
+        check(_fp8([1.0] * 8 + [22.0]).reshape(1, -1), _fp8([1.0] * 8 + [36.0]).reshape(1, -1), checked=before,
+              values={rows: torch.tensor([2300.0])})

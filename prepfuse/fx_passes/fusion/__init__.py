@@ -1,12 +1,13 @@
-"""One module per fusion family: the pass (``<family>.py``) and the patterns it reads back
-(``<family>_patterns.py``), built from ``fx_passes/matching/``.
+"""One module per fusion family, built from ``fx_passes/matching/``: each finds its regions
+by what they write, lists the calls of its op that could compute them, and keeps the one
+the probes agree with.
 
-- ``dsv4``: DeepSeek-V4 MLA prep -> ``prepfuse::dsv4_qnorm_rope_kv_insert`` (``fuse_dsv4_prep``);
-- ``gqa``: Qwen3 / Llama prep -> ``prepfuse::gqa_qknorm_rope_kv_insert`` and its
-  separate-projections op (``fuse_gqa_prep``);
+- ``dsv4``: DeepSeek-V4 MLA prep -> ``prepfuse::dsv4_qnorm_rope_kv_insert`` (``fuse_dsv4_prep``;
+  the head padding FlashMLA reads in ``dsv4_padding.py``);
+- ``gqa``: Qwen3 / Llama / Gemma ... prep -> ``prepfuse::gqa_qknorm_rope_kv_insert`` and its
+  separate-projections op (``fuse_gqa_prep``; its calls, caches and slots in ``gqa_calls.py``);
 - ``dsv4_indexer``: the DeepSeek-V4 indexer, one pass body over a formats table, FP8
-  (``fuse_dsv4_indexer_prep``) and MXFP4 (``fuse_dsv4_indexer_mxfp4_prep``; its quantisation
-  steps in ``dsv4_indexer_mxfp4_patterns.py``).
+  (``fuse_dsv4_indexer_prep``) and MXFP4 (``fuse_dsv4_indexer_mxfp4_prep``).
 
 A family borrows from ``matching/``, never from another family.
 """

@@ -1,242 +1,291 @@
-"""Find unfused DeepSeek-V4 attention-input preparation and call the fused op instead.
+"""Find DeepSeek-V4 attention-input preparation by what it writes, and call the fused op instead.
 
-A post-grad pass (Inductor's ``post_grad_custom_post_pass``: the functional graph, before
-defunctionalization). It rewrites the q side (RMSNorm without weight, GPT-J RoPE on
-dims 448..512, one rounding to bf16, head padding) and the kv side (RoPE, UE8M0 fp8
-quantisation in blocks of 64, the write into the uint8 ``fp8_ds_mla`` cache) into one
-``auto_functionalized`` call of ``prepfuse::dsv4_qnorm_rope_kv_insert``
-(``DSV4_QNORM_ROPE_KV_INSERT``), v1 or v2 as ``enable_auto_functionalized_v2`` says.
-The call stays functional so that the defunctionalize pass (or, without it, Inductor's
-own reinplacing) makes it write ``q_out`` and the cache in place, with no copy.
+The kv side is found from its cache writes: 576-byte rows (448 e4m3 NoPE codes, 64 RoPE
+values as bf16 bytes) and their 8 scale bytes, written at the same slots into the blocks
+of a 2-d uint8 graph input (``writes.byte_rows``: through a view of the block rows or by
+byte columns). The q side is the prepared q: heads of 512 values of a projection, carried
+per token and head (``sources.prepared``) to a step that reads them (attention, or the
+head padding FlashMLA wants: ``dsv4_padding``), their math reading per-token cos/sin.
 
-Why a hand-written matcher and not ``register_replacement``. A traced pattern is one
-graph; the same math reaches the post-grad graph in many (docs/design.md, lesson 6):
-three RMSNorm spellings times two RoPE spellings times two paddings times two slicings
-is 24 q patterns before a torch upgrade turns a ``view`` into a ``reshape``, and the
-cache write is a chain of view / ``index_put`` / ``slice_scatter`` nodes whose shape
-depends on how the cache was viewed. Traced patterns also refuse a match when an
-intermediate has an extra user, and need care for every dynamic-shape case. Here each
-step is read back by a small recogniser (``matching/recognizers.py``) that accepts the forms of
-that one step, composed into two patterns (``dsv4_patterns.py``): a new spelling
-is one branch in one function, an extra user of an intermediate simply keeps that node
-(and what it needs) alive -- the pass only rewires the final outputs and lets dead-code
-elimination remove what nobody reads -- and a mismatch names the step that failed,
-which is what ``declined`` reports.
+Which values the op reads (the q projection's heads; the kv the rows are made of, which an
+upstream norm may have produced), and how it reads cos/sin, is decided on probes
+(``search.first_agreeing``): candidate calls of ``prepfuse::dsv4_qnorm_rope_kv_insert``
+run against the region, the first that agrees kept. A q side and a kv side of the same
+tokens share one call when a call of both agrees; otherwise each gets its own (a q-only
+call inserts no rows into a one-slot arena cache; a kv-only call has no heads).
 
-Anchors: the q side is found from an ``aten.cat`` of 448 NoPE and 64 RoPE columns of a
-``[T, H, 512]`` tensor; the kv side from an ``index_put`` of 576-byte rows into a uint8
-tensor. A q match and a kv match share one call when they read the same positions and
-cos/sin table, have the same token count (the kv rows may be the first
-``len(slot_mapping)`` of them), and every reader of either output comes after all the
-call's inputs; otherwise, and for a side matched alone, the call gets an empty other
-side: no q heads (``q``, ``q_out`` of shape ``[T, 0, 512]``) or no inserted rows
-(``slot_mapping`` of length 0, a one-slot cache from the arena that is never written,
-any bf16 ``[T, 512]`` as kv).
-
-q_out: arena memory (``scratch_buffer``: a ``prepfuse::scratch`` node, reservation
-``dsv4_qnorm_rope_kv_insert.q_out.<k>``, or the q_out an earlier call of the graph wrote
-when nothing reads that any more), so no padded q is allocated per call after the KV
-cache was sized; or, when the unfused code writes a caller's ``[T, HP, 512]`` buffer
-whole, that buffer. See
-``docs/cudagraphs.md`` for the arena's lifetimes.
-
-Negative slots: the eager write ``cache[slot // bs, slot % bs] = row`` sends slot -1 to
-the last row of the last block (Python index wraparound); the fused op skips negative
-slots. The model code this pass fuses must pass valid slots, or mean "skip" by -1.
+q_out: arena memory (``scratch_buffer``), or the caller's padded buffer the code writes
+whole. The cache is compared decoded (fp8 codes as e4m3 values, RoPE values as bf16, scale
+bytes as bytes): Hugging Face's q path rounds its norm factor and cos/sin to bf16, where
+the op computes in fp32 and rounds once, so bytes of the same math can differ.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from prepfuse.fx_passes.base import PrepfusePass
-from prepfuse.fx_passes.fusion import dsv4_patterns
-from prepfuse.fx_passes.fusion.dsv4_patterns import KvSide, NoMatch, QSide, head_padding, match_kv_side, match_q_side
+from prepfuse.fx_passes.fusion import dsv4_padding
+from prepfuse.fx_passes.fusion.dsv4_padding import head_padding
 from prepfuse.fx_passes.matching import MATCHING_MODULES
-from prepfuse.fx_passes.matching.cache_writes import byte_row_writes, first_rows_of
+from prepfuse.fx_passes.matching.axes import base_columns
+from prepfuse.fx_passes.matching.compare import Checked
 from prepfuse.fx_passes.matching.emitter import Emitter
-from prepfuse.fx_passes.matching.recognizers import aten, is_op, same_size, shape, val
-from prepfuse.fx_passes.matching.validation import Checked
+from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, prims, same_size, shape, val, where
+from prepfuse.fx_passes.matching.probes import Probes
+from prepfuse.fx_passes.matching.regions import backward, constants, is_leaf, operands
+from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
+from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
+from prepfuse.fx_passes.matching.sources import column_starts, prepared, row_sources, weight_like
+from prepfuse.fx_passes.matching.writes import ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
-from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SLOT_BYTES
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, SLOT_BYTES
 
-# q_out comes from the scratch arena (reserved before KV-cache sizing, docs/design.md,
-# lesson 2): reservations "dsv4_qnorm_rope_kv_insert.q_out.<k>"; the node keeps this
-# name in debug dumps.
 Q_SCRATCH_NAME = "prepfuse_q_out_scratch"
 Q_SCRATCH_BASE = "dsv4_qnorm_rope_kv_insert.q_out"
-# a q-only call's one-slot cache: the op writes no byte of it (no slots), but the schema
-# says it may, so it is a buffer of its own; arena memory, so no allocation per call
+# a q-only call's one-slot cache: never written (no slots), arena memory so no allocation per call
 UNUSED_CACHE_NAME = "prepfuse_unused_cache_scratch"
 UNUSED_CACHE_BASE = "dsv4_qnorm_rope_kv_insert.unused_k_cache"
 
 
-class FuseDsv4PrepPass(PrepfusePass):
-    """Rewrites matched DeepSeek-V4 preparation into ``DSV4_QNORM_ROPE_KV_INSERT`` calls.
+@dataclass
+class KvSide:
+    data: ByteRows
+    scales: ByteRows
+    root: torch.fx.Node  # the cache before both writes
+    after: torch.fx.Node  # after both
+    sources: list  # the [T, 512] nodes the op could read as kv, latest first
+    region: list
+    operands: list
 
-    ``matched_count`` is the number of op calls made; the log names each as ``dsv4_q+kv``,
-    ``dsv4_q`` or ``dsv4_kv`` and lists every declined candidate with its reason.
-    """
+    @property
+    def anchor(self):
+        return self.data.write.write
+
+
+@dataclass
+class QSide:
+    start: object  # sources.Start: the q projection's columns
+    candidates: list  # sources.Prepared, latest first
+    heads: int
+
+
+class FuseDsv4PrepPass(PrepfusePass):
+    """Rewrites DeepSeek-V4 preparation into ``DSV4_QNORM_ROPE_KV_INSERT`` calls; the log
+    names each ``dsv4_q+kv``, ``dsv4_q`` or ``dsv4_kv``."""
 
     name = "fuse_dsv4_prep"
-    uuid_sources = (dsv4_patterns, *MATCHING_MODULES)
+    uuid_sources = (dsv4_padding, *MATCHING_MODULES)
+    canonical_graph = True
 
     def settings(self) -> tuple:
-        # the emitted calls' schemas: an op change must invalidate cached compiled graphs too
         return (str(DSV4_QNORM_ROPE_KV_INSERT._schema), str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
         self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
-        q_sides, kv_sides = self._find(graph)
-        calls = self._pair(graph, q_sides, kv_sides)
+        kvs = self._kv_sides(graph)
+        kv_starts = {s for kv in kvs for s in kv.sources}
+        qs = self._q_sides(graph, kv_starts)
         matched = 0
-        for q, kv, shared_kv in calls:
-            try:
-                self._rewrite(graph, q, kv, shared_kv)
+        free = list(kvs)
+        for q in qs:
+            for kv in [kv for kv in free if any(same_size(_tokens(s), _tokens(q.start.node)) for s in kv.sources)]:
+                try:  # one call for both sides where one agrees; else each side alone, below
+                    self._fuse(graph, q, kv)
+                except NoMatch:
+                    continue
+                free.remove(kv)
                 matched += 1
-            except NoMatch as err:  # the probes disagree: nothing was rewired
-                self.log.declined(self.name, _pattern(q, kv), q.prepared if q else kv.anchor, str(err))
+                break
+            else:
+                matched += self.attempt(lambda: self._fuse(graph, q, None), "dsv4_q", q.candidates[0].node)
+        for kv in free:
+            matched += self.attempt(lambda kv=kv: self._fuse(graph, None, kv), "dsv4_kv", kv.anchor)
         return matched
 
     # ----------------------------------------------------------------------------------
-    def _find(self, graph) -> tuple[list[QSide], list[KvSide]]:
-        q_sides, kv_sides = [], []
-        for node in graph.nodes:
-            if is_op(node, aten.cat.default) and _is_q_anchor(node):
-                try:
-                    q_sides.append(match_q_side(node))
-                except NoMatch as err:
-                    self.log.declined(self.name, "dsv4_q", node, str(err))
-        writes = byte_row_writes(graph)
-        for put, write in writes.items():
-            if shape(put.args[2])[-1:] != (CACHE_ROW_BYTES,):
+    def _kv_sides(self, graph) -> list[KvSide]:
+        byte = {}
+        for node, w in rows_writes(graph).items():
+            if isinstance(w, NoMatch) or val(w.root).dtype != torch.uint8 or val(w.root).dim() != 2:
                 continue
             try:
-                if isinstance(write, NoMatch):
-                    raise write
-                kv = match_kv_side(write, writes.values())
-                if not kv.cache_out.users:
-                    raise NoMatch("write: nothing reads the written cache")
-                kv_sides.append(kv)
+                byte[node] = byte_rows(w)
             except NoMatch as err:
-                self.log.declined(self.name, "dsv4_kv", put, str(err))
-        return q_sides, kv_sides
+                if shape(w.values)[-1:] == (CACHE_ROW_BYTES,):
+                    self.declined_at("dsv4_kv", node, str(err))
+        found = []
+        for node, data in byte.items():
+            if (data.first, data.pitch, data.width) != (0, CACHE_ROW_BYTES, CACHE_ROW_BYTES):
+                if CACHE_ROW_BYTES in (data.width, data.pitch):  # a row of this cache's size, placed otherwise
+                    self.declined_at("dsv4_kv", node, f"write: rows of {data.width} bytes {data.pitch} apart from "
+                                                      f"column {data.first}; fp8_ds_mla rows are {CACHE_ROW_BYTES} "
+                                                      f"bytes, {CACHE_ROW_BYTES} apart, from 0")
+                continue
+            self.attempt(lambda data=data: found.append(self._kv_side(data, byte.values())), "dsv4_kv", node)
+        return found
 
-    def _pair(self, graph, q_sides, kv_sides) -> list[tuple]:
-        """(q, kv, the kv tensor a shared call reads): one call per q match, sharing it with
-        the first kv match that can (graph order); the kv matches left get calls of their own."""
+    def _kv_side(self, data: ByteRows, writes) -> KvSide:
+        scales, root, after = scale_partner(data, writes, SCALE_BYTES)
+        sources, region, ops = row_sources([first_rows(data.write), scales.rows], HEAD_DIM, avoid={data.write.root})
+        expect(sources, f"write: the rows written at {where(data.write.write)} are not made of one [T, 512] tensor")
+        return KvSide(data, scales, root, after, sources, region, ops)
+
+    def _q_sides(self, graph, kv_starts) -> list[QSide]:
+        found = []
+        for node in graph.nodes:
+            v = val(node)
+            if not (isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) and v.dim() >= 2
+                    and is_leaf(node)
+                    and isinstance(v.shape[-1], int) and v.shape[-1] % HEAD_DIM == 0) or node in kv_starts:
+                continue
+            starts = column_starts(node, HEAD_DIM)
+            if not starts:
+                continue
+            start = starts[0]
+            cands = [p for p in prepared(start, HEAD_DIM, _tokens(node), dtypes=(torch.bfloat16, torch.float16))
+                     if per_token_operands(p.operands, weight_like) and len(shape(p.node)) >= 3
+                     and shape(p.node)[-1] == HEAD_DIM]
+            if cands:
+                found.append(QSide(start, cands, cands[0].heads))
+        return found
+
+    # ----------------------------------------------------------------------------------
+    def _fuse(self, graph, q: QSide | None, kv: KvSide | None) -> None:
+        expect(q is None or val(q.start.source).dtype == torch.bfloat16,
+               f"q: the projection is {val(q.start.source).dtype if q else ''}; the op reads bfloat16")
         order = {n: i for i, n in enumerate(graph.nodes)}
-        calls, free = [], list(kv_sides)
-        for q in q_sides:
-            partner = full = None
-            for kv in free:
-                full = _shared_kv(q, kv, order)
-                if full is not None:
-                    partner = kv
-                    free.remove(kv)
-                    break
-            calls.append((q, partner, full))
-        return calls + [(None, kv, kv.kv) for kv in free]
-
-    def _rewrite(self, graph, q: QSide | None, kv: KvSide | None, kv_in: torch.fx.Node | None) -> None:
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        readers = (_q_readers(q) if q else []) + (list(kv.cache_out.users) if kv else [])
-        emit = Emitter(graph, min(readers, key=order.__getitem__), source=q.prepared if q else kv.anchor)
-        if q is not None:
-            tokens, num_heads = emit.size(q.q, 0), shape(q.q)[1]
-            pads = [p for p in (head_padding(u, q.prepared) for u in q.prepared.users) if p is not None]
-            padded_heads = pads[0].padded_heads if pads else num_heads
-            # a caller's buffer the unfused code writes whole is q_out itself (no scratch, no copy)
-            buffer = pads[0].buffer if pads else None
-            q_in, positions, table, eps = q.q, q.positions, q.cos_sin_cache, q.eps
-        else:
-            tokens = emit.size(kv.kv, 0)
-            q_in = emit.empty([tokens, 0, HEAD_DIM], torch.bfloat16, kv.kv)
-            padded_heads, positions, table, eps, buffer = 0, kv.positions, kv.cos_sin_cache, 0.0, None
-        if q is None:  # no heads: a zero-byte q_out, nothing to reserve
-            buffer = emit.empty([tokens, 0, HEAD_DIM], torch.bfloat16, q_in)
-        elif buffer is None or val(buffer).stride(-1) != 1:
-            buffer = emit.scratch(Q_SCRATCH_BASE, [tokens, padded_heads, HEAD_DIM], torch.bfloat16, q_in,
-                                  name=Q_SCRATCH_NAME)
-        q_out = buffer
+        outputs = ([p.node for p in q.candidates] if q else []) + ([kv.after] if kv else [])
+        outputs += [pd.node for p in (q.candidates if q else []) for pd in
+                    (head_padding(u, p.node, HEAD_DIM) for u in p.node.users) if pd is not None]
+        readers = [u for o in outputs for u in o.users]
+        expect(readers, "nothing reads what the preparation makes")
+        point = min(readers, key=order.__getitem__)
+        roles, block_size = {}, 1
         if kv is not None:
-            k_cache, slots, block_size = kv.cache_in, kv.slots, kv.block_size
-            kv_in = emit.as_bf16(kv_in)  # fp32 where Inductor dropped the code's .to(bf16) (torch 2.11)
-        else:  # no rows inserted: the op reads no kv row and writes no cache byte
-            kv_in = emit.node(aten.select.int, q.q, 1, 0)
-            k_cache = emit.scratch(UNUSED_CACHE_BASE, [1, SLOT_BYTES], torch.uint8, q.q, name=UNUSED_CACHE_NAME)
-            slots = emit.empty([0], torch.int64, q.q)
-            block_size = 1
-        args = dict(q=q_in, kv=kv_in, q_out=q_out, k_cache=k_cache, slot_mapping=slots, positions=positions,
-                    cos_sin_cache=table, eps=eps, block_size=block_size)
-        # an input that an earlier rewrite replaced (a cache written twice) is read from its replacement
-        args = torch.fx.node.map_arg(args, lambda n: self._replaced.get(n, n))
-        outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
-        if q is not None:  # what readers of the unpadded q read: the first H heads of q_out
-            new_q = outs["q_out"]
-            q_view = new_q if padded_heads == num_heads else emit.node(aten.slice.Tensor, new_q, 1, 0, num_heads)
-        note = ""
-        if self.validate == "probe":
-            checked = [Checked("q_out", q.prepared, q_view)] if q is not None else []
-            checked += [Checked("q_out (padded)", pads[0].node, new_q)] if q is not None and pads else []
-            checked += [Checked("k_cache", kv.cache_out, outs["k_cache"])] if kv is not None else []
-            note = emit.validate(args, checked)
+            block_size = kv.data.block_size
+            slot = slot_of(kv.data)
+            roles.update({slot: "slots"} if slot is not None else {kv.data.block: "slot_block", kv.data.row: "slot_row"})
+        probes = Probes(outputs, roles, slots=_slots(kv), block_size=block_size, mode=self.validate)
+        rope_ops = per_token_operands((q.candidates[0].operands if q else []) + (kv.operands if kv else []),
+                                      weight_like)
+        ropes = [r for r in rope_forms(rope_ops, None, ROPE_DIM, probes.equal_parts,
+                                       lambda n: probes.equal_parts(n, pairs=True)) if r.rotary_dim == ROPE_DIM]
+        expect(ropes, "rope: no cos/sin for 64 rotated dims among what the rows mix in")
+        eps_values = [e for e in (constants(backward([q.candidates[0].node]), {q.start.node}, {}) if q else [])
+                      if 0 < e < 0.1] or [0.0]
+        kv_sources = kv.sources if kv else [None]
+        q_nodes = q.candidates if q else [None]
+        cands = [Candidate(f"{_describe(q, kv, r, e)}", self._emitter_of(q, p, kv, s, r, e))
+                 for s in kv_sources for r in ropes for e in eps_values for p in q_nodes
+                 if q is None or s is None or same_size(_tokens(s), _tokens(q.start.node))]
+        expect(cands, "q and kv have different token counts")
+        agreed = first_agreeing(probes, cands, lambda: Emitter(graph, point, source=(q.candidates[0].node if q
+                                                                                        else kv.anchor), readers=readers))
+        for old, new in agreed.result:
+            old.replace_all_uses_with(new)
+            self._replaced[old] = new
+        pattern = "dsv4_q+kv" if q and kv else ("dsv4_q" if q else "dsv4_kv")
+        self.log.matched(self.name, pattern, q.candidates[0].node if q else kv.anchor,
+                         f"validated on {agreed.probes_run} probes: {agreed.candidate.name}")
 
-        if q is not None:
-            others = []
-            for user in list(q.prepared.users):
-                padding = head_padding(user, q.prepared)
-                if padding is not None and padding.padded_heads == padded_heads:
-                    self._replace(padding.node, new_q)
-                else:
-                    others.append(user)
-            for user in others:
-                user.replace_input_with(q.prepared, q_view)
-        if kv is not None:
-            self._replace(kv.cache_out, outs["k_cache"])
-        self.log.matched(self.name, _pattern(q, kv), q.prepared if q else kv.anchor, note)
+    def _emitter_of(self, q, p, kv, kv_src, rope, eps):
+        def emit_it(emit: Emitter):
+            device = val(q.start.source if q else kv.data.rows).device
+            checked, written = [], []
+            if q is not None:
+                tokens = _token_size(emit, q.start.source)
+                q_in = q.start.source if len(shape(q.start.source)) == 3 and shape(q.start.source)[1] == q.heads \
+                    else emit.node(aten.reshape.default, q.start.source, [-1, q.heads, HEAD_DIM])
+                pads = [pd for pd in (head_padding(u, p.node, HEAD_DIM) for u in p.node.users) if pd is not None]
+                padded = pads[0].padded_heads if pads else q.heads
+                buffer = pads[0].buffer if pads and pads[0].buffer is not None and \
+                    val(pads[0].buffer).stride(-1) == 1 else None
+                q_out = buffer if buffer is not None else emit.scratch(Q_SCRATCH_BASE, [tokens, padded, HEAD_DIM],
+                                                                       torch.bfloat16, q_in, name=Q_SCRATCH_NAME)
+            else:
+                tokens = _token_size(emit, kv_src)
+                q_in = emit.empty([tokens, 0, HEAD_DIM], torch.bfloat16, kv_src)
+                q_out = emit.empty([tokens, 0, HEAD_DIM], torch.bfloat16, kv_src)
+            if kv is not None:
+                kv_in = kv_src if len(shape(kv_src)) == 2 else emit.node(aten.reshape.default, kv_src, [-1, HEAD_DIM])
+                if val(kv_in).dtype != torch.bfloat16:  # fp32 the code rounded (a round trip Inductor dropped)
+                    kv_in = emit.node(prims.convert_element_type.default, kv_in, torch.bfloat16)
+                cache, slots = self._replaced.get(kv.root, kv.root), _emit_slots(emit, kv.data)
+                block_size = kv.data.block_size
+            else:
+                kv_in = emit.node(aten.select.int, q_in, 1, 0)
+                cache = emit.scratch(UNUSED_CACHE_BASE, [1, SLOT_BYTES], torch.uint8, q_in, name=UNUSED_CACHE_NAME)
+                slots, block_size = emit.empty([0], torch.int64, q_in), 1
+            positions, table = emit_table(emit, rope, tokens, device)
+            args = dict(q=q_in, kv=kv_in, q_out=q_out, k_cache=cache, slot_mapping=slots, positions=positions,
+                        cos_sin_cache=table, eps=eps, block_size=block_size, wrap_indices=True)
+            outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
+            if q is not None:
+                new_q = outs["q_out"]
+                q_view = new_q if padded == q.heads else emit.node(aten.slice.Tensor, new_q, 1, 0, q.heads)
+                q_view = _as_prepared(emit, q_view, p)
+                checked.append(Checked("q_out", p.node, q_view))
+                written.append((p.node, q_view))
+                for pd in pads:
+                    if pd.padded_heads == padded:
+                        checked.append(Checked("q_out (padded)", pd.node, new_q))
+                        written.append((pd.node, new_q))
+            if kv is not None:
+                checked.append(Checked("k_cache", kv.after, outs["k_cache"], decode=_fp8_ds_mla(block_size)))
+                written.append((kv.after, outs["k_cache"]))
+            return checked, written
+        return emit_it
 
-    def _replace(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
-        old.replace_all_uses_with(new)
-        self._replaced[old] = new
+
+def _as_prepared(emit, q_view, p):
+    """The op's ``[T, H, 512]`` q laid out as the prepared node ``p`` is (``[B, H, S, 512]`` ..)."""
+    from prepfuse.fx_passes.matching.emitter import as_layout
+
+    return as_layout(emit, q_view, p.layout, p.node)
 
 
-def _pattern(q: QSide | None, kv: KvSide | None) -> str:
-    return "dsv4_q+kv" if q and kv else ("dsv4_q" if q else "dsv4_kv")
+def _tokens(node):
+    """The tokens of a source or a kv candidate (``axes.base_columns``)."""
+    return base_columns(node, HEAD_DIM)[0]
 
 
-def _is_q_anchor(cat) -> bool:
-    """A cat of [.., 448] and [.., 64] along the last dim of a 3-d tensor."""
-    parts = cat.args[0]
-    out = shape(cat)
-    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-    return (len(out) == 3 and dim in (-1, 2) and len(parts) == 2
-            and [shape(p)[-1] for p in parts] == [NOPE_DIM, ROPE_DIM])
+def _token_size(emit, node):
+    """``_tokens(node)`` as the call's size: a number, or a product of ``sym_size`` nodes."""
+    sizes = shape(node)
+    lead = len(sizes) - 2 if len(sizes) >= 3 and sizes[-1] == HEAD_DIM else len(sizes) - 1
+    return emit.count(node, range(lead))
 
 
-def _q_readers(q: QSide) -> list[torch.fx.Node]:
-    """The nodes that read the prepared q, directly or through a head padding."""
-    readers = []
-    for user in q.prepared.users:
-        padding = head_padding(user, q.prepared)
-        readers += list(padding.node.users) if padding is not None else [user]
-    return readers
+def _emit_slots(emit, rows: ByteRows):
+    slot = slot_of(rows)
+    if slot is not None:
+        return slot
+    return emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, rows.block, rows.block_size), rows.row)
 
 
-def _shared_kv(q: QSide, kv: KvSide, order: dict) -> torch.fx.Node | None:
-    """The ``[T, 512]`` kv a call shared by ``q`` and ``kv`` takes, or None if they cannot share one.
-
-    The op inserts the first ``len(slot_mapping)`` rows of kv, with positions of q's tokens.
-    """
-    rows, tokens = shape(kv.slots)[0], shape(q.q)[0]
-    if kv.cos_sin_cache is not q.cos_sin_cache or first_rows_of(kv.positions, rows) is not q.positions and kv.positions is not q.positions:
+def _slots(kv: KvSide | None):
+    if kv is None:
         return None
-    full = next((k for k in (kv.kv, first_rows_of(kv.kv, rows)) if same_size(shape(k)[0], tokens)), None)
-    if full is None:
-        return None
-    inputs = (q.q, full, kv.cache_in, kv.slots, q.positions, q.cos_sin_cache)
-    readers = _q_readers(q) + list(kv.cache_out.users)
-    if max(order[n] for n in inputs) >= min(order[n] for n in readers):
-        return None  # some reader of one output comes before an input of the other side
-    return full
+    return val(kv.root).shape[0] * kv.data.block_size
+
+
+def _fp8_ds_mla(block_size: int):
+    """The decoder of an fp8_ds_mla cache ``[NB, S]`` for comparison: NoPE codes as e4m3
+    values, RoPE values as bf16, scale bytes and the rest as bytes."""
+    def decode(cache: torch.Tensor) -> dict:
+        nb = cache.shape[0]
+        data = cache[:, : block_size * CACHE_ROW_BYTES].reshape(nb, block_size, CACHE_ROW_BYTES)
+        return {"NoPE codes": data[..., :NOPE_DIM].contiguous().view(torch.float8_e4m3fn),
+                "RoPE values": data[..., NOPE_DIM:].contiguous().view(torch.bfloat16),
+                "scale bytes": cache[:, block_size * CACHE_ROW_BYTES:].contiguous()}
+    return decode
+
+
+def _describe(q, kv, rope, eps) -> str:
+    sides = "q and kv" if q and kv else ("q" if q else "kv")
+    text = f"DeepSeek-V4 {sides}, GPT-J RoPE on {rope.describe()}"
+    return text + (f", RMSNorm eps {eps:g}" if q else "")

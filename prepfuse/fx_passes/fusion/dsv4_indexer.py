@@ -1,68 +1,55 @@
-"""Find unfused DeepSeek-V4 indexer preparation and call the fused op of its format instead.
+"""Find DeepSeek-V4 indexer preparation by what it writes, and call the fused op of its format.
 
 One pass body over a formats table (``FORMATS``): FP8 (``prepfuse::dsv4_indexer_rope_fp8_insert``,
 pass ``fuse_dsv4_indexer_prep``) and MXFP4 (``prepfuse::dsv4_indexer_rope_mxfp4_insert``,
-pass ``fuse_dsv4_indexer_mxfp4_prep``). Both formats rewrite the indexer's q side (GPT-J RoPE
-on the last 64 of 128 dims, bf16 round trip, then the format's quantisation) and its k side
-(the same RoPE and quantisation of the compressed keys, written with their scale bytes into
-the paged indexer cache) into one ``auto_functionalized`` call of the format's op, every
-output (``q_out``, MXFP4's ``q_scale``, ``weights_out``) in scratch-arena memory.
+pass ``fuse_dsv4_indexer_mxfp4_prep``)::
 
-    FP8:   y = rope_tail(q); e = ceil(log2(max(amax(|y|), 1e-4) / 448)); q_fp8 = e4m3(y * 2^-e)
+    FP8:   y = bf16(rope_tail(q)); e = ceil(log2(max(amax(|y|), 1e-4) / 448)); q_fp8 = e4m3(y * 2^-e)
            w_out = weights.float() * 2^e * weights_scale          (the scale folded into the weights)
            cache slot: 128 code bytes, one fp32 scale (132 B)
-    MXFP4: y = rope_tail(q); per 32-block e = ceil(log2(max(amax, 6 * 2^-126) / 6)); e2m1 nibbles
-           packed two a byte; q_scale = (e + 127).to(uint8)
-           w_out = weights.float() * weights_scale                (no data link to q: claimed by shape)
+    MXFP4: y = bf16(rope_tail(q)); per 32-block e = ceil(log2(max(amax, 6 * 2^-126) / 6)); e2m1
+           nibbles packed two a byte; q_scale = (e + 127).to(uint8); w_out = weights.float() * c
            cache slot: 64 packed bytes, 4 UE8M0 bytes (68 B)
 
-Anchors: the q side is found from the format's quantised q (an e4m3 cast of ``[T, H, 128]``
-rows; the nibble packing ``lo | hi << 4``), the k side from an ``index_put`` of the format's
-data rows into a uint8 tensor with its partner write of 4 scale bytes
-(``matching/cache_writes.py``). A q match and a k match share one call when they read the
-same cos/sin table and every reader of either side's outputs comes after all the call's
-inputs (q and k rows are independent: k rows are compressed tokens with their own
-positions); a side matched alone gets a call with an empty other side (no tokens, or no
-inserted rows and an unwritten one-slot cache from the arena). Two layers writing one cache:
-the second call reads the first call's written cache.
+The k side is found from its cache writes (the format's data rows and the write of their 4
+scale bytes at the same slots: ``writes.byte_rows``, ``writes.scale_partner``); the q side
+from the format's quantised q: heads of 128 values of a projection carried per token and
+head (``sources.prepared``) to the codes (and MXFP4's scale bytes) a later step reads. The
+weights product is FP8's carried node of q's tokens and heads (the fold reads q's
+exponent); MXFP4's has no data link to q, so a q call takes the first unclaimed ``[T, H]``
+fp32 product of a ``[T, H]`` input and a constant. Which math that is (the sources, the
+rotation's cos/sin, the weights scale) is decided on probes, as every family does.
 
-MXFP4's weights product has no data link to q (the block scales travel apart, unlike FP8's
-fold), so each q call takes the first unclaimed ``weights.float() * c`` of q's ``[T, H]``
-shape in graph order whose inputs come before the call's readers (whichever it takes, the
-op computes that product's exact bits); a q call without one gets an unread dummy.
-
-Declined, with the reason in the report: look-alikes (NeoX RoPE, RoPE on the first 64 dims,
-no bf16 round trip, another amax floor; FP8 a q exponent that does not scale exactly one
-weights product; MXFP4 e2m1 ties away from zero, the sign taken as ``v < 0``). Negative
-slots: as for ``fuse_dsv4_prep``, eager code writes slot -1 through index wraparound, the
-fused op skips it.
+A q side and a k side share one call when they read one cos/sin table (the op has one)
+and a call of both agrees; otherwise each gets a call of its own, with an empty other side.
+Two layers writing one cache: the second call reads the first call's written cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.fx
 
 from prepfuse.fx_passes.base import PrepfusePass
-from prepfuse.fx_passes.fusion import dsv4_indexer_mxfp4_patterns, dsv4_indexer_patterns
-from prepfuse.fx_passes.fusion.dsv4_indexer_mxfp4_patterns import (
-    is_pack, match_mxfp4_k_rows, match_mxfp4_q_side, packed_outputs, weights_products,
-)
-from prepfuse.fx_passes.fusion.dsv4_indexer_patterns import (
-    KSide, NoMatch, is_fp8_q_anchor, match_fp8_k_rows, match_fp8_q_side, match_k_side,
-)
 from prepfuse.fx_passes.matching import MATCHING_MODULES
-from prepfuse.fx_passes.matching.cache_writes import byte_row_writes
-from prepfuse.fx_passes.matching.emitter import Emitter
-from prepfuse.fx_passes.matching.recognizers import put_rows, same_size, shape
-from prepfuse.fx_passes.matching.validation import Checked
+from prepfuse.fx_passes.matching.axes import base_columns
+from prepfuse.fx_passes.matching.compare import Checked, Exact
+from prepfuse.fx_passes.matching.emitter import Emitter, as_layout
+from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, is_op, prims, same_size, shape, val, where
+from prepfuse.fx_passes.matching.probes import Probes
+from prepfuse.fx_passes.matching.regions import backward, is_leaf, leaves, operands
+from prepfuse.fx_passes.matching.rope_operands import RopeOperand, emit_table, per_token_operands, rope_forms
+from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
+from prepfuse.fx_passes.matching.sources import column_starts, dim_roles, prepared, row_sources, weight_like
+from prepfuse.fx_passes.matching.writes import ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of
 from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_INDEXER_ROPE_MXFP4_INSERT, SCRATCH
-from prepfuse.ops.dsv4_indexer_common import FP8_SLOT_BYTES, HEAD_DIM, MXFP4_BLOCKS, MXFP4_PACKED, MXFP4_SLOT_BYTES
+from prepfuse.ops.dsv4_indexer_common import HEAD_DIM, MXFP4_BLOCKS, MXFP4_PACKED, ROPE_DIM
 
 __all__ = ["FORMATS", "IndexerFormat", "FuseDsv4IndexerPrepPass", "FuseDsv4IndexerMxfp4PrepPass"]
+
+SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -74,12 +61,9 @@ class IndexerFormat:
     pattern: str  # prefix of the report's pattern names
     data_bytes: int  # bytes of a k row's codes in the cache
     slot_bytes: int  # bytes of a slot: codes, then scale bytes
-    q_anchors: Callable[[torch.fx.Node], list[torch.fx.Node]]  # where a q-side walk starts
-    match_q: Callable  # anchor -> q side (``Fp8QSide`` | ``Mxfp4QSide``: anchor, q, outputs(), inputs())
-    k_rows: Callable  # (data put, scale put) -> (k, k_positions, table)
-    # q_out and q_scale outputs: (name, columns per head, dtype); weights_out is common
+    # q's outputs: (name, values per head, dtype); weights_out is common
     q_outputs: tuple[tuple[str, int, torch.dtype], ...]
-    weights_by_shape: bool  # the weights product is claimed by shape (MXFP4), not read off q (FP8)
+    weights_from_q: bool  # FP8 folds q's scale into the weights product: found from q
     node_prefix: str  # the scratch nodes' names in debug dumps and golden graphs
 
     @property
@@ -87,169 +71,251 @@ class IndexerFormat:
         return self.op._schema.name.split("::", 1)[1]
 
 
-def _fp8_anchors(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [node] if is_fp8_q_anchor(node) else []
-
-
-def _mxfp4_anchors(node: torch.fx.Node) -> list[torch.fx.Node]:
-    # [n, 64] rows are k's: found from the cache writes
-    return [p for p in packed_outputs(node) if len(shape(p)) == 3] if is_pack(node) else []
-
-
 FORMATS = {
-    "fp8": IndexerFormat(
-        "fp8", DSV4_INDEXER_ROPE_FP8_INSERT, "dsv4_indexer", HEAD_DIM, FP8_SLOT_BYTES, _fp8_anchors,
-        match_fp8_q_side, match_fp8_k_rows, (("q_out", HEAD_DIM, torch.float8_e4m3fn),), weights_by_shape=False,
-        node_prefix="prepfuse_indexer_"),
-    "mxfp4": IndexerFormat(
-        "mxfp4", DSV4_INDEXER_ROPE_MXFP4_INSERT, "dsv4_indexer_mxfp4", MXFP4_PACKED, MXFP4_SLOT_BYTES, _mxfp4_anchors,
-        match_mxfp4_q_side, match_mxfp4_k_rows,
-        (("q_out", MXFP4_PACKED, torch.uint8), ("q_scale", MXFP4_BLOCKS, torch.uint8)), weights_by_shape=True,
-        node_prefix="prepfuse_indexer_mxfp4_"),
+    "fp8": IndexerFormat("fp8", DSV4_INDEXER_ROPE_FP8_INSERT, "dsv4_indexer", HEAD_DIM, HEAD_DIM + SCALE_BYTES,
+                         (("q_out", HEAD_DIM, torch.float8_e4m3fn),), True, "prepfuse_indexer_"),
+    "mxfp4": IndexerFormat("mxfp4", DSV4_INDEXER_ROPE_MXFP4_INSERT, "dsv4_indexer_mxfp4", MXFP4_PACKED,
+                           MXFP4_PACKED + SCALE_BYTES, (("q_out", MXFP4_PACKED, torch.uint8),
+                                                        ("q_scale", MXFP4_BLOCKS, torch.uint8)),
+                           False, "prepfuse_indexer_mxfp4_"),
 }
 
 
 @dataclass
-class _Weights:
-    """The weights product a call takes over: ``product = weights(.float()) * scale [* 2^e]``."""
+class KSide:
+    data: ByteRows
+    root: torch.fx.Node
+    after: torch.fx.Node
+    sources: list  # [Tk, 128] nodes the op could read as k, latest first
+    operands: list
 
-    product: torch.fx.Node | None  # None: no product to take over, the op's output is unread
-    weights: torch.fx.Node | None
-    scale: float
+    @property
+    def anchor(self):
+        return self.data.write.write
+
+
+@dataclass
+class QSide:
+    start: object  # sources.Start: heads of 128 of the q projection
+    heads: int
+    outputs: dict  # output name -> sources.Prepared (the node a later step reads)
+    operands: list
+    weights: tuple | None  # (the weights product node, the weights input, its constants)
+
+    @property
+    def anchor(self):
+        return next(iter(self.outputs.values())).node
 
 
 class _FuseDsv4IndexerPass(PrepfusePass):
-    """Rewrites matched indexer preparation of ``fmt`` into calls of its op.
-
-    ``matched_count`` is the number of op calls made; the log names each ``<pattern>_q+k``,
-    ``<pattern>_q`` or ``<pattern>_k`` (``dsv4_indexer_q+k``, ``dsv4_indexer_mxfp4_k`` ...)
-    and lists every declined candidate with its reason.
-    """
+    """Rewrites indexer preparation of ``fmt`` into calls of its op; the log names each
+    ``<pattern>_q+k``, ``<pattern>_q`` or ``<pattern>_k``."""
 
     fmt: IndexerFormat
-    uuid_sources = (dsv4_indexer_patterns, dsv4_indexer_mxfp4_patterns, *MATCHING_MODULES)
+    uuid_sources = MATCHING_MODULES
+    canonical_graph = True
 
     def settings(self) -> tuple:
         return (str(self.fmt.op._schema), str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
-        q_sides, k_sides = self._find(graph)
-        calls = _pair(graph, q_sides, k_sides)
-        claimed, caches = set(), {}  # caches: a rewritten call's old cache value -> its new one
-        matched = 0
-        for q, k in calls:
-            try:
-                self._rewrite(graph, q, k, self._weights(graph, q, k, claimed), caches)
+        self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        ks = self._k_sides(graph)
+        qs = self._q_sides(graph, {s for k in ks for s in k.sources})
+        claimed: set = set()
+        matched, free = 0, list(ks)
+        for q in qs:
+            for k in free:
+                try:  # one call of both sides where one agrees; else q alone
+                    self._fuse(graph, q, k, claimed)
+                except NoMatch:
+                    continue
+                free.remove(k)
                 matched += 1
-            except NoMatch as err:  # the probes disagree: nothing was rewired
-                self.log.declined(self.name, self._pattern(q, k), q.anchor if q else k.anchor, str(err))
+                break
+            else:
+                matched += self.attempt(lambda q=q: self._fuse(graph, q, None, claimed), self._pattern(q, None),
+                                        q.anchor)
+        for k in free:
+            matched += self.attempt(lambda k=k: self._fuse(graph, None, k, claimed), self._pattern(None, k), k.anchor)
         return matched
 
-    def _pattern(self, q, k: KSide | None) -> str:
+    def _pattern(self, q, k) -> str:
         return f"{self.fmt.pattern}_" + ("q+k" if q and k else ("q" if q else "k"))
 
-    def _find(self, graph) -> tuple[list, list[KSide]]:
-        fmt, q_sides, k_sides = self.fmt, [], []
-        for node in graph.nodes:
-            for anchor in fmt.q_anchors(node):
-                try:
-                    q_sides.append(fmt.match_q(anchor))
-                except NoMatch as err:
-                    self.log.declined(self.name, f"{fmt.pattern}_q", anchor, str(err))
-        writes = byte_row_writes(graph)
-        for put, write in writes.items():
-            if shape(put_rows(put))[-1:] != (fmt.data_bytes,):
+    # ----------------------------------------------------------------------------------
+    def _k_sides(self, graph) -> list[KSide]:
+        byte = {}
+        for node, w in rows_writes(graph).items():
+            if isinstance(w, NoMatch) or val(w.root).dtype != torch.uint8 or val(w.root).dim() != 2:
                 continue
             try:
-                if isinstance(write, NoMatch):
-                    raise write
-                k = match_k_side(write, writes.values(), fmt.data_bytes, fmt.k_rows)
-                if not k.cache_out.users:
-                    raise NoMatch("write: nothing reads the written cache")
-                k_sides.append(k)
+                byte[node] = byte_rows(w)
             except NoMatch as err:
-                self.log.declined(self.name, f"{fmt.pattern}_k", put, str(err))
-        return q_sides, k_sides
-
-    def _weights(self, graph, q, k: KSide | None, claimed: set) -> _Weights | None:
-        """The weights product the call takes over: FP8's fold, read off the q side; MXFP4's
-        first unclaimed ``weights.float() * c`` of q's ``[T, H]`` that can join the call (its
-        weights before, its readers after every other input and reader), claimed."""
-        if q is None:
-            return None
-        if not self.fmt.weights_by_shape:  # the fold is one of q's outputs (``Fp8QSide.outputs``)
-            return _Weights(None, q.weights, q.weights_scale)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        tokens, heads = shape(q.q)[:2]
-        for product, weights, c in weights_products(graph):
-            size = shape(product)
-            if product in claimed or not (same_size(size[0], tokens) and same_size(size[1], heads)):
+                if shape(w.values)[-1:] == (self.fmt.data_bytes,) and is_op(w.write, aten.index_put.default):
+                    self.declined_at(self._pattern(None, 1), node, str(err))
+        found = []
+        for node, data in byte.items():
+            if (data.first, data.pitch, data.width) != (0, self.fmt.data_bytes, self.fmt.data_bytes):
+                if data.width == self.fmt.data_bytes:  # a row of this format's size, placed otherwise
+                    self.declined_at(self._pattern(None, 1), node,
+                                     f"write: rows of {data.width} bytes {data.pitch} apart from column {data.first}; "
+                                     f"{self.fmt.name} rows are {data.width} bytes, {data.width} apart, from 0")
                 continue
-            inputs = [*_inputs(q, k), weights]
-            if max(order[n] for n in inputs) < min(order[n] for n in _readers(q, k, product)):
-                claimed.add(product)
-                return _Weights(product, weights, c)
-        return _Weights(None, None, 1.0)
+            self.attempt(lambda data=data: found.append(self._k_side(data, byte.values())), self._pattern(None, 1),
+                         node)
+        return found
 
-    def _rewrite(self, graph, q, k: KSide | None, weights: _Weights | None, caches: dict) -> None:
+    def _k_side(self, data: ByteRows, writes) -> KSide:
+        scales, root, after = scale_partner(data, writes, SCALE_BYTES)
+        sources, _, ops = row_sources([first_rows(data.write), scales.rows], HEAD_DIM, avoid={data.write.root})
+        expect(sources, f"write: the rows written at {where(data.write.write)} are not made of one [Tk, 128] tensor")
+        expect(data.write.after.users or scales.write.after.users, "write: nothing reads the written cache")
+        return KSide(data, root, after, sources, ops)
+
+    def _q_sides(self, graph, k_sources) -> list[QSide]:
+        found = []
+        for node in graph.nodes:
+            v = val(node)
+            if not (isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float32) and v.dim() >= 2
+                    and is_leaf(node)
+                    and isinstance(v.shape[-1], int) and v.shape[-1] % HEAD_DIM == 0) or node in k_sources:
+                continue
+            starts = column_starts(node, HEAD_DIM)
+            if not starts:
+                continue
+            start = starts[0]
+            tokens = base_columns(node, HEAD_DIM)[0]
+            outputs = {}
+            for name, width, dtype in self.fmt.q_outputs:
+                cands = [p for p in prepared(start, HEAD_DIM, tokens, dtypes=(dtype,)) if shape(p.node)[-1] == width]
+                if cands:
+                    outputs[name] = cands[0]
+            if "q_out" not in outputs:
+                continue
+            heads = outputs["q_out"].heads
+            ops = outputs["q_out"].operands
+            found.append(QSide(start, heads, outputs, ops, self._weights_of(start, tokens, heads) if
+                               self.fmt.weights_from_q else None))
+        return found
+
+    def _weights_of(self, start, tokens, heads):
+        """FP8's weights product: a ``[T, H]`` fp32 node carried from q (its exponent) that
+        multiplies a ``[T, H]`` input (``weights``) by constants."""
+        for p in prepared_products(start, tokens, heads):
+            return p
+        return None
+
+    # ----------------------------------------------------------------------------------
+    def _fuse(self, graph, q: QSide | None, k: KSide | None, claimed: set) -> None:
         fmt = self.fmt
+        weights = q.weights if q and q.weights else (_claim_product(graph, q, claimed) if q else None)
+        outputs = ([p.node for p in q.outputs.values()] if q else []) + ([weights[0]] if weights else []) + \
+            ([k.after] if k else [])
+        readers = [u for o in outputs for u in o.users]
+        expect(readers, "nothing reads what the preparation makes")
         order = {n: i for i, n in enumerate(graph.nodes)}
-        readers = _readers(q, k, weights.product if weights else None)
-        emit = Emitter(graph, min(readers, key=order.__getitem__), source=q.anchor if q else k.anchor)
-        like = q.q if q else k.k
-        if q is not None:
-            tokens, heads = emit.size(q.q, 0), shape(q.q)[1]
-            q_in, positions = emit.as_bf16(q.q), q.positions  # fp32 where Inductor dropped the code's rounding
-        else:  # no tokens: the op reads no q and writes no q output
-            tokens, heads = 0, 1
-            q_in, positions = emit.empty([0, 1, HEAD_DIM], torch.bfloat16, like), emit.empty([0], torch.int64, like)
-        if weights is not None and weights.weights is not None:
-            w_in, weights_scale = weights.weights, weights.scale
-        else:  # no weights product to take over: the op's weights_out is written and never read
-            w_in, weights_scale = emit.empty([tokens, heads], torch.float32, like), 1.0
+        point = min(readers, key=order.__getitem__)
+        roles = {}
         if k is not None:
-            k_in, k_positions, slots, block_size = emit.as_bf16(k.k), k.k_positions, k.slots, k.block_size
-            # a cache an earlier call of this pass wrote (two layers, one cache): its new value
-            k_cache = caches.get(k.cache_in, k.cache_in)
-        else:  # no rows inserted: the op reads no k row and writes no cache byte
-            k_in = emit.empty([0, HEAD_DIM], torch.bfloat16, like)
-            k_positions, slots = emit.empty([0], torch.int64, like), emit.empty([0], torch.int64, like)
-            # the schema says the op may write it, so a buffer of its own; arena memory, not
-            # an allocation per call (the op writes no byte of it: no slots)
-            k_cache, block_size = self._scratch(emit, "unused_k_cache", [1, fmt.slot_bytes], torch.uint8, like), 1
+            slot = slot_of(k.data)
+            roles.update({slot: "slots"} if slot is not None else {k.data.block: "slot_block", k.data.row: "slot_row"})
+        probes = Probes(outputs, roles, slots=(val(k.root).shape[0] * k.data.block_size) if k else None,
+                        block_size=k.data.block_size if k else None, mode=self.validate)
+        q_ropes = self._ropes(probes, q.operands) if q else [None]
+        k_ropes = self._ropes(probes, k.operands) if k else [None]
+        pairs = [(qr, kr) for qr in q_ropes for kr in k_ropes
+                 if qr is None or kr is None or (qr.kind == kr.kind == "table" and qr.cos is kr.cos
+                                                 and qr.columns == kr.columns)]
+        expect(pairs, "rope: q and k read different cos/sin tables; the op reads one")
+        scales = _scale_candidates(weights)
+        cands = [Candidate(_describe(fmt, q, k, qr or kr, c), self._emitter_of(q, k, src, qr, kr, weights, c))
+                 for src in (k.sources if k else [None]) for qr, kr in pairs for c in scales]
+        agreed = first_agreeing(probes, cands, lambda: Emitter(graph, point, source=q.anchor if q else k.anchor,
+                                                               readers=readers))
+        if weights is not None:
+            claimed.add(weights[0])
+        for old, new in agreed.result:
+            old.replace_all_uses_with(new)
+            self._replaced[old] = new
+        self.log.matched(self.name, self._pattern(q, k), q.anchor if q else k.anchor,
+                         f"validated on {agreed.probes_run} probes: {agreed.candidate.name}")
 
-        outputs = {name: self._scratch(emit, name, [tokens, heads, cols], dtype, like) for name, cols, dtype in fmt.q_outputs}
-        outputs["weights_out"] = self._scratch(emit, "weights_out", [tokens, heads], torch.float32, like)
-        args = dict(
-            q=q_in, weights=w_in, k=k_in, **outputs,
-            k_cache=k_cache, slot_mapping=slots, positions=positions, k_positions=k_positions,
-            cos_sin_cache=q.cos_sin_cache if q else k.cos_sin_cache, weights_scale=weights_scale,
-            block_size=block_size,
-        )
-        outs = emit.functional_call(fmt.op, args)
-        note = ""
-        if self.validate == "probe":
-            checked = [Checked(name, node, outs[name]) for name, node in q.outputs()] if q is not None else []
-            if weights is not None and weights.product is not None:
-                checked.append(Checked("weights_out", weights.product, outs["weights_out"]))
+    def _ropes(self, probes, ops) -> list[RopeOperand]:
+        forms = rope_forms(per_token_operands(ops, weight_like), None, ROPE_DIM, probes.equal_parts,
+                           lambda n: probes.equal_parts(n, pairs=True))
+        forms = [r for r in forms if r.rotary_dim == ROPE_DIM]
+        expect(forms, "rope: no cos/sin for 64 rotated dims among what the rows mix in")
+        return forms
+
+    def _emitter_of(self, q, k, k_src, q_rope, k_rope, weights, scale):
+        fmt = self.fmt
+
+        def emit_it(emit: Emitter):
+            like = q.start.source if q else k_src
+            device = val(like).device
+            written, checked = [], []
+            if q is not None:
+                tokens = _token_size(emit, q.start.source)
+                q_in = _heads(emit, q.start.source, q.heads)
+                heads = q.heads
+            else:
+                tokens, heads = 0, 1
+                q_in = emit.empty([0, 1, HEAD_DIM], torch.bfloat16, like)
             if k is not None:
-                checked.append(Checked("k_cache", k.cache_out, outs["k_cache"]))
-            note = emit.validate(args, checked)
-        if q is not None:
-            for name, node in q.outputs():
-                node.replace_all_uses_with(outs[name])
-        if weights is not None and weights.product is not None:
-            weights.product.replace_all_uses_with(outs["weights_out"])
-        if k is not None:
-            k.cache_out.replace_all_uses_with(outs["k_cache"])
-            caches[k.cache_out] = outs["k_cache"]
-        self.log.matched(self.name, self._pattern(q, k), q.anchor if q else k.anchor, note)
-
-    def _scratch(self, emit: Emitter, output: str, sizes, dtype, like) -> torch.fx.Node:
-        """An output buffer in scratch-arena memory (reserved before KV sizing), not
-        allocated per call: reservation ``<op>.<output>.<k>``."""
-        return emit.scratch(f"{self.fmt.op_name}.{output}", sizes, dtype, like,
-                            name=f"{self.fmt.node_prefix}{output}_scratch")
+                k_in = _bf16(emit, k_src if len(shape(k_src)) == 2 else emit.node(aten.reshape.default, k_src,
+                                                                                   [-1, HEAD_DIM]))
+                slot = slot_of(k.data)
+                slots = slot if slot is not None else emit.node(
+                    aten.add.Tensor, emit.node(aten.mul.Tensor, k.data.block, k.data.block_size), k.data.row)
+                k_cache, block_size = self._replaced.get(k.root, k.root), k.data.block_size
+                k_tokens = _token_size(emit, k_src)
+            else:
+                k_in = emit.empty([0, HEAD_DIM], torch.bfloat16, like)
+                slots = emit.empty([0], torch.int64, like)
+                k_cache = emit.scratch(f"{fmt.op_name}.unused_k_cache", [1, fmt.slot_bytes], torch.uint8, like,
+                                       name=f"{fmt.node_prefix}unused_k_cache_scratch")
+                block_size, k_tokens = 1, 0
+            q_in = _bf16(emit, q_in)
+            # one table: the gathered one both sides read, or a side's own per-token one
+            if q_rope is not None and k_rope is not None:
+                positions, table = emit_table(emit, q_rope, tokens, device)
+                k_positions = k_rope.positions
+            elif q_rope is not None:
+                positions, table = emit_table(emit, q_rope, tokens, device)
+                k_positions = emit.empty([0], torch.int64, like)
+            else:
+                k_positions, table = emit_table(emit, k_rope, k_tokens, device)
+                positions = emit.empty([0], torch.int64, like)
+            if weights is not None:
+                w_in = weights[1]
+            else:
+                w_in = emit.empty([tokens, heads], torch.float32, like)
+            outs = {name: emit.scratch(f"{fmt.op_name}.{name}", [tokens, heads, cols], dtype, like,
+                                       name=f"{fmt.node_prefix}{name}_scratch") for name, cols, dtype in fmt.q_outputs}
+            outs["weights_out"] = emit.scratch(f"{fmt.op_name}.weights_out", [tokens, heads], torch.float32, like,
+                                               name=f"{fmt.node_prefix}weights_out_scratch")
+            args = dict(q=q_in, weights=w_in, k=k_in, **outs, k_cache=k_cache, slot_mapping=slots, positions=positions,
+                        k_positions=k_positions, cos_sin_cache=table, weights_scale=scale, block_size=block_size,
+                        wrap_indices=True)
+            new = emit.functional_call(fmt.op, args)
+            if q is not None:
+                for name, p in q.outputs.items():
+                    out = as_layout(emit, new[name], p.layout, p.node)
+                    decode = None if val(out).dtype != torch.uint8 else (_nibbles if name == "q_out" else _block_scales)
+                    checked.append(Checked(name, p.node, out, decode=decode))
+                    written.append((p.node, out))
+            if weights is not None:
+                w_out = new["weights_out"]
+                if tuple(shape(w_out)) != tuple(shape(weights[0])):
+                    w_out = emit.node(aten.reshape.default, w_out, list(shape(weights[0])))
+                checked.append(Checked("weights_out", weights[0], w_out))
+                written.append((weights[0], w_out))
+            if k is not None:
+                checked.append(Checked("k_cache", k.after, new["k_cache"], decode=_cache_decoder(fmt, block_size)))
+                written.append((k.after, new["k_cache"]))
+            return checked, written
+        return emit_it
 
 
 class FuseDsv4IndexerPrepPass(_FuseDsv4IndexerPass):
@@ -266,33 +332,124 @@ class FuseDsv4IndexerMxfp4PrepPass(_FuseDsv4IndexerPass):
     fmt = FORMATS["mxfp4"]
 
 
-def _readers(q, k: KSide | None, weights_product: torch.fx.Node | None = None) -> list[torch.fx.Node]:
-    """The nodes that read a call's outputs: q's outputs, the weights product, the cache."""
-    readers = []
-    if q is not None:
-        readers += [u for _, node in q.outputs() for u in node.users]
-    if weights_product is not None:
-        readers += list(weights_product.users)
-    if k is not None:
-        readers += list(k.cache_out.users)
-    return readers
+# --------------------------------------------------------------------------------------
+def prepared_products(start, tokens, heads) -> list[tuple]:
+    """FP8's fold: ``[T, H]`` fp32 nodes carried from q's heads whose region reads a
+    ``[T, H]`` float input besides q (the weights): ``(product, weights, constants)``."""
+    from prepfuse.fx_passes.matching.axes import base_layout, carry
+    from prepfuse.fx_passes.matching.layouts import Layout
+
+    base = base_layout(start.node, HEAD_DIM)
+    carried = carry(start.node, base, HEAD_DIM, lambda n: False) if base is not None else {}
+    found = []
+    for node, layout in carried.items():
+        v = val(node)
+        if not isinstance(layout, Layout) or not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+            continue
+        roles = dim_roles(layout, HEAD_DIM)
+        if roles is None or "head" in roles or all(u in carried for u in node.users):
+            continue
+        w = _weights_input(backward([node]), {start.node}, tokens, heads)
+        if w is not None:
+            found.append((node, w[0], w[1]))
+    order = {n: i for i, n in enumerate(start.node.graph.nodes)}
+    return sorted(found, key=lambda p: -order[p[0]])
 
 
-def _inputs(q, k: KSide | None) -> list[torch.fx.Node]:
-    inputs = q.inputs() if q is not None else []
-    return inputs + ([k.k, k.k_positions, k.cos_sin_cache, k.cache_in, k.slots] if k is not None else [])
+def _weights_input(region, sources, tokens, heads):
+    ops = operands(region, sources, {}) if sources else leaves(region)
+    cands = [n for n in ops if isinstance(val(n), torch.Tensor) and val(n).dtype.is_floating_point
+             and len(shape(n)) == 2 and same_size(shape(n)[0], tokens) and same_size(shape(n)[1], heads)]
+    if len(cands) != 1:
+        return None
+    weights = cands[0]
+    # the op widens bf16 weights itself: read them as they are, not a widening copy
+    if is_op(weights, prims.convert_element_type.default) and val(weights).dtype == torch.float32 \
+            and val(weights.args[0]).dtype in (torch.bfloat16, torch.float32):
+        weights = weights.args[0]
+    consts = [a for n in region for a in n.args if isinstance(a, float)]
+    return weights, consts
 
 
-def _pair(graph, q_sides: list, k_sides: list[KSide]) -> list[tuple]:
-    """One call per q match, sharing it with the first k match that can (graph order): one
-    cos/sin table, every input before every reader; the k matches left get calls of their own."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    calls, free = [], list(k_sides)
-    for q in q_sides:
-        partner = next((k for k in free if q.cos_sin_cache is k.cos_sin_cache
-                        and max(order[n] for n in _inputs(q, k)) < min(order[n] for n in _readers(q, k))), None)
-        if partner is not None:
-            free.remove(partner)
-        calls.append((q, partner))
-    return calls + [(None, k) for k in free]
+def _claim_product(graph, q: QSide, claimed: set):
+    """MXFP4's weights product: the first unclaimed ``[T, H]`` fp32 node made from one
+    ``[T, H]`` input and constants only."""
+    tokens = base_columns(q.start.source, HEAD_DIM)[0]
+    for node in graph.nodes:
+        v = val(node)
+        if node in claimed or not is_op(node, aten.mul.Tensor) or not isinstance(v, torch.Tensor) \
+                or v.dtype != torch.float32 or len(shape(node)) != 2:
+            continue
+        if not (same_size(shape(node)[0], tokens) and same_size(shape(node)[1], q.heads)):
+            continue
+        region = backward([node])
+        w = _weights_input(region, set(), tokens, q.heads)
+        if w is not None and len(leaves(region)) == 1:
+            return node, w[0], w[1]
+    return None
 
+
+def _scale_candidates(weights) -> list[float]:
+    if weights is None:
+        return [1.0]
+    consts = [c for c in weights[2] if c not in (1.0,)]
+    product = 1.0
+    for c in consts:
+        product *= c
+    found = [product] + consts + [1.0]
+    return list(dict.fromkeys(found))
+
+
+def _heads(emit, source, heads):
+    if len(shape(source)) == 3 and shape(source)[1] == heads:
+        return source
+    return emit.node(aten.reshape.default, source, [-1, heads, HEAD_DIM])
+
+
+def _bf16(emit, node):
+    """The op reads bf16: an fp32 value the code rounded (a round trip Inductor dropped) is cast."""
+    if val(node).dtype == torch.bfloat16:
+        return node
+    return emit.node(prims.convert_element_type.default, node, torch.bfloat16)
+
+
+def _token_size(emit, node):
+    """The tokens of a ``[.., H, 128]`` or ``[.., 128]`` source as the call's size."""
+    sizes = shape(node)
+    lead = len(sizes) - 2 if len(sizes) >= 3 and sizes[-1] == HEAD_DIM else len(sizes) - 1
+    return emit.count(node, range(lead))
+
+
+def _nibbles(packed: torch.Tensor) -> dict:
+    """Packed e2m1 bytes: the blocks of unrotated dims (0..63, bytes 0..31) bit for bit (the
+    bf16 input scaled by a power of two: only the tie and sign rules can differ there), the
+    rotated ones as their two nibbles, each within one step."""
+    nope = (HEAD_DIM - ROPE_DIM) // 2
+    rotated = packed[..., nope:]
+    return {"unrotated blocks": Exact(packed[..., :nope]), "low nibbles": rotated & 0xF, "high nibbles": rotated >> 4}
+
+
+def _block_scales(scales: torch.Tensor) -> dict:
+    """UE8M0 scale bytes of MXFP4 blocks: the unrotated blocks' bit for bit (their amax is
+    the input's), the rotated ones' within one step."""
+    nope = (HEAD_DIM - ROPE_DIM) // (HEAD_DIM // MXFP4_BLOCKS)
+    return {"unrotated blocks": Exact(scales[..., :nope]), "rotated blocks": scales[..., nope:]}
+
+
+def _cache_decoder(fmt: IndexerFormat, block_size: int):
+    def decode(cache: torch.Tensor) -> dict:
+        nb = cache.shape[0]
+        data = cache[:, : block_size * fmt.data_bytes].reshape(nb, block_size, fmt.data_bytes)
+        scales = cache[:, block_size * fmt.data_bytes: block_size * fmt.slot_bytes].reshape(nb, block_size, SCALE_BYTES)
+        rest = cache[:, block_size * fmt.slot_bytes:].contiguous()
+        if fmt.name == "fp8":
+            return {"codes": data.contiguous().view(torch.float8_e4m3fn),
+                    "scales": scales.contiguous().view(torch.float32), "rest": rest}
+        return {**{f"codes ({k})": v for k, v in _nibbles(data.contiguous()).items()},
+                **{f"scales ({k})": v for k, v in _block_scales(scales.contiguous()).items()}, "rest": rest}
+    return decode
+
+
+def _describe(fmt, q, k, rope, scale) -> str:
+    sides = "q and k" if q and k else ("q" if q else "k")
+    return f"the {fmt.name.upper()} indexer's {sides}, GPT-J RoPE on {rope.describe()}, weights scale {scale:g}"

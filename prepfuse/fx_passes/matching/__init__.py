@@ -1,14 +1,15 @@
-"""What every fusion family shares: reading preparation math back out of a post-grad graph,
-and emitting the fused call.
+"""What every fusion family shares: finding a region by what it writes, and deciding on
+probes which op call computes it.
 
-- ``recognizers.py``: one small matcher per step (norm, RoPE, gathers, slices, view chains),
-  each returning the step's inputs or raising ``NoMatch`` with what it found instead;
-- ``layouts.py``: logical axes through views (``[B, S, H, D]``, transposes, a batch of one):
-  which elements of a base a chain of view ops shows;
-- ``cos_sin.py``: where a rotation's cos/sin come from, and the table the op reads instead;
-- ``cache_writes.py``: paged byte-cache writes read back to their layout, and the write of a
-  data row's scale bytes;
-- ``repeated_steps.py``: one node per computation (repeated pure steps merged before matching);
+- ``nodes.py``: what a node is (op, fake value, sizes compared without guards, source line);
+- ``canonical.py``: one form per concept, the graph pass before any family;
+- ``writes.py``: every cache write as rows written at indices (``RowsWrite``), byte rows;
+- ``layouts.py``, ``axes.py``: logical axes through views and per-head steps;
+- ``regions.py``: a region's nodes back to its leaves, its operands and constants;
+- ``sources.py``: the projection columns written values come from;
+- ``rope_operands.py``: the cos/sin a call reads, however the model makes them;
+- ``probes.py``, ``compare.py``: probe values, the region run once, candidates compared;
+- ``search.py``: candidate calls tried on the probes, the first that agrees kept;
 - ``emitter.py``: what every rewrite inserts (fake values, the functional call);
 - ``scratch_buffers.py``: output buffers from the scratch arena.
 
@@ -18,9 +19,11 @@ Inductor's cache for every pass that uses it.
 """
 
 from prepfuse.fx_passes.matching import (
-    cache_writes, cos_sin, emitter, layouts, recognizers, repeated_steps, scratch_buffers, validation,
+    axes, canonical, compare, emitter, layouts, nodes, probes, regions, rope_operands, scratch_buffers, search, sources,
+    writes,
 )
 
-MATCHING_MODULES = (recognizers, layouts, cos_sin, cache_writes, repeated_steps, emitter, scratch_buffers, validation)
+MATCHING_MODULES = (nodes, canonical, writes, layouts, axes, regions, sources, rope_operands, probes, compare, search,
+                    emitter, scratch_buffers)
 
-__all__ = ["MATCHING_MODULES", "cache_writes", "cos_sin", "emitter", "layouts", "recognizers", "repeated_steps", "scratch_buffers", "validation"]
+__all__ = ["MATCHING_MODULES"]

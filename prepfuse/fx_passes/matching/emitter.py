@@ -17,27 +17,24 @@ from torch._guards import detect_fake_mode
 
 from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
-from prepfuse.fx_passes.matching.cos_sin import CosSin
 from prepfuse.fx_passes.matching.layouts import Layout, canonical_order
-from prepfuse.fx_passes.matching.recognizers import NoMatch, aten, prims, same_size, shape, val
+from prepfuse.fx_passes.matching.nodes import NoMatch, aten, prims, same_size, shape, val
 from prepfuse.fx_passes.matching.scratch_buffers import scratch_buffer
-from prepfuse.fx_passes.matching.validation import Checked, validate_rewrite
 from prepfuse.ops import SCRATCH
-from prepfuse.ops.gqa_qknorm_rope_kv_insert import COS_SIN_DTYPES
 
-__all__ = ["Emitter", "as_layout", "cos_sin_args"]
+__all__ = ["Emitter", "as_layout"]
 
 
 class Emitter:
     """Inserts nodes before ``point``, each with its fake value (later passes read ``meta['val']``)."""
 
-    def __init__(self, graph: torch.fx.Graph, point: torch.fx.Node, source: torch.fx.Node) -> None:
+    def __init__(self, graph: torch.fx.Graph, point: torch.fx.Node, source: torch.fx.Node, readers=()) -> None:
         self.graph, self.point = graph, point
+        self.readers = set(readers)  # readers of what the call replaces: never moved (``inputs_in_order``)
         # the matched code's source line, for the report's rows about emitted nodes
         self.stack_trace = source.meta.get("stack_trace")
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
         self.emitted: list[torch.fx.Node] = []  # every node this emitter inserted, in order
-        self.rounded_inputs: set[torch.fx.Node] = set()  # fp32 inputs the call rounds to bf16 (``as_bf16``)
 
     def node(self, target, *args, name: str | None = None, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.point):
@@ -52,10 +49,42 @@ class Emitter:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
+    def check_sizes(self, checks) -> None:
+        """Assert each ``nodes.SizeCheck`` when the graph runs. The assert's value is not run
+        on fake tensors here: that would turn the symbolic condition into a guard."""
+        done = set()
+        for c in checks:
+            if (c.node, c.kind, c.dim, c.value) in done:
+                continue
+            done.add((c.node, c.kind, c.dim, c.value))
+            target = {"size": aten.sym_size.int, "stride": aten.sym_stride.int}.get(c.kind)
+            actual = self.node(target, c.node, c.dim) if target else self.node(aten.sym_storage_offset.default, c.node)
+            same = self.node(operator.eq, actual, c.value)
+            with self.graph.inserting_before(self.point):
+                node = self.graph.call_function(aten._assert_scalar.default, (same, (
+                    f"prepfuse: {c.node.name}'s {c.kind} {'' if c.kind == 'offset' else c.dim} is not {c.value}, the "
+                    f"value the fused call was compiled for")))
+            node.meta["val"] = None
+            self.emitted.append(node)
+
     def size(self, tensor: torch.fx.Node, dim: int):
         """``tensor.size(dim)``: an int, or a ``sym_size`` node when it is symbolic."""
         size = shape(tensor)[dim]
         return size if isinstance(size, int) else self.node(aten.sym_size.int, tensor, dim)
+
+    def count(self, tensor: torch.fx.Node, dims) -> int | torch.fx.Node:
+        """The product of ``tensor``'s sizes over ``dims``: a number, or ``sym_size`` nodes
+        multiplied (one tensor's token count, its heads and head dim left out)."""
+        total = 1
+        for d in dims:
+            size = self.size(tensor, d)
+            if isinstance(total, int) and isinstance(size, int):
+                total = total * size
+            elif isinstance(total, int) and total == 1:
+                total = size
+            else:
+                total = self.node(operator.mul, total, size)
+        return total
 
     def iota(self, count, device) -> torch.fx.Node:
         """``0, 1, .., count - 1`` (int64; ``count`` a number or a size node), post-grad's arange."""
@@ -92,20 +121,16 @@ class Emitter:
         af = self.node(hop, op, **call)
         return {name: self.node(operator.getitem, af, index) for name, index in output_indices(af).items()}
 
-    def validate(self, args: dict, checked: list[Checked], extra_roles: dict | None = None, *,
-                 slot_capacity: int | None = None, block_size: int | None = None) -> str:
-        """Prove the emitted call on probes against the region it replaces
-        (``validation.validate_rewrite``) before any reader moves to it: the report's note
-        on success; on a mismatch the emitted nodes are erased and ``NoMatch`` says why."""
-        roles = dict.fromkeys(self.rounded_inputs, "bf16_values")
-        roles.update(extra_roles or {})
-        try:
-            probes = validate_rewrite(self.emitted, args, checked, roles, slot_capacity=slot_capacity,
-                                      block_size=block_size)
-        except NoMatch:
-            self.discard()
-            raise
-        return f"validated on {probes} probes"
+    def inputs_in_order(self) -> None:
+        """Every graph node the emitted nodes read computed before them: an input the graph
+        computes after the insertion point is moved (with what it needs) in front of it
+        (``hoist_before``), or NoMatch where it needs a reader of what the call replaces."""
+        emitted = set(self.emitted)
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        first = min(self.emitted, key=order.__getitem__, default=self.point)
+        late = [i for n in self.emitted for i in n.all_input_nodes if i not in emitted and order[i] > order[first]]
+        if late and not hoist_before(first, late, order, self.readers):
+            raise NoMatch("order: an input of the call is computed from what the call replaces")
 
     def discard(self) -> None:
         """Erase every node this emitter inserted (none may be read by then: nothing was rewired)."""
@@ -113,19 +138,6 @@ class Emitter:
             if not node.users:
                 self.graph.erase_node(node)
         self.emitted = [n for n in self.emitted if n.users]
-
-    def as_bf16(self, node: torch.fx.Node) -> torch.fx.Node:
-        """``node`` as the ops read it, bf16. A pattern that found the fp32 value whose
-        ``.to(bf16)`` torch 2.11's Inductor dropped (``_compat.inductor_drops_narrowing_round_trips``)
-        hands it over as fp32: the cast goes back in front of the call, so the call
-        rounds as the code does."""
-        if val(node).dtype == torch.float32:
-            # the region as it stands reads these fp32 values unrounded: its probes hold
-            # bf16 values, so validation checks the rest of the math, not the rounding the
-            # code had and the graph lost
-            self.rounded_inputs.add(node)
-            return self.node(prims.convert_element_type.default, node, torch.bfloat16)
-        return node
 
 
 def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.fx.Node) -> torch.fx.Node:
@@ -157,52 +169,62 @@ def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.
     return node if identity else emit.node(aten.permute.default, node, order)
 
 
-def cos_sin_args(emit: Emitter, cos_sin: CosSin, source: torch.fx.Node, rotary_dim: int) -> dict[str, torch.fx.Node]:
-    """The op's ``positions`` and cos/sin operand for ``cos_sin``: the gathered table as it
-    is (``cos_sin_cache``; a bf16 one as its two column views ``cos`` and ``sin``), or, for
-    values the graph computes per token, ``cos`` and ``sin`` themselves as ``[T, R/2]``
-    views with ``positions=None`` (token t reads row t; values shared by the sequences of a
-    batch, ``[S, R/2]``, with positions ``i % S`` computed in front of the call):
-    the op reads the values Inductor computes, where they lie, in their dtype (fp32 or
-    bf16; any other is widened to fp32), with no table built in front of the call.
-    Full-width values are read by their first half where the graph proves the halves
-    equal, all ``R`` entries otherwise (``full_cos_sin=True``)."""
-    if not cos_sin.per_token:
-        if val(cos_sin.table).dtype == torch.float32:
-            return {"positions": cos_sin.positions, "cos_sin_cache": cos_sin.table}
-        # a bf16 table (vLLM's default: the model's dtype): its two column ranges, as they lie
-        half = val(cos_sin.table).shape[1] // 2
-        return {"positions": cos_sin.positions, "cos_sin_cache": None,
-                "cos": emit.node(aten.slice.Tensor, cos_sin.table, 1, 0, half),
-                "sin": emit.node(aten.slice.Tensor, cos_sin.table, 1, half, 2 * half)}
-    tokens, half = emit.size(source, 0), rotary_dim // 2
-    width = rotary_dim if cos_sin.full else half
-    operands, positions = {}, None
-    for name, values in (("cos", cos_sin.cos), ("sin", cos_sin.sin)):
-        rows = emit.node(aten.reshape.default, values, [-1 if cos_sin.shared_by_sequences else tokens, width])
-        if cos_sin.full and cos_sin.equal_halves:  # the same R/2 values twice: the first
-            rows = emit.node(aten.slice.Tensor, rows, 1, 0, half)
-        if val(rows).dtype not in COS_SIN_DTYPES:
-            rows = emit.node(prims.convert_element_type.default, rows, torch.float32)
-        operands[name] = rows
-    if any(val(rows).stride(-1) != 1 for rows in operands.values()):
-        # the kernel reads rows with unit stride: strided values (gpt-fast's interleaved
-        # (cos, sin) pairs) are written once into one [N, 2, R/2] buffer, one kernel for both,
-        # and read as its two row views; rows shared by the B sequences of a batch are
-        # written once per token of every sequence by that same kernel ([B * S, 2, R/2]),
-        # so that no positions need computing in front of the call
-        columns = [emit.node(aten.unsqueeze.default, operands[n], 1) for n in ("cos", "sin")]
-        if cos_sin.shared_by_sequences:
-            rows = emit.size(operands["cos"], 0)
-            both_ints = isinstance(tokens, int) and isinstance(rows, int)
-            sequences = tokens // rows if both_ints else emit.node(operator.floordiv, tokens, rows)
-            columns = [emit.node(aten.expand.default, emit.node(aten.unsqueeze.default, c, 0), [sequences, -1, -1, -1])
-                       for c in columns]
-        both = emit.node(aten.cat.default, columns, len(shape(columns[0])) - 2)
-        if cos_sin.shared_by_sequences:
-            both = emit.node(aten.reshape.default, both, [tokens, 2, -1])
-        operands = {name: emit.node(aten.select.int, both, 1, i) for i, name in enumerate(("cos", "sin"))}
-    elif cos_sin.shared_by_sequences:  # one row per position, shared by the sequences: token i reads row i % rows
-        positions = emit.node(aten.remainder.Scalar, emit.iota(tokens, val(source).device), emit.size(operands["cos"], 0))
-    extra = {"full_cos_sin": True} if cos_sin.full_operand else {}
-    return {"positions": positions, "cos_sin_cache": None, **operands, **extra}
+def viewed_call(emit: Emitter, op, args: dict, views: dict) -> tuple[dict, dict]:
+    """The call writing arguments as views of graph buffers: ``views`` maps an argument to
+    ``(root, view)``, ``view`` the fake tensor the op writes (sizes, strides and storage
+    offset within ``root``'s storage; several may share a root: k and v caches of one
+    ``[NB, 2, bs, Hkv, D]`` buffer). For v2 each root is one base and each view is
+    regenerated from it (``_<arg>_size/_stride/_storage_offset``), which defunctionalize turns
+    into in-place writes; for v1 the views are ``as_strided`` of their roots and their new
+    values are scattered back. Returns ``({other written argument: its new value},
+    {root: its new value})``."""
+    v1, v2 = auto_functionalized_ops()
+    written = [a.name for a in mutated_args(op)]
+    roots = list(dict.fromkeys(root for root, _ in views.values()))
+    strided = {name: (list(view.shape), list(view.stride()), view.storage_offset()) for name, (_, view) in views.items()}
+    plain = [name for name in written if name not in views]
+    if v2 is not None and torch._inductor.config.enable_auto_functionalized_v2:
+        call = {k: v for k, v in args.items() if k not in written}
+        bases = [args[name] for name in plain] + roots
+        call["_all_bases"] = bases
+        for i, name in enumerate(plain):
+            call[f"_{name}_base_index"] = i
+        for name, (root, _) in views.items():
+            size, stride, offset = strided[name]
+            call.update({f"_{name}_base_index": len(plain) + roots.index(root), f"_{name}_size": size,
+                         f"_{name}_stride": stride, f"_{name}_storage_offset": offset})
+        af = emit.node(v2, op, **call)
+        index = output_indices(af)
+        new = {root: emit.node(operator.getitem, af, index[next(n for n, (r, _) in views.items() if r is root)])
+               for root in roots}
+        return {name: emit.node(operator.getitem, af, index[name]) for name in plain}, new
+    call = dict(args, **{name: emit.node(aten.as_strided.default, root, *strided[name])
+                         for name, (root, _) in views.items()})
+    af = emit.node(v1, op, **call)
+    index = output_indices(af)
+    new = {root: root for root in roots}
+    for name, (root, _) in views.items():
+        new[root] = emit.node(aten.as_strided_scatter.default, new[root], emit.node(operator.getitem, af, index[name]),
+                              *strided[name])
+    return {name: emit.node(operator.getitem, af, index[name]) for name in plain}, new
+
+
+def hoist_before(point: torch.fx.Node, nodes, order: dict, readers: set) -> bool:
+    """Move ``nodes``, and every node after ``point`` they need, to just before ``point``,
+    keeping their order; nothing moves and False where one of them is ``point``, a reader
+    of an output (``readers``), or a node with an effect. Inductor's post-grad
+    ``reorder_for_locality`` moves a producer next to its first user, which can put a
+    call's input after the first reader of its outputs (transformers' paged cache writes
+    k, writes v, then reads k back)."""
+    late, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in late or order[n] < order[point]:
+            continue
+        if n is point or n in readers or n.op != "call_function" or n.is_impure():
+            return False
+        late.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(late, key=order.__getitem__):
+        point.prepend(n)
+    return True

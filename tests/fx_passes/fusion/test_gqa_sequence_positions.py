@@ -27,9 +27,10 @@ FP8 = torch.float8_e4m3fn
 KV_SCALE = 3.0 / 448.0
 
 
-def layer(x, w, cos_table, sin_table, positions, k_cache, v_cache, kv_scale, heads_first: bool):
+def layer(x, w, cos_table, sin_table, positions, k_cache, v_cache, kv_scale, heads_first: bool, sequence=None):
     """A projection, an fp32 rotation by each token's own table rows, and k and v written at
-    each sequence's own positions by index assignment."""
+    each sequence's own positions by index assignment (into the cache's sequences
+    ``sequence``, default ``arange(B)``)."""
     batch, tokens = positions.shape
     q, k, v = (x @ w).split([HQ * D, HKV * D, HKV * D], -1)
     q, k, v = q.view(batch, tokens, HQ, D), k.view(batch, tokens, HKV, D), v.view(batch, tokens, HKV, D)
@@ -38,7 +39,7 @@ def layer(x, w, cos_table, sin_table, positions, k_cache, v_cache, kv_scale, hea
     k = (k.float() * c + rotate_half(k.float()) * s).to(torch.bfloat16)
     if k_cache.dtype == FP8:
         k, v = ((t.float() / kv_scale).clamp(-448.0, 448.0).to(FP8) for t in (k, v))
-    sequence = torch.arange(batch, device=x.device)[:, None]
+    sequence = (torch.arange(batch, device=x.device) if sequence is None else sequence)[:, None]
     if heads_first:
         k_cache[sequence, :, positions] = k
         v_cache[sequence, :, positions] = v
@@ -95,34 +96,31 @@ def test_each_sequences_own_positions_fuse_on_cuda(cache_dtype, heads_first):
     assert_fused_write_close(q, k, v, q_ref, k_ref, v_ref)
 
 
-def test_a_slot_formula_that_shares_the_positions_is_declined_by_the_probes(monkeypatch):
-    """The probes draw different positions for each sequence: a slot formula that reads
-    sequence 0's positions for every sequence writes the wrong rows and is declined."""
+def test_a_slot_formula_that_forgets_the_sequence_is_declined_by_the_probes(monkeypatch):
+    """The probes draw different positions for each sequence: a slot formula that drops the
+    sequence's offset (``pos`` for ``b * S + pos``) writes the wrong rows and is declined."""
     from prepfuse.fx_passes.fusion import gqa
-    from prepfuse.fx_passes.matching.recognizers import aten
 
-    original = gqa._slot_mapping
+    original = gqa.emit_slots
 
-    def shared(emit, write):
-        if len(write.slots.meta["val"].shape) != 2:
-            return original(emit, write)
-        first = emit.node(aten.select.int, write.slots, 0, 0)  # sequence 0's positions, for all
-        return original(emit, type(write)(**{**write.__dict__, "slots": first}))
+    def forgetful(emit, view, *args):
+        return emit.node(torch.ops.aten.remainder.Scalar, original(emit, view, *args), S)
 
-    monkeypatch.setattr(gqa, "_slot_mapping", shared)
+    monkeypatch.setattr(gqa, "emit_slots", forgetful)
     backend, (_, got), (_, want) = compiled_and_eager(3, 5, torch.bfloat16, True, seed=3)
     whys = [r.why for r in backend.reports[0].near_misses(PASS)]
-    assert backend.reports[0].matched_counts.get(PASS, 0) == 0 and whys and all(w.startswith("validation:") for w in whys), whys
+    assert backend.reports[0].matched_counts.get(PASS, 0) == 0 and whys, whys
+    assert all("cache differs" in w for w in whys), whys
     assert all(torch.equal(a, b) for a, b in zip(got, want))  # declined: the code as Inductor compiles it
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
 def test_a_position_outside_a_sequence_stays_outside_every_sequence(checked, monkeypatch):
     """A position at S (eager index assignment raises) is a slot beyond the cache for the
-    op, not sequence b + 1's row 0, and a negative one is skipped, not another sequence's
-    last row: the op's index check rejects the first by name, with nothing written;
-    unchecked (a CUDA graph, ``PREPFUSE_CHECK_INDEX_VALUES=0``) both are skipped and every
-    valid token's row is written as eager writes it, no other row."""
+    op, not sequence b + 1's row 0: the op's index check rejects it by name, with nothing
+    written; unchecked (a CUDA graph, ``PREPFUSE_CHECK_INDEX_VALUES=0``) it is skipped. A
+    negative position counts from its own sequence's end, as eager's indexing does: every
+    other token's row is written as eager writes it, no other row."""
     from prepfuse.ops import _checks
 
     x, w, cos, sin, positions, caches, kv_scale = inputs(2, 3, torch.bfloat16, False, seed=9)
@@ -142,11 +140,15 @@ def test_a_position_outside_a_sequence_stays_outside_every_sequence(checked, mon
         return
     with torch.no_grad():
         compiled(x, w, cos, sin, bad, *got, kv_scale, False)
-    valid = [(b, int(positions[b, t])) for b in range(2) for t in range(3) if (b, t) not in ((0, 1), (1, 0))]
-    for cache, before, written in zip(got, caches, eager):
-        want = before.clone()
-        for b, pos in valid:
-            want[b, pos] = written[b, pos]
+    valid = [(b, t) for b in range(2) for t in range(3) if (b, t) != (0, 1)]
+    good = positions.clone()
+    good[1, 0] = -1  # a position eager takes: sequence 1's last row
+    for i, (cache, before) in enumerate(zip(got, caches)):
+        want, rows = before.clone(), [c.clone() for c in caches]
+        with torch.no_grad():
+            layer(x, w, cos, sin, good, *rows, kv_scale, False)
+        for b, t in valid:
+            want[b, int(good[b, t])] = rows[i][b, int(good[b, t])]
         assert torch.equal(cache, want)
 
 
@@ -174,16 +176,21 @@ def test_every_token_count_without_a_recompile():
     assert len(backend.reports) == graphs
 
 
-def test_sequences_picked_by_an_index_are_declined_by_name():
-    """``cache[seq_ids[:, None], pos] = k`` with ``seq_ids`` not ``arange(B)`` (rows of
-    sequences an index picks): declined, naming the index; the code runs as Inductor compiles it."""
-    def picked(k, positions, seq_ids, cache):
-        cache[seq_ids[:, None], positions] = k
-        return cache.float().sum()
+def test_sequences_picked_by_an_index_fuse():
+    """``cache[seq_ids[:, None], pos] = k`` with ``seq_ids`` any index (rows of the sequences
+    it picks, a negative one counted from the end): the op's slot is ``seq_ids[b] * S + pos``,
+    and the caches equal eager's bit for bit."""
+    def picked(x, w, cos_table, sin_table, positions, seq_ids, k_cache, v_cache):
+        return layer(x, w, cos_table, sin_table, positions, k_cache, v_cache, None, False, sequence=seq_ids)
 
     backend = PrepfuseBackend()
-    k = torch.randn(2, 3, HKV, D).to(torch.bfloat16)
-    positions, cache = torch.tensor([[0, 1, 2], [5, 6, 7]]), torch.zeros(2, S, HKV, D).to(torch.bfloat16)
-    torch.compile(picked, backend=backend, fullgraph=True)(k, positions, torch.tensor([1, 0]), cache)
-    whys = [r.why for r in backend.reports.near_misses(PASS)]
-    assert len(whys) == 1 and whys[0].startswith("write: sequence index") and "arange(B)" in whys[0], whys
+    x, w, cos, sin, positions, caches, _ = inputs(2, 3, torch.bfloat16, False, seed=4)
+    caches = [torch.cat((c, c + 1)) for c in caches]  # four sequences' rows, two written
+    seq_ids = torch.tensor([3, -4])
+    got, want = [c.clone() for c in caches], [c.clone() for c in caches]
+    with torch.no_grad():
+        q = torch.compile(picked, backend=backend, fullgraph=True)(x, w, cos, sin, positions, seq_ids, *got)
+        q_ref = picked(x, w, cos, sin, positions, seq_ids, *want)
+    assert backend.reports[0].matched_counts.get(PASS, 0) == 1, backend.reports.format(verbose=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(q, q_ref)

@@ -1,4 +1,4 @@
-"""``gqa._hoist_before``: the inputs of a fused call that come after the first reader of its
+"""``emitter.hoist_before``: the inputs of a fused call that come after the first reader of its
 outputs (Inductor's post-grad ``reorder_for_locality`` moves a producer next to its first
 user) are moved in front of that reader with everything they need, in their order, unless
 one needs a reader or has an effect. The corpus case ``hf-qwen3-paged-attention-cache``
@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.fusion.gqa import _hoist_before
+from prepfuse.fx_passes.matching.emitter import hoist_before
 
 
 def graph_of(fn):
@@ -34,7 +34,7 @@ def test_a_late_input_and_what_it_reads_move_in_front_of_the_reader():
     graph = graph_of(fn)
     nodes = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    assert _hoist_before(nodes["add"], [nodes["mul_1"]], order, {nodes["add"]})
+    assert hoist_before(nodes["add"], [nodes["mul_1"]], order, {nodes["add"]})
     assert names(graph) == ["x", "w", "mul", "sub", "mul_1", "add", "output"]
     graph.lint()
 
@@ -50,7 +50,7 @@ def test_an_input_that_needs_a_reader_moves_nothing():
     before = names(graph)
     nodes = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    assert not _hoist_before(nodes["add"], [nodes["mul_1"]], order, {nodes["add"]})
+    assert not hoist_before(nodes["add"], [nodes["mul_1"]], order, {nodes["add"]})
     assert names(graph) == before
 
 
@@ -69,5 +69,5 @@ def test_an_effectful_node_is_not_moved():
     # the late input reads w after its in-place add: that add is effectful, so nothing moves
     late.args = (nodes["add_"], 3)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    assert not _hoist_before(nodes["add"], [late], order, {nodes["add"]})
+    assert not hoist_before(nodes["add"], [late], order, {nodes["add"]})
     assert names(graph) == before

@@ -114,8 +114,9 @@ def test_q_out_is_the_arena_reservation(arena):
 
 
 def prep_other_model(q, kv, k_cache, slot_mapping, positions, cos_sin_cache):
-    """Another model's code (its own compiled graph) fusing the same op: q scaled first."""
-    return prep(q * 2, kv, k_cache, slot_mapping, positions, cos_sin_cache)
+    """Another model's code (its own compiled graph) fusing the same op: its tokens' q in
+    reverse order (other values, the same shapes)."""
+    return prep(q.flip(0).contiguous(), kv, k_cache, slot_mapping, positions, cos_sin_cache)
 
 
 @pytest.mark.parametrize("output_buffers", ["arena", "graph"])

@@ -149,8 +149,8 @@ def test_prep_written_after_attention_moves_ahead_of_it(v2):
     r = run(prep_after_attention, v2=v2)
     assert_close_to_eager(r)
     assert r.matched(FuseDsv4PrepPass.name) == 1
-    assert r.matched(PlacementPass.name) == 1
-    assert r.events("matched") == ["ahead of prepfuse_test.attention.default"]
+    # the fused call lands ahead of attention: emitted there, or moved there by placement
+    assert r.events("matched") in ([], ["ahead of prepfuse_test.attention.default"])
     assert r.report.partition_of() == {"dsv4_qnorm_rope_kv_insert_default": 0}
     assert r.report.placement.layout() == "captured 0 | eager prepfuse_test.attention.default | captured 1"
     # every registered pattern pass, then placement, then defunctionalize
@@ -227,7 +227,6 @@ def test_cache_write_stays_after_attention_reading_the_cache(v2):
 def test_prep_moves_back_to_the_partition_after_its_last_dependency():
     r = run(prep_between_two_attentions)
     assert_close_to_eager(r)
-    assert r.matched(PlacementPass.name) == 1
     assert r.report.partition_of() == {"dsv4_qnorm_rope_kv_insert_default": 1}
     assert r.report.placement.layout() == (
         "captured 0 | eager prepfuse_test.attention.default | captured 1 | "

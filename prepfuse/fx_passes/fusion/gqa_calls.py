@@ -1,0 +1,248 @@
+"""The GQA op's calls: how a matched region's caches, slots and math become its arguments.
+
+``gqa.py`` finds a layer's q, k write and v write and their sources; this module turns
+them into calls of ``prepfuse::gqa_qknorm_rope_kv_insert`` (or its separate-projections
+op), one per hypothesis about the math (``Math``): RoPE style and operand form, norm form,
+eps, kv scale semantics, fp8 overflow. The search (``matching/search.py``) keeps the first
+that computes the region on probes.
+
+Caches. The op writes ``[N0, N1, Hkv, D]`` with slot ``s`` at ``(s // N1, s % N1)``
+(``N1 = 1``: a token pool), any strides. A write of any layout (``writes.RowsWrite``) is
+that: its per-row indices address one or two *token* dims of the written tensor (a block
+and a row; a pool's slot; a static cache's sequence and position, the sequence addressed
+by the row's place in the batch), its heads dim and its head dim are the rest. The call
+writes the cache through that strided view; the slot per token is the indices composed,
+``i0 * N1 + i1``, computed in front of the call only where it is not one tensor already
+(``s // bs, s % bs`` of one ``s`` is ``s``). The op counts a negative slot from the cache's
+end (``wrap_indices``), as eager indexing does, so an outer index needs no wrapping;
+an inner one does unless it is known to be in range (``x % N1``, a slice's positions).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from prepfuse.fx_passes.matching.emitter import Emitter
+from prepfuse.fx_passes.matching.nodes import NoMatch, SizeCheck, aten, expect, fixed, is_op, same_size, shape, val
+from prepfuse.fx_passes.matching.rope_operands import RopeOperand
+from prepfuse.fx_passes.matching.writes import RowsWrite
+
+__all__ = ["CacheView", "cache_view", "emit_slots", "Math", "math_candidates"]
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """The ``[N0, N1, Hkv, D]`` view of ``root``'s storage the op writes for one write."""
+
+    write: RowsWrite
+    sizes: tuple
+    strides: tuple
+    offset: int
+    token_dims: tuple[int, ...]  # the written tensor's dims that address tokens, outer first
+    direct: bool  # the written tensor is the graph input itself, already in that form
+    checks: tuple[SizeCheck, ...] = ()  # dynamic sizes taken at their traced values
+
+    def fake(self):
+        return val(self.write.root).as_strided(self.sizes, self.strides, self.offset)
+
+    @property
+    def slots(self) -> int:
+        return self.sizes[0] * self.sizes[1]
+
+
+def cache_view(write: RowsWrite, value_roles: list[str], num_heads: int, head_dim: int) -> CacheView:
+    """The op's view of a write's cache, from the roles of the written values' dims
+    (``sources.dim_roles``: tokens, heads, head, one)."""
+    target = val(write.target)
+    expect(target.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8),
+           f"write: the cache is {target.dtype}; the op writes bfloat16, float8_e4m3fn or uint8 (e4m3fn codes) caches")
+    heads = head = None
+    tokens = list(write.dims)
+    for (kind, d), role in zip(write.value_dims, value_roles):
+        if kind == "broadcast":
+            raise NoMatch(f"write: the same rows are written at every position of the cache's dim {d} "
+                          f"(size {target.shape[d]}): not one set of rows per sequence")
+        if kind != "dim":
+            expect(role in ("tokens", "one"), f"write: an index selects the cache's {role} dim")
+            continue
+        if role == "heads":
+            heads = d
+        elif role == "head":
+            expect(head is None, "write: the cache holds a head in more than one dim")
+            head = d
+        elif role == "tokens":
+            tokens.append(d)
+    expect(head is not None, f"write: the cache's head dim is not {head_dim} dense values")
+    # a dynamic size (``dynamic=True`` makes every cache dim one) is taken at its traced
+    # value and checked when the graph runs: the op's geometry is numbers
+    node, checks = write.target, []
+    expect(fixed(target.stride(head), node, "stride", head, checks) == 1
+           and fixed(target.shape[head], node, "size", head, checks) == head_dim,
+           f"write: the cache's head dim is not {head_dim} dense values")
+    expect(heads is not None or num_heads == 1, "write: the cache has no heads dim")
+    expect(heads is None or fixed(target.shape[heads], node, "size", heads, checks) == num_heads,
+           f"write: the cache holds {target.shape[heads] if heads is not None else 1} heads, the rows {num_heads}")
+    tokens = sorted(set(tokens))
+    expect(len(tokens) in (1, 2), f"write: rows address {len(tokens)} dims of the cache; the op's slots address "
+                                  "a block and a row, or one slot")
+    sizes = [fixed(target.shape[d], node, "size", d, checks) for d in tokens] + ([1] if len(tokens) == 1 else [])
+    strides = [fixed(target.stride(d), node, "stride", d, checks) for d in tokens]
+    strides += [strides[0]] if len(tokens) == 1 else []
+    sizes += [num_heads, head_dim]
+    strides += [fixed(target.stride(heads), node, "stride", heads, checks) if heads is not None else head_dim, 1]
+    offset = fixed(target.storage_offset(), node, "offset", 0, checks)
+    root = val(write.root)
+    direct = write.target is write.root and not checks and tuple(root.shape) == tuple(sizes) \
+        and tuple(root.stride()) == tuple(strides)
+    return CacheView(write, tuple(sizes), tuple(strides), offset, tuple(tokens), direct, tuple(checks))
+
+
+def _index_of(write: RowsWrite, dim: int):
+    """The per-row index of written dim ``dim``: ("tensor", node), ("slice", Index) or ("place", None)."""
+    if dim in write.dims:
+        index = write.indices[write.dims.index(dim)]
+        return ("tensor", index.node) if index.node is not None else ("slice", index)
+    return ("place", None)
+
+
+def _same_slot(a, b, inner: int) -> torch.fx.Node | None:
+    """``s`` where ``a`` is ``s // inner`` and ``b`` is ``s % inner``."""
+    if is_op(a, aten.div.Tensor_mode) and a.kwargs.get("rounding_mode") == "floor" and a.args[1] == inner \
+            and is_op(b, aten.remainder.Scalar, aten.remainder.Tensor) and b.args[1] == inner and a.args[0] is b.args[0]:
+        return a.args[0]
+    return None
+
+
+def emit_slots(emit: Emitter, view: CacheView, value_roles: list[str], token_order: list[int], device):
+    """The op's ``slot_mapping`` (one per token, in the op's token order), emitted where needed."""
+    write = view.write
+    kinds = [_index_of(write, d) for d in view.token_dims]
+    if len(kinds) == 2 and kinds[0][0] == kinds[1][0] == "tensor":
+        s = _same_slot(kinds[0][1], kinds[1][1], view.sizes[1])
+        if s is not None and len(shape(s)) == 1:
+            return s
+    if len(kinds) == 1 and kinds[0][0] == "tensor" and len(shape(kinds[0][1])) == 1 \
+            and sum(1 for k, _ in write.value_dims if k == "index") == 1:
+        return kinds[0][1]
+    # the general case: each token dim's index over the values' token dims, composed
+    value_token_dims = [i for i, r in enumerate(value_roles) if r == "tokens"]
+    rank = len(value_token_dims)
+    index_at = {k_index: pos for pos, i in enumerate(value_token_dims)
+                for k_index in [write.value_dims[i][1]] if write.value_dims[i][0] == "index"}
+
+    def placed(node, positions):  # a tensor over the value token dims, sized 1 where it does not vary
+        sizes = [1] * rank
+        for p, size in zip(positions, shape(node)):
+            if p is None:  # an index dim of the one-sized value dims ("one"): nothing to place
+                expect(same_size(size, 1), "write: an index varies over a dim of the rows that is not tokens")
+                continue
+            sizes[p] = size
+        return emit.node(aten.reshape.default, node, [s if isinstance(s, int) else -1 for s in sizes])
+
+    parts = []
+    for j, (kind, node) in enumerate(kinds):
+        dim = view.token_dims[j]
+        if kind == "tensor":
+            n_index = sum(1 for k, _ in write.value_dims if k == "index")
+            dims_of = list(range(n_index - len(shape(node)), n_index))
+            index = placed(node, [index_at.get(k) for k in dims_of])
+        elif kind == "slice":
+            count = _count(emit, node, view)
+            index = emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, emit.iota(count, device), node.step), node.start) \
+                if (node.start, node.step) != (0, 1) else emit.iota(count, device)
+            index = placed(index, [index_at[0]])
+        else:
+            pos = next(p for p, i in enumerate(value_token_dims) if write.value_dims[i] == ("dim", dim))
+            index = placed(emit.iota(val(write.target).shape[dim], device), [pos])
+        parts.append((kind, node, index))
+    inner = view.sizes[1]
+    if len(parts) == 1:
+        slot = parts[0][2]
+    else:
+        (_, _, outer), (kind, node, idx) = parts
+        inside = None
+        if kind == "tensor" and not (is_op(node, aten.remainder.Scalar, aten.remainder.Tensor) and node.args[1] == inner):
+            # a row index in [-S, S) counts from its sequence's end as eager's indexing does;
+            # one outside it (eager raises) must not land in a neighbour's rows
+            inside = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, idx, -inner),
+                               emit.node(aten.lt.Scalar, idx, inner))
+            idx = emit.node(aten.remainder.Scalar, idx, inner)
+        if parts[0][0] == "tensor":  # a block or sequence index in [-B, B): the op wraps the slot
+            outer_size = view.sizes[0]
+            ok = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, outer, -outer_size),
+                           emit.node(aten.lt.Scalar, outer, outer_size))
+            inside = ok if inside is None else emit.node(aten.bitwise_and.Tensor, inside, ok)
+        slot = emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, outer, inner), idx)
+        if inside is not None:  # out of range: a slot past the cache, which the op rejects (or skips unchecked)
+            slot = emit.node(aten.where.ScalarOther, inside, slot, view.sizes[0] * inner)
+    full = [s for s in _broadcast_sizes(parts, rank)]
+    slot = emit.node(aten.expand.default, slot, full) if any(not same_size(a, b) for a, b in zip(shape(slot), full)) else slot
+    order = [value_token_dims.index(d) for d in token_order]
+    if order != sorted(order):
+        slot = emit.node(aten.permute.default, slot, order)
+    return emit.node(aten.reshape.default, slot, [-1])
+
+
+def _count(emit, index, view):
+    start, stop = index.start, index.stop
+    if isinstance(start, int) and isinstance(stop, int):
+        return -(-(stop - start) // index.step)
+    return emit.node(operator.sub, stop, start)
+
+
+def _broadcast_sizes(parts, rank):
+    sizes = [1] * rank
+    for _, _, index in parts:
+        for i, s in enumerate(shape(index)):
+            if not (isinstance(s, int) and s == 1):
+                sizes[i] = s
+    return sizes
+
+
+# --------------------------------------------------------------------------------------
+# The math: one hypothesis per candidate call
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Math:
+    rope: RopeOperand
+    is_neox: bool
+    norm: str  # "none" | "bf16" (weight after the rounding) | "fp32" (weight before it) | "unweighted"
+    eps: float
+    scale: str  # "none" | "divide" (rows / kv_scale) | "multiply" (rows * s: kv_scale = 1 / s)
+    saturate: bool
+
+    def describe(self) -> str:
+        norm = {"none": "no q/k norm", "bf16": "q/k RMSNorm (bf16 weight after the rounding)",
+                "fp32": "q/k RMSNorm (weight applied in fp32)", "unweighted": "q/k RMSNorm without a weight"}[self.norm]
+        text = f"{'NeoX' if self.is_neox else 'GPT-J'} RoPE on {self.rope.describe()}, {norm}"
+        if self.norm != "none":
+            text += f", eps {self.eps:g}"
+        if self.scale != "none":
+            text += f", fp8 rows {'/ kv_scale' if self.scale == 'divide' else '* a scale'}" + \
+                ("" if self.saturate else ", NaN past 464")
+        return text
+
+
+def math_candidates(ropes: list[RopeOperand], weight_dtype, has_reduction: bool, eps_values: list[float],
+                    fp8: bool, gptj_first: bool, limit: int = 64) -> list[Math]:
+    """Every ``Math`` the region's operands allow, likeliest first."""
+    styles = (False, True) if gptj_first else (True, False)
+    if weight_dtype == torch.bfloat16:
+        norms = ("bf16", "fp32")
+    elif weight_dtype == torch.float32:
+        norms = ("fp32",)
+    else:
+        norms = ("unweighted", "none") if has_reduction else ("none",)
+    eps = [e for e in eps_values if 0 < e < 0.1] or [1e-6]
+    scales = ("divide", "multiply") if fp8 else ("none",)
+    saturates = (True, False) if fp8 else (True,)
+    found = []
+    for rope, neox, norm in itertools.product(ropes, styles, norms):
+        for e, scale, sat in itertools.product(eps if norm != "none" else [0.0], scales, saturates):
+            found.append(Math(rope, neox, norm, e, scale, sat))
+    return found[:limit]

@@ -1,0 +1,179 @@
+"""When a candidate call's output counts as what the region computes.
+
+The fused ops round once in fp32 where model code may round in bf16 several times, so
+outputs are compared within a bound, per output:
+
+- floating values within ``2^-6`` of the largest magnitude of their row (last dim) of the
+  region's value (the op's one fp32 rounding against the code's bf16 steps stays within
+  ``2^-7 (|a| + |b|)`` per rotated pair; one bf16 ULP is at most ``2^-8`` relative), NaN
+  where the region has NaN;
+- fp8 values the same plus one e4m3 step of the value (a rotation that cancels leaves a
+  small result that the bf16 difference moves by several of its steps), a NaN in the row
+  counting as 448 for its magnitude; NaN against 448 of the same sign counts as that step
+  where both sides make NaN of values past 464 elsewhere (two non-saturating casts a bf16
+  ULP apart at 464); a row the cast saturated is held to ``2^-6`` of its largest
+  ``|rows / scale|`` before the cast (``Checked.before_cast``);
+- bytes (codes, scale bytes, packed nibbles) each within one step, read as an unsigned byte
+  or as a sign-magnitude e4m3 code; a byte buffer of known content (``Checked.decode``:
+  e4m3 codes, a DeepSeek-V4 cache row) is compared as the values it decodes to;
+- a decoded part marked ``Exact`` bit for bit: values no spelling of the math rounds
+  differently before they are encoded (an MXFP4 block of unrotated dims is its bf16 input,
+  scaled by a power of two), where a tie rule or a sign rule is all that can differ.
+
+A structural mistake (a head or a row in the wrong place, the wrong pairs rotated) moves
+whole rows by far more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx
+
+from prepfuse.fx_passes.matching.nodes import NoMatch
+
+__all__ = ["Checked", "Exact", "Mismatch", "compare", "FLOAT_BOUND"]
+
+FLOAT_BOUND = 2.0**-6
+
+
+class Mismatch(NoMatch):
+    """A candidate call differs from the region: on which probe, and in how many values."""
+
+    def __init__(self, message: str, probe: int, bad: int, total: int):
+        super().__init__(message)
+        self.probe, self.bad, self.total = probe, bad, total
+
+    def closeness(self) -> tuple:
+        """Larger is closer: passed more probes, then fewer values outside the bound."""
+        return (self.probe, -self.bad / max(self.total, 1))
+
+
+@dataclass(frozen=True)
+class Exact:
+    """A decoded part compared bit for bit (see the module docstring)."""
+
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One output both sides produce: the region's node and the call's."""
+
+    name: str  # the op output's name, for a decline ("q_out", "k_cache")
+    region: torch.fx.Node
+    call: torch.fx.Node
+    # what a byte output's bytes encode, compared as those values: a dtype to view them as
+    # (a uint8 cache of e4m3fn codes), or a function turning the bytes into float values
+    decode: torch.dtype | Callable | None = None
+    # fp8 values before their cast: (rows, scale) node pairs of the region, the values
+    # rows / scale (scale None: rows as they are), for the bound of a row the cast saturated
+    before_cast: tuple[tuple[torch.fx.Node, torch.fx.Node], ...] = ()
+
+
+def _largest_before_cast(pairs, values: dict) -> float | None:
+    if not pairs:
+        return None
+    largest = 0.0
+    for rows, scale in pairs:
+        if rows not in values or (scale is not None and scale not in values):
+            return None
+        magnitude = values[rows].float().cpu().abs()
+        if scale is not None:
+            magnitude = magnitude / values[scale].float().cpu().reshape(-1)[:1].reshape(()).abs()
+        largest = max(largest, float(magnitude.nan_to_num(0.0, 0.0, 0.0).amax()) if magnitude.numel() else 0.0)
+    return largest
+
+
+def compare(c: Checked, got, want, probe: int, values: dict) -> None:
+    """Raise ``probes.Mismatch`` where ``got`` (the call's) is not ``want`` (the region's)."""
+    def fail(message: str, bad: int = 1, total: int = 1):
+        raise Mismatch(message, probe, bad, total)
+
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
+        fail(f"{c.name} is not one tensor on both sides")
+    if c.decode is not None and not isinstance(c.decode, torch.dtype):
+        got_parts, want_parts = c.decode(got.cpu()), c.decode(want.cpu())
+        if isinstance(got_parts, dict):  # a buffer of several encodings: each part by its own rule
+            for part in got_parts:
+                got_part, want_part = got_parts[part], want_parts[part]
+                if isinstance(got_part, Exact):
+                    _compare_exact(f"{c.name} ({part})", got_part.value, want_part.value, probe)
+                    continue
+                compare(Checked(f"{c.name} ({part})", c.region, c.call), got_part, want_part, probe, values)
+            return
+        got, want = got_parts, want_parts
+    if got.shape != want.shape:
+        fail(f"{c.name} has shape {tuple(got.shape)}, the code's {tuple(want.shape)}")
+    if got.dtype != want.dtype:
+        fail(f"{c.name} is {got.dtype}, the code's {want.dtype}")
+    if got.numel() == 0:
+        return
+    got, want = got.cpu(), want.cpu()
+    if isinstance(c.decode, torch.dtype):
+        got, want = got.view(c.decode), want.view(c.decode)
+    what = "unit-scale probe" if probe == 0 else "edge-value probe"
+    if got.dtype.is_floating_point:
+        a, b = got.float(), want.float()
+        nan_as = 448.0 if got.dtype.itemsize == 1 else 0.0
+        scale = b.abs().nan_to_num(nan_as, 0.0, 0.0).amax(dim=-1, keepdim=True) if b.dim() else b.abs()
+        before = _largest_before_cast(c.before_cast, values)
+        if before is not None and got.dtype.itemsize == 1:
+            scale = torch.where(scale >= 448.0, torch.clamp(scale, min=before), scale)
+        allowed = FLOAT_BOUND * scale
+        bound = f"bound 2^-6 of the row's largest |value|, on the {what}"
+        if got.dtype.itemsize == 1:
+            allowed = allowed + torch.maximum(b.abs() * 2**-3, torch.full_like(b, 2**-9))
+            bound = f"bound 2^-6 of the row's largest |value| plus one e4m3 step, on the {what}"
+        bad = ((a - b).abs() > allowed) | (a.isnan() != b.isnan())
+        bad &= ~(a.isnan() & b.isnan())
+        if got.dtype.itemsize == 1:
+            bad &= ~_nan_past_448_step(got, want, a, b)
+    else:
+        a, b = got.view(torch.uint8).to(torch.int32), want.view(torch.uint8).to(torch.int32)
+        plain = (a - b).abs()
+        sign_magnitude = (_signed_code(a) - _signed_code(b)).abs()
+        bad = (plain > 1) & (sign_magnitude > 1)
+        bound = f"bound one code step, on the {what}"
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        count = int(bad.sum())
+        fail(f"{c.name} differs at {list(index)}: got {_item(got, index)}, the code gives {_item(want, index)} "
+             f"({count} of {bad.numel()} values outside the {bound})", count, bad.numel())
+
+
+def _compare_exact(name: str, got: torch.Tensor, want: torch.Tensor, probe: int) -> None:
+    a, b = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+    if a.shape != b.shape:
+        raise Mismatch(f"{name} has shape {tuple(a.shape)}, the code's {tuple(b.shape)}", probe, 1, 1)
+    bad = a != b
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        what = "unit-scale probe" if probe == 0 else "edge-value probe"
+        raise Mismatch(f"{name} differs at {list(index)}: got 0x{int(a[index]):02x}, the code gives "
+                       f"0x{int(b[index]):02x} ({int(bad.sum())} of {bad.numel()} bytes differ where every spelling "
+                       f"of the math gives the same bytes, on the {what})", probe, int(bad.sum()), bad.numel())
+
+
+def _nan_past_448_step(got, want, a, b) -> torch.Tensor:
+    """NaN on one side and 448 of the same sign on the other, in an output where both sides
+    give NaN elsewhere at least eight times as often: two non-saturating casts."""
+    nan_a, nan_b = a.isnan(), b.isnan()
+    same_sign = (got.view(torch.uint8) >> 7) == (want.view(torch.uint8) >> 7)
+    step = same_sign & ((nan_a & (b.abs() == 448)) | (nan_b & (a.abs() == 448)))
+    agreeing = int((nan_a & nan_b).sum())
+    return step if agreeing and 8 * int(step.sum()) <= agreeing else torch.zeros_like(step)
+
+
+def _signed_code(byte: torch.Tensor) -> torch.Tensor:
+    magnitude = byte & 0x7F
+    return torch.where(byte >= 0x80, -magnitude, magnitude)
+
+
+def _item(t: torch.Tensor, index: tuple) -> str:
+    value = t[index]
+    if t.dtype.is_floating_point and t.dtype.itemsize > 1:
+        return f"{float(value):.6g}"
+    return f"0x{int(value.view(torch.uint8)):02x}" if t.dtype.itemsize == 1 else str(value.item())

@@ -1,0 +1,81 @@
+"""Deciding the math: candidate calls run against the region on probes, the first that agrees kept.
+
+A family knows its op's parameters (RoPE style, rotary dims, norm form, eps, where the
+rounding happens, fp8 scale semantics, how many heads). From a region's leaves it
+enumerates those as ``Candidate`` calls, cheapest and likeliest first; ``first_agreeing``
+emits each in turn, checks it on the region's probes (``probes.Probes``) and keeps the
+first whose every output is within bounds. A candidate that differs is erased before the
+next is emitted, so the graph only ever holds the call that agreed.
+
+When none agrees, the decline names the closest candidate (the one that passed more
+probes, then had fewer values out of bounds) and the first value where it differs: what
+a user needs to see whether their code is the op's math written another way (then the
+candidate list misses a form) or other math (then nothing should fuse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from prepfuse.fx_passes.matching.emitter import Emitter
+from prepfuse.fx_passes.matching.nodes import NoMatch
+from prepfuse.fx_passes.matching.probes import Mismatch, Probes
+
+__all__ = ["Candidate", "Agreed", "first_agreeing", "VALIDATE_MODES"]
+
+# the backend's ``validate`` option: "probe" runs candidates on both probes (unit scale, then
+# edge values with negative and repeated slots); "quick" on the unit-scale probe alone (the
+# probes are how a family decides the math, so there is no mode without them)
+VALIDATE_MODES = ("probe", "quick")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One hypothesis: ``name`` says it in the model's terms ("NeoX RoPE over 64 dims, q/k
+    RMSNorm with a bf16 weight after rounding, eps 1e-06"); ``emit`` inserts its call
+    through an emitter and returns what the call writes (``compare.Checked`` pairs) and any
+    result the family needs afterwards."""
+
+    name: str
+    emit: Callable
+
+
+@dataclass
+class Agreed:
+    candidate: Candidate
+    emitter: Emitter
+    checked: list
+    result: object
+    probes_run: int
+
+
+def first_agreeing(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> Agreed:
+    """The first of ``candidates`` whose call computes the region, its nodes left in the
+    graph; or NoMatch naming the closest one and where it differs."""
+    closest: tuple | None = None
+    structural: str | None = None
+    for candidate in candidates:
+        emit = make_emitter()
+        try:
+            try:
+                checked, result = candidate.emit(emit)
+            except (RuntimeError, ValueError, TypeError, IndexError) as err:  # the call's fake impl refuses it
+                raise NoMatch(f"the call cannot be made: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+            emit.inputs_in_order()
+            run = probes.check(emit.emitted, checked)
+            return Agreed(candidate, emit, checked, result, run)
+        except Mismatch as m:
+            emit.discard()
+            if closest is None or m.closeness() > closest[0]:
+                closest = (m.closeness(), candidate, m)
+        except NoMatch as err:
+            emit.discard()
+            structural = structural or f"{candidate.name}: {err}"
+        except BaseException:
+            emit.discard()  # nothing a failed candidate emitted stays in the graph
+            raise
+    if closest is not None:
+        _, candidate, m = closest
+        raise NoMatch(f"closest: {candidate.name}: {m}")
+    raise NoMatch(structural or "no candidate call")

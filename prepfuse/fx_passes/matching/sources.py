@@ -1,0 +1,274 @@
+"""Where written values come from: the projection columns a fused op would read instead.
+
+A fused op reads its source as ``[T, W]`` columns (heads at ``[first, first + H * D)``).
+``trace`` walks a region back from what it writes to the nodes that could be that source
+(the region's leaves first: a projection's output; then a node the per-head steps cannot
+see through, such as a norm over all heads, which stays the model's own), starts the
+logical axes (``axes.carry``) at each of their column ranges, and keeps the starts whose
+axes reach the written values with every value in one token and one head. Which of them
+computes the region is left to the probes; this only says which are possible, and with
+what layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from prepfuse.fx_passes.matching.axes import base_columns, base_layout, carry, lead_count
+from prepfuse.fx_passes.matching.layouts import Layout, _known
+from prepfuse.fx_passes.matching.nodes import CONVERTS, RESHAPES, aten, is_op, same_size, shape, slice_params, val
+from prepfuse.fx_passes.matching.regions import PREP_STEPS, backward, leaves, operands
+
+__all__ = ["Start", "Traced", "Prepared", "column_starts", "trace", "dim_roles", "token_dims_order", "heads_of",
+           "prepared", "projection_input", "weight_like", "first_tokens_of"]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Columns ``[first, first + width)`` of ``source`` (``[..., W]``, leading dims tokens),
+    seen as the node ``node`` (the source itself, or a slice of its last dim)."""
+
+    source: torch.fx.Node
+    node: torch.fx.Node
+    first: int
+    width: int
+
+
+@dataclass(frozen=True)
+class Traced:
+    start: Start
+    layout: Layout  # of the traced node, over the start's [T, width]
+    carried: dict  # every node the start's axes reach, with its layout
+
+
+def column_starts(source: torch.fx.Node, head_dim=None) -> list[Start]:
+    """``source`` whole (``[T, W]``, or heads ``[T, H, head_dim]``: ``axes.base_columns``),
+    and every slice of its columns (a slice, a split's piece) reached through views that
+    keep its last dim whole."""
+    found = [Start(source, source, 0, base_columns(source, head_dim)[1])]
+    width = shape(source)[-1]
+    stack = [source]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if is_op(user, *RESHAPES) and user.args[0] is node and same_size(shape(user)[-1], width):
+                stack.append(user)
+            elif is_op(user, aten.slice.Tensor) and user.args[0] is node:
+                dim, start, end, step = slice_params(user.args[1:], user.kwargs)
+                if dim % len(shape(node)) == len(shape(node)) - 1 and step == 1 and isinstance(start, int):
+                    start = start + width if start < 0 else start
+                    found.append(Start(source, user, start, shape(user)[-1]))
+            elif is_op(user, aten.split_with_sizes.default, aten.split.Tensor) and user.args[0] is node:
+                dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+                if dim % len(shape(node)) != len(shape(node)) - 1:
+                    continue
+                sizes = list(user.args[1]) if user.target is aten.split_with_sizes.default else None
+                for piece in user.users:
+                    index = piece.args[1]
+                    first = sum(sizes[:index]) if sizes else index * user.args[1]
+                    found.append(Start(source, piece, first, shape(piece)[-1]))
+    return [s for s in found if all(isinstance(x, int) for x in (s.first, s.width))]
+
+
+def _source_candidates(region: list[torch.fx.Node], avoid: set) -> list[torch.fx.Node]:
+    """Leaves of ``region`` that hold float columns, then region nodes made by a step the
+    axes do not carry (from where the model's own computation must stand)."""
+    def columns_like(n):
+        v = val(n)
+        return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dim() >= 2 and n not in avoid
+    first = [n for n in leaves(region) if columns_like(n)]
+    return first + [n for n in region if columns_like(n) and n.op == "call_function" and n.target in PREP_STEPS
+                    and (is_op(n, aten.index.Tensor, aten.mean.dim, aten.sum.dim_IntList, aten.cat.default)
+                         or first_tokens_of(n) is not None)]
+
+
+def first_tokens_of(node) -> torch.fx.Node | None:
+    """``x`` where ``node`` is ``x[:n]``, the first rows of tokens (data-parallel padding:
+    an op reads all T rows and inserts the first ``len(slot_mapping)``), else None."""
+    if is_op(node, aten.slice.Tensor):
+        dim, start, _, step = slice_params(node.args[1:], node.kwargs)
+        if dim == 0 and start in (0, None) and step == 1:
+            return node.args[0]
+    return None
+
+
+def trace(values: torch.fx.Node, head_dim: int, avoid=frozenset(), region=None) -> list[Traced]:
+    """The starts whose logical axes reach ``values`` with every value in one token and one
+    head of ``head_dim``: the projection columns the values were made from (most likely
+    first: a leaf before a computed node, a narrower column range before a wider one)."""
+    region = region if region is not None else backward([values])
+    found = []
+    for source in _source_candidates(region, set(avoid)):
+        # whole heads only: a slice inside one head is the head's own math, not a source
+        starts = sorted((s for s in column_starts(source, head_dim) if s.width % head_dim == 0), key=lambda s: s.width)
+        for start in starts:
+            base = base_layout(start.node, head_dim if start.node is start.source else None)
+            if base is None:
+                continue
+            carried = carry(start.node, base, head_dim, lambda n: False)
+            layout = carried.get(values)
+            if isinstance(layout, Layout) and dim_roles(layout, head_dim) is not None:
+                found.append(Traced(start, layout, carried))
+                break  # the narrowest range of this source that reaches them
+    return found
+
+
+def dim_roles(layout: Layout, head_dim: int) -> list[str] | None:
+    """Per dim: ``tokens``, ``heads`` (columns ``head_dim`` apart), ``head`` (inside one head),
+    or ``one`` (size 1); None when a dim mixes them or a head's own dim leads."""
+    k = lead_count(layout, head_dim)
+    if k is None:
+        return None
+    roles = []
+    for i, group in enumerate(layout.dims):
+        if not group:
+            roles.append("one")
+        elif i >= k:
+            roles.append("head")
+        elif all(f.dim == 0 for f in group):
+            roles.append("tokens")
+        elif all(f.dim == 1 and _known(f.stride % head_dim == 0) for f in group):
+            roles.append("heads")
+        else:
+            return None
+    return roles
+
+
+def token_dims_order(layout: Layout, roles: list[str], num_tokens) -> list[int] | None:
+    """The token dims outer to inner (by their factors' strides), where together they list
+    every token once in order; else None."""
+    dims = [i for i, r in enumerate(roles) if r == "tokens"]
+    factors = sorted(((f, i) for i in dims for f in layout.dims[i]), key=lambda fi: -_stride(fi[0].stride))
+    if not factors:
+        return [] if _known(num_tokens == 1) else None
+    expected = 1
+    for f, _ in reversed(factors):
+        if not _known(f.stride == expected):
+            return None
+        expected = expected * f.size
+    if not _known(expected == num_tokens):
+        return None
+    order = []
+    for _, i in factors:
+        if i not in order:
+            order.append(i)
+    # each dim's factors must be contiguous in the order (a dim is one stretch of tokens)
+    return order if len(order) == len(dims) else None
+
+
+def heads_of(layout: Layout, roles: list[str], head_dim: int) -> tuple[int, int] | None:
+    """(head count, first head's column offset in heads) of the heads dim; (1, 0) without one."""
+    dims = [i for i, r in enumerate(roles) if r == "heads"]
+    if not dims:
+        return 1, 0
+    if len(dims) != 1 or len(layout.dims[dims[0]]) != 1:
+        return None
+    f = layout.dims[dims[0]][0]
+    return (f.size, 0) if _known(f.stride == head_dim) else None
+
+
+def _stride(s) -> int:
+    return s if isinstance(s, int) else 1 << 62
+
+
+
+def projection_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The activation a linear projection read (``mm(x, w)``, ``addmm(b, x, w)``, through
+    views on both sides), or None when ``node`` is no projection. Inductor on CUDA may pad
+    the rows of an mm for alignment (``slice(mm(constant_pad_nd(x)))``); each projection
+    pads its own copy, so the padding is seen through to ``x``."""
+    node = _under_views(node)
+    if is_op(node, aten.mm.default):
+        return _unpadded(_under_views(node.args[0]))
+    if is_op(node, aten.addmm.default):
+        return _unpadded(_under_views(node.args[1]))
+    return None
+
+
+def _under_views(node):
+    while is_op(node, *RESHAPES, aten.slice.Tensor, aten.permute.default, aten.t.default, aten.transpose.int):
+        node = node.args[0]
+    return node
+
+
+def _unpadded(node):
+    if is_op(node, aten.constant_pad_nd.default) and list(node.args[1])[:3] == [0, 0, 0]:
+        return _under_views(node.args[0])
+    return node
+
+
+def weight_like(n) -> bool:
+    """A 1-d float operand: a norm weight (or ``1 + w``), one value per head dim."""
+    v = val(n)
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.dtype.is_floating_point and v.numel() > 1
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A node later steps read that holds ``start``'s heads, per token and head."""
+
+    node: torch.fx.Node
+    layout: Layout
+    heads: int
+    operands: list  # what its math reads besides the source (``regions.operands``)
+
+
+def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.float32)) -> list[Prepared]:
+    """Every node carried from ``start`` (heads of ``head_dim``) that a step outside the
+    carried set reads (attention, a matmul, the graph's output), whole heads per token in
+    some layout, latest first: the candidates for "the prepared q"."""
+    base = base_layout(start.node, head_dim if start.node is start.source else None)
+    if base is None:
+        return []
+    carried = carry(start.node, base, head_dim, lambda n: False)
+    found = []
+    for node, layout in carried.items():
+        if not isinstance(layout, Layout) or not isinstance(val(node), torch.Tensor):
+            continue
+        if val(node).dtype not in dtypes or all(u in carried for u in node.users):
+            continue
+        roles = dim_roles(layout, head_dim)
+        heads = heads_of(layout, roles, head_dim) if roles else None
+        if roles is None or heads is None or token_dims_order(layout, roles, tokens) is None:
+            continue
+        if "head" not in roles or heads[0] * head_dim != start.width:
+            continue
+        found.append(Prepared(node, layout, heads[0], operands(backward([node]), {start.node}, {})))
+    order = {n: i for i, n in enumerate(start.node.graph.nodes)}
+    return sorted(found, key=lambda p: -order[p.node])
+
+
+def row_sources(rows: list[torch.fx.Node], head_dim: int, avoid=frozenset()) -> tuple[list[torch.fx.Node], list, list]:
+    """(the ``[T, head_dim]`` nodes written ``rows`` could be made from: a call's candidates
+    for its one-head source, latest first; the region of the rows; the operands its math
+    mixes in). A candidate is computed from the rows' source alone, before any per-token
+    operand (cos/sin) is mixed in: a bf16 node, or fp32 where the graph holds no bf16 one
+    (a round trip Inductor dropped: the call rounds it), never a widening of a bf16 one. The
+    first rows ``x[:n]`` of a candidate bring ``x`` in too: an op inserting the first
+    ``len(slot_mapping)`` rows reads it."""
+    region = backward(rows)
+    traced = trace(rows[0], head_dim, avoid=avoid, region=region)
+    if not traced:
+        return [], region, []
+    leaf = traced[0].start.node
+    ops = operands(region, {leaf}, {})
+    found = []
+    for node, layout in traced[0].carried.items():
+        roles = dim_roles(layout, head_dim) if isinstance(layout, Layout) else None
+        if roles is None or "heads" in roles or shape(node)[-1:] != (head_dim,) or node in found:
+            continue
+        dtype = val(node).dtype
+        widened = dtype == torch.float32 and is_op(node, *CONVERTS) and val(node.args[0]).dtype == torch.bfloat16
+        if dtype not in (torch.bfloat16, torch.float32) or widened:
+            continue
+        mixed = operands(backward([node]), {leaf}, {}) if node is not leaf else []
+        if any(isinstance(val(m), torch.Tensor) and val(m).dim() >= 2 for m in mixed):
+            continue  # per-token values mixed in already: past the rotation
+        found.append(node)
+    found += [x for x in map(first_tokens_of, found) if x is not None and x not in found]
+    order = {n: i for i, n in enumerate(rows[0].graph.nodes)}
+    found.sort(key=lambda n: (val(n).dtype != torch.bfloat16, -order[n]))
+    return found, region, ops

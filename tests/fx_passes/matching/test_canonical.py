@@ -1,0 +1,114 @@
+"""``matching/canonical.py``: one form per concept, on real traced graphs (``make_fx``), each
+rewrite checked to compute the same values as the graph before it."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from prepfuse.fx_passes.matching.canonical import canonicalize, merge_repeated_steps
+
+aten = torch.ops.aten
+
+
+def traced(fn, *inputs):
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def functional(fn, *inputs):
+    """The functional graph of ``fn`` (writes as ``index_put`` / ``scatter`` and a copy back,
+    as AOT autograd hands Inductor's passes)."""
+    return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake")(*inputs)
+
+
+def count(graph, target) -> int:
+    return sum(n.op == "call_function" and n.target is target for n in graph.nodes)
+
+
+def outputs(graph):
+    return next(n for n in graph.nodes if n.op == "output").args[0]
+
+
+def run_both(fn, *inputs):
+    """``fn`` eagerly, and its canonicalized traced graph on the same inputs."""
+    gm = functional(fn, *(torch.empty_like(t) for t in inputs))
+    canonicalize(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return fn(*(t.clone() for t in inputs)), gm(*(t.clone() for t in inputs)), gm.graph
+
+
+def test_vllm_cos_cast_per_tensor_becomes_one_node():
+    # vLLM's _apply_rotary_emb_torch casts cos once for q and again for k
+    def rope_inputs(cos):
+        return cos.unsqueeze(-2).to(torch.bfloat16) * 2, cos.unsqueeze(-2).to(torch.bfloat16) * 3
+
+    graph = traced(rope_inputs, torch.empty(7, 32)).graph
+    q_cos, k_cos = (o.args[0] for o in outputs(graph))
+    assert q_cos is not k_cos
+    assert merge_repeated_steps(graph) == 2  # the unsqueeze and the cast
+    q_cos, k_cos = (o.args[0] for o in outputs(graph))
+    assert q_cos is k_cos and count(graph, aten.unsqueeze.default) == 1
+    graph.lint()
+
+
+def test_different_arguments_and_random_steps_are_kept():
+    graph = traced(lambda x: (x[..., 0::2] * 1, x[..., 1::2] * 1), torch.empty(7, 64)).graph
+    assert merge_repeated_steps(graph) == 0
+    graph = traced(lambda x: (x + torch.rand_like(x), x + torch.rand_like(x)), torch.empty(7, 64)).graph
+    merge_repeated_steps(graph)
+    assert count(graph, aten.add.Tensor) == 2  # each reads its own random values
+
+
+def test_nothing_is_merged_past_a_mutation():
+    def write_between(x, y):
+        before = x.view(-1) * 1
+        x.copy_(y)
+        return before, x.view(-1) * 1
+
+    graph = traced(write_between, torch.empty(7, 64), torch.empty(7, 64)).graph
+    assert merge_repeated_steps(graph) == 0 and count(graph, aten.view.default) == 2
+
+
+def test_one_square():
+    x = torch.randn(7, 64)
+    want, got, graph = run_both(lambda x: (x.pow(2).mean(-1), x.square().sum(-1)), x)
+    assert count(graph, aten.pow.Tensor_Scalar) == 0 and count(graph, aten.square.default) == 0
+    assert all(torch.equal(a, b) for a, b in zip(want, got))  # the same product, the same bits
+
+
+def test_index_copy_and_a_scatter_of_whole_rows_are_index_puts():
+    rows, slots = torch.randn(5, 2, 8), torch.tensor([3, 0, 7, 1, 9])
+
+    def writes(a, b, rows, slots):
+        a.index_copy_(0, slots, rows)
+        b.scatter_(0, slots[:, None, None].expand(5, 2, 8), rows)
+        return a * 1, b * 1
+
+    want, got, graph = run_both(writes, torch.zeros(10, 2, 8), torch.zeros(10, 2, 8), rows, slots)
+    assert count(graph, aten.index_copy.default) == 0 and count(graph, aten.scatter.src) == 0
+    assert count(graph, aten.index_put.default) == 2
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_scatter_of_partial_rows_is_left_alone():
+    def partial(a, rows, index):
+        return a.scatter(0, index, rows)  # each element its own row: no index_put form
+
+    index = torch.randint(0, 10, (5, 2, 8))
+    graph = functional(partial, torch.zeros(10, 2, 8), torch.randn(5, 2, 8), index).graph
+    canonicalize(graph)
+    assert count(graph, aten.scatter.src) == 1
+
+
+def test_a_write_through_a_bitcast_view_is_a_write_of_the_cache():
+    """TensorRT-LLM's and TGI's ``cache.view(torch.int16)[slots] = k.view(torch.int16)``."""
+    def bitcast_write(cache, k, slots):
+        cache.view(torch.int16)[slots] = k.view(torch.int16)
+        return cache * 1
+
+    cache, k, slots = torch.zeros(10, 2, 8, dtype=torch.bfloat16), torch.randn(3, 2, 8).bfloat16(), torch.tensor([4, 1, 8])
+    want, got, graph = run_both(bitcast_write, cache, k, slots)
+    puts = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.index_put.default]
+    assert [p.meta["val"].dtype for p in puts] == [torch.bfloat16]  # into the bf16 cache itself
+    assert torch.equal(want, got)
