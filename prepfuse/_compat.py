@@ -218,51 +218,6 @@ def inductor_reads_inputs_when_it_runs(target) -> bool:
     return lowering is None or getattr(lowering, "_is_fallback_handler", False)
 
 
-@functools.lru_cache(maxsize=None)
-def inductor_drops_narrowing_round_trips() -> bool:
-    """Whether Inductor's joint-graph pass removes a narrowing float round trip such as
-    ``x.to(bfloat16).float()`` (``x`` fp32), i.e. drops the bf16 rounding the code asked for.
-
-    ``pointless_convert`` (``torch/_inductor/fx_passes/joint_graph.py``) rewrites
-    ``convert(convert(x, dtype1), dtype2)`` of float dtypes into ``convert(x, dtype2)``.
-    Torch 2.11 does it for every chain, so the post-grad graph of ``k.to(bf16).float()``
-    reads the fp32 ``k`` unrounded (when the bf16 tensor has no other reader); torch 2.13
-    keeps a narrower intermediate (``dtype1.itemsize < dtype2.itemsize``). Pattern passes
-    that expect the round trip accept its absence where this is True (``docs/passes.md``).
-
-    Decided by running the pass on a three-node graph (``x -> bf16 -> fp32``) rather than
-    by version, so a patch release that changes the rule is read correctly; if the probe
-    cannot run (torch's internals moved), torch older than 2.13 is assumed lossy, with a
-    warning.
-    """
-    try:
-        from torch._inductor.fx_passes import joint_graph
-
-        graph = torch.fx.Graph()
-        x = graph.placeholder("x")
-        x.meta["val"] = torch.empty(2, dtype=torch.float32, device="meta")
-        narrow = graph.call_function(torch.ops.prims.convert_element_type.default, (x, torch.bfloat16))
-        narrow.meta["val"] = torch.empty(2, dtype=torch.bfloat16, device="meta")
-        wide = graph.call_function(torch.ops.prims.convert_element_type.default, (narrow, torch.float32))
-        wide.meta["val"] = torch.empty(2, dtype=torch.float32, device="meta")
-        graph.output(wide)
-        module = torch.fx.GraphModule(torch.nn.Module(), graph)
-        from torch._dynamo.utils import counters
-
-        before = counters["inductor"].copy()
-        try:
-            joint_graph.patterns.apply(module)
-        finally:  # the probe is not a compile: leave Inductor's match statistics as they were
-            counters["inductor"] = before
-        return not any(n.op == "call_function" and n.args[1] == torch.bfloat16 for n in module.graph.nodes)
-    except Exception as err:  # noqa: BLE001 - an unreadable probe falls back to the known versions
-        lossy = TORCH_VERSION < (2, 13)
-        logging.getLogger("prepfuse").warning(
-            "cannot probe Inductor's pointless_convert (%s: %s); assuming it %s narrowing round trips (torch %s)",
-            type(err).__name__, err, "drops" if lossy else "keeps", torch.__version__)
-        return lossy
-
-
 # values past e4m3fn's largest (448), and the codes each known cast gives them
 E4M3_OVERFLOW_PROBE = (448.0, 464.0, 465.0, 479.0, 480.0, float("inf"), -465.0, -1e4)
 E4M3_OVERFLOW_CODES = {

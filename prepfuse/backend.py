@@ -9,7 +9,7 @@ that ``backend="prepfuse"`` works in a process that never imported prepfuse.
 Options (``PrepfuseOptions``; unknown keys are an error)::
 
     passes                  names of the passes to run, in order (default: every
-                            registered pass: the pattern passes, then "defunctionalize")
+                            registered pass: the fusion passes, then "defunctionalize")
     debug_dir               write each graph before/after every pass, and its report,
                             under this folder (turns the FX graph cache off)
     auto_functionalized_v2  None: torch's default; True/False: force v2 / v1
@@ -45,7 +45,8 @@ Options (``PrepfuseOptions``; unknown keys are an error)::
     validate                "probe" (default): each rewrite runs on probe inputs beside
                             the code it replaces before it is made, and is declined with
                             the first differing value if they disagree (docs/passes.md,
-                            "Validation"); "off": trust the recognisers
+                            "How a rewrite is found and decided"); "quick": the unit-scale
+                            probe alone (half the cost, no edge values)
 
 Output buffers of the fused ops come from the scratch arena (``prepfuse.scratch``): a buffer
 the compiled code returns is valid until the next run of any compiled graph that takes the

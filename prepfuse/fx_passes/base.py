@@ -65,8 +65,8 @@ class PrepfusePass(CustomGraphPass):
 
     name: str = "prepfuse_pass"
     uuid_sources: tuple = ()
-    # fusion passes prove each rewrite on probes before making it ("probe") or not ("off");
-    # the backend's ``validate`` option sets it, and it enters the uuid
+    # fusion passes prove each rewrite on both probes ("probe") or on the unit-scale one
+    # alone ("quick"); the backend's ``validate`` option sets it, and it enters the uuid
     validate: str = "probe"
     # a fusion pass reads the canonical graph (``matching/canonical.py``): the pass manager
     # canonicalizes once before the first such pass

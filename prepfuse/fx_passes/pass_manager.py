@@ -3,7 +3,7 @@
 The backend installs one ``PrepfusePassManager`` as Inductor's
 ``post_grad_custom_post_pass`` for its own compile. Per graph it
 
-1. runs each pass in order (pattern passes, then ``defunctionalize``),
+1. runs each pass in order (the fusion passes, then ``defunctionalize``),
 2. gathers their match logs into a ``GraphReport`` (``report.py``), with the source line
    of each anchor node taken from the graph before the pass rewrote it,
 3. optionally writes the graph before and after every pass to ``debug_dir``::

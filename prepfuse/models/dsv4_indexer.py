@@ -23,8 +23,8 @@ must compile unfused, write ``bytes``.
 
 :data:`INDEXER_LOOKALIKES` compute something else (NeoX RoPE, RoPE on the first 64 dims
 as DeepSeek-V3.2's indexer, no bf16 round trip, another amax floor); the pass must leave
-them alone. As in ``models/dsv4.py``, every slot must be valid: eager code writes slot -1
-through Python's index wraparound, the fused op skips it.
+them alone. As in ``models/dsv4.py``, a negative slot wraps as eager indexing wraps it, fused
+or not.
 """
 
 from __future__ import annotations

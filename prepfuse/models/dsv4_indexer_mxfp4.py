@@ -30,8 +30,7 @@ The sign is ``torch.signbit(v)`` (bit 3), so ``-0.0`` and negatives rounding to 
 nibble 8, as IEEE rounding and PTX ``cvt.rn.satfinite.e2m1x2.f32`` give.
 :data:`MXFP4_LOOKALIKES` compute something else (ties away from zero, the sign from
 ``v < 0``, NeoX RoPE, no bf16 round trip, another amax floor); the pass must leave them
-alone. Every slot must be valid: eager code writes slot -1 through Python's index
-wraparound, the fused op skips it.
+alone. A negative slot wraps as eager indexing wraps it, fused or not.
 """
 
 from __future__ import annotations

@@ -46,11 +46,9 @@ much (the op is the more accurate). fp8: identical to the op's quantisation of t
 and k norm, a rotation by minus the angle, each row written one row further into its
 block, a multiply by ``1/kv_scale``, fp16); the pass must leave them alone.
 
-Negative slots. The op skips a row whose slot is negative. Eager index assignment cannot
-skip it without a host sync, so these spellings assume every slot is valid: a negative
-slot here is written through Python's index wraparound (slot -1 becomes the last row of
-the last block). After the pass fuses the write, that row is skipped instead -- what
-engines mean by -1, not what this eager code does (``docs/passes.md`` states it).
+Negative slots. Eager index assignment writes a negative slot through Python's wraparound
+(slot -1 becomes the last row of the last block); the fused call does the same (the pass
+emits ``wrap_indices=True``).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from prepfuse.fx_passes.matching.compare import Checked
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, viewed_call
 from prepfuse.fx_passes.matching.layouts import Layout
 from prepfuse.fx_passes.matching.nodes import (
-    NoMatch, aten, expect, is_op, prims, same_size, shape, slice_params, val, where,
+    NoMatch, aten, concrete, expect, is_op, prims, same_size, shape, slice_params, val, where,
 )
 from prepfuse.fx_passes.matching.probes import Probes
 from prepfuse.fx_passes.matching.regions import backward, constants, leaves, operands
@@ -248,8 +248,8 @@ class FuseGqaPrepPass(PrepfusePass):
             roles[kinds[0]] = "slots"
         elif len(kinds) == 2 and kinds[1] is not None:  # a sequence's positions
             roles[kinds[1]] = "sequence_slots" if len(shape(kinds[1])) == 2 else "slots"
-            extra["slots"] = view.sizes[1]
-        return {"roles": roles, "slots": extra.get("slots", view.slots), "block_size": view.sizes[1]}
+            extra["slots"] = concrete(view.sizes[1])
+        return {"roles": roles, "slots": extra.get("slots", view.slots), "block_size": concrete(view.sizes[1])}
 
 
 def _expect_no_runtime_floats(k: KvWrite, scales) -> None:
@@ -273,7 +273,6 @@ def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, check
     """The emit function of one candidate call."""
     def emit_it(emit: Emitter):
         device = val(k.start.node).device
-        emit.check_sizes(k.view.checks + v.view.checks)
         tokens = emit.size(_as_2d(emit, k.start.source), 0)
         if _is_whole(k):
             op = GQA_SEPARATE_QKNORM_ROPE_KV_INSERT

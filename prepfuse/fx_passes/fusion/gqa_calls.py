@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.emitter import Emitter
-from prepfuse.fx_passes.matching.nodes import NoMatch, SizeCheck, aten, expect, fixed, is_op, same_size, shape, val
+from prepfuse.fx_passes.matching.nodes import NoMatch, aten, concrete, expect, is_op, same_size, shape, val, where
 from prepfuse.fx_passes.matching.rope_operands import RopeOperand
 from prepfuse.fx_passes.matching.writes import RowsWrite
 
@@ -45,14 +45,19 @@ class CacheView:
     offset: int
     token_dims: tuple[int, ...]  # the written tensor's dims that address tokens, outer first
     direct: bool  # the written tensor is the graph input itself, already in that form
-    checks: tuple[SizeCheck, ...] = ()  # dynamic sizes taken at their traced values
 
     def fake(self):
         return val(self.write.root).as_strided(self.sizes, self.strides, self.offset)
 
     @property
     def slots(self) -> int:
-        return self.sizes[0] * self.sizes[1]
+        """How many slots the cache holds, at the traced sizes (for the probes)."""
+        return concrete(self.sizes[0]) * concrete(self.sizes[1])
+
+    def size(self, emit: Emitter, i: int):
+        """``sizes[i]`` as a call argument: a number, or (a direct cache of dynamic size) the
+        root's ``sym_size``, read when the graph runs."""
+        return self.sizes[i] if isinstance(self.sizes[i], int) else emit.size(self.write.root, i)
 
 
 def cache_view(write: RowsWrite, value_roles: list[str], num_heads: int, head_dim: int) -> CacheView:
@@ -78,28 +83,36 @@ def cache_view(write: RowsWrite, value_roles: list[str], num_heads: int, head_di
         elif role == "tokens":
             tokens.append(d)
     expect(head is not None, f"write: the cache's head dim is not {head_dim} dense values")
-    # a dynamic size (``dynamic=True`` makes every cache dim one) is taken at its traced
-    # value and checked when the graph runs: the op's geometry is numbers
-    node, checks = write.target, []
-    expect(fixed(target.stride(head), node, "stride", head, checks) == 1
-           and fixed(target.shape[head], node, "size", head, checks) == head_dim,
-           f"write: the cache's head dim is not {head_dim} dense values")
     expect(heads is not None or num_heads == 1, "write: the cache has no heads dim")
-    expect(heads is None or fixed(target.shape[heads], node, "size", heads, checks) == num_heads,
-           f"write: the cache holds {target.shape[heads] if heads is not None else 1} heads, the rows {num_heads}")
     tokens = sorted(set(tokens))
     expect(len(tokens) in (1, 2), f"write: rows address {len(tokens)} dims of the cache; the op's slots address "
                                   "a block and a row, or one slot")
-    sizes = [fixed(target.shape[d], node, "size", d, checks) for d in tokens] + ([1] if len(tokens) == 1 else [])
-    strides = [fixed(target.stride(d), node, "stride", d, checks) for d in tokens]
-    strides += [strides[0]] if len(tokens) == 1 else []
-    sizes += [num_heads, head_dim]
-    strides += [fixed(target.stride(heads), node, "stride", heads, checks) if heads is not None else head_dim, 1]
-    offset = fixed(target.storage_offset(), node, "offset", 0, checks)
     root = val(write.root)
-    direct = write.target is write.root and not checks and tuple(root.shape) == tuple(sizes) \
-        and tuple(root.stride()) == tuple(strides)
-    return CacheView(write, tuple(sizes), tuple(strides), offset, tuple(tokens), direct, tuple(checks))
+    if write.target is write.root and tokens == [0, 1] and (heads, head) == (2, 3) and root.dim() == 4 \
+            and not all(isinstance(x, int) for x in (*root.shape, *root.stride())) and same_size(root.stride(3), 1):
+        # the paged cache itself, [N0, N1, Hkv, D], of dynamic sizes (``dynamic=True`` makes
+        # every cache dim one): the op reads its sizes when the graph runs and checks the
+        # heads and head dims against the rows', so no number is needed here
+        return CacheView(write, (root.shape[0], root.shape[1], num_heads, head_dim), tuple(root.stride()), 0,
+                         (0, 1), direct=True)
+    # any other view of the cache is one the op reads through ``as_strided``: numbers
+    geometry = [target.shape[head], target.stride(head), target.storage_offset()]
+    geometry += [target.shape[heads], target.stride(heads)] if heads is not None else []
+    geometry += [x for d in tokens for x in (target.shape[d], target.stride(d))]
+    expect(all(isinstance(x, int) for x in geometry),
+           f"write: the cache view written at {where(write.write)} has dynamic sizes {list(target.shape)} "
+           "(dynamic=True makes every cache dim one); the op reads a view through as_strided, which needs them as "
+           "numbers: mark the caches static (torch._dynamo.mark_static)")
+    expect(target.stride(head) == 1 and target.shape[head] == head_dim,
+           f"write: the cache's head dim is not {head_dim} dense values")
+    expect(heads is None or target.shape[heads] == num_heads,
+           f"write: the cache holds {target.shape[heads] if heads is not None else 1} heads, the rows {num_heads}")
+    sizes = [target.shape[d] for d in tokens] + ([1] if len(tokens) == 1 else [])
+    strides = [target.stride(d) for d in tokens] + ([target.stride(tokens[0])] if len(tokens) == 1 else [])
+    sizes += [num_heads, head_dim]
+    strides += [target.stride(heads) if heads is not None else head_dim, 1]
+    direct = write.target is write.root and tuple(root.shape) == tuple(sizes) and tuple(root.stride()) == tuple(strides)
+    return CacheView(write, tuple(sizes), tuple(strides), target.storage_offset(), tuple(tokens), direct)
 
 
 def _index_of(write: RowsWrite, dim: int):
@@ -110,12 +123,18 @@ def _index_of(write: RowsWrite, dim: int):
     return ("place", None)
 
 
-def _same_slot(a, b, inner: int) -> torch.fx.Node | None:
-    """``s`` where ``a`` is ``s // inner`` and ``b`` is ``s % inner``."""
-    if is_op(a, aten.div.Tensor_mode) and a.kwargs.get("rounding_mode") == "floor" and a.args[1] == inner \
-            and is_op(b, aten.remainder.Scalar, aten.remainder.Tensor) and b.args[1] == inner and a.args[0] is b.args[0]:
+def _same_slot(a, b, inner) -> torch.fx.Node | None:
+    """``s`` where ``a`` is ``s // inner`` and ``b`` is ``s % inner`` (``inner`` certainly)."""
+    if is_op(a, aten.div.Tensor_mode) and a.kwargs.get("rounding_mode") == "floor" and _is_size(a.args[1], inner) \
+            and is_op(b, aten.remainder.Scalar, aten.remainder.Tensor) and _is_size(b.args[1], inner) \
+            and a.args[0] is b.args[0]:
         return a.args[0]
     return None
+
+
+def _is_size(arg, size) -> bool:
+    """Whether a node's scalar argument is ``size`` (a number, or a ``sym_size`` node's value)."""
+    return same_size(val(arg) if isinstance(arg, torch.fx.Node) else arg, size)
 
 
 def emit_slots(emit: Emitter, view: CacheView, value_roles: list[str], token_order: list[int], device):
@@ -158,34 +177,43 @@ def emit_slots(emit: Emitter, view: CacheView, value_roles: list[str], token_ord
             index = placed(index, [index_at[0]])
         else:
             pos = next(p for p, i in enumerate(value_token_dims) if write.value_dims[i] == ("dim", dim))
-            index = placed(emit.iota(val(write.target).shape[dim], device), [pos])
+            index = placed(emit.iota(emit.size(write.target, dim), device), [pos])
         parts.append((kind, node, index))
-    inner = view.sizes[1]
     if len(parts) == 1:
         slot = parts[0][2]
     else:
+        inner, outer_size = view.size(emit, 1), view.size(emit, 0)
         (_, _, outer), (kind, node, idx) = parts
         inside = None
-        if kind == "tensor" and not (is_op(node, aten.remainder.Scalar, aten.remainder.Tensor) and node.args[1] == inner):
+        if kind == "tensor" and not (is_op(node, aten.remainder.Scalar, aten.remainder.Tensor)
+                                     and _is_size(node.args[1], view.sizes[1])):
             # a row index in [-S, S) counts from its sequence's end as eager's indexing does;
             # one outside it (eager raises) must not land in a neighbour's rows
-            inside = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, idx, -inner),
+            inside = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, idx, _neg(emit, inner)),
                                emit.node(aten.lt.Scalar, idx, inner))
             idx = emit.node(aten.remainder.Scalar, idx, inner)
         if parts[0][0] == "tensor":  # a block or sequence index in [-B, B): the op wraps the slot
-            outer_size = view.sizes[0]
-            ok = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, outer, -outer_size),
+            ok = emit.node(aten.bitwise_and.Tensor, emit.node(aten.ge.Scalar, outer, _neg(emit, outer_size)),
                            emit.node(aten.lt.Scalar, outer, outer_size))
             inside = ok if inside is None else emit.node(aten.bitwise_and.Tensor, inside, ok)
         slot = emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, outer, inner), idx)
         if inside is not None:  # out of range: a slot past the cache, which the op rejects (or skips unchecked)
-            slot = emit.node(aten.where.ScalarOther, inside, slot, view.sizes[0] * inner)
+            if isinstance(outer_size, int) and isinstance(inner, int):
+                slot = emit.node(aten.where.ScalarOther, inside, slot, outer_size * inner)
+            else:  # Inductor lowers a symbolic ``other`` only as a tensor
+                past = emit.node(aten.scalar_tensor.default, emit.node(operator.mul, outer_size, inner),
+                                 dtype=val(slot).dtype, device=device)
+                slot = emit.node(aten.where.self, inside, slot, past)
     full = [s for s in _broadcast_sizes(parts, rank)]
     slot = emit.node(aten.expand.default, slot, full) if any(not same_size(a, b) for a, b in zip(shape(slot), full)) else slot
     order = [value_token_dims.index(d) for d in token_order]
     if order != sorted(order):
         slot = emit.node(aten.permute.default, slot, order)
     return emit.node(aten.reshape.default, slot, [-1])
+
+
+def _neg(emit, size):
+    return -size if isinstance(size, int) else emit.node(operator.neg, size)
 
 
 def _count(emit, index, view):

@@ -1,4 +1,4 @@
-"""Node emission for the pattern passes: what each rewrite inserts, with fake values.
+"""Node emission for the fusion passes: what each rewrite inserts, with fake values.
 
 Every fused-op pass builds its replacement the same way: nodes inserted before one
 point (the first reader of the outputs), each given its fake value (later passes and
@@ -48,24 +48,6 @@ class Emitter:
         with self.fake_mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
-
-    def check_sizes(self, checks) -> None:
-        """Assert each ``nodes.SizeCheck`` when the graph runs. The assert's value is not run
-        on fake tensors here: that would turn the symbolic condition into a guard."""
-        done = set()
-        for c in checks:
-            if (c.node, c.kind, c.dim, c.value) in done:
-                continue
-            done.add((c.node, c.kind, c.dim, c.value))
-            target = {"size": aten.sym_size.int, "stride": aten.sym_stride.int}.get(c.kind)
-            actual = self.node(target, c.node, c.dim) if target else self.node(aten.sym_storage_offset.default, c.node)
-            same = self.node(operator.eq, actual, c.value)
-            with self.graph.inserting_before(self.point):
-                node = self.graph.call_function(aten._assert_scalar.default, (same, (
-                    f"prepfuse: {c.node.name}'s {c.kind} {'' if c.kind == 'offset' else c.dim} is not {c.value}, the "
-                    f"value the fused call was compiled for")))
-            node.meta["val"] = None
-            self.emitted.append(node)
 
     def size(self, tensor: torch.fx.Node, dim: int):
         """``tensor.size(dim)``: an int, or a ``sym_size`` node when it is symbolic."""

@@ -51,7 +51,7 @@ class Axis:
 @dataclass(frozen=True)
 class Layout:
     """A node's dims as factors of a base's dims (outer first). A slice is never followed:
-    it is a base of its own (``gqa_patterns.heads_view`` counts its start)."""
+    it is a base of its own (``sources.column_starts`` counts its start)."""
 
     dims: tuple[tuple[Axis, ...], ...]
 

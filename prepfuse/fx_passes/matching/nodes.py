@@ -8,7 +8,6 @@ reading the report has never seen the post-grad graph.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -25,37 +24,13 @@ VIEW_OPS = (*RESHAPES, aten.permute.default, aten.transpose.int, aten.unsqueeze.
 WRITE_VIEWS = (*RESHAPES, aten.slice.Tensor, aten.as_strided.default, aten.select.int, aten.view.dtype)
 INT_MAX = 2**63 - 1
 
-__all__ = ["NoMatch", "SizeCheck", "fixed", "expect", "is_op", "val", "shape", "same_size", "same_shape", "scalar", "concrete", "where",
+__all__ = ["NoMatch", "expect", "is_op", "val", "shape", "same_size", "same_shape", "scalar", "concrete", "where",
            "aten", "prims", "RESHAPES", "CONVERTS", "VIEW_OPS", "WRITE_VIEWS", "INT_MAX", "view_chain",
            "scatter_back", "slice_params", "getitem_of", "graph_order"]
 
 
 class NoMatch(Exception):
     """The graph does not hold what a pass looks for here; the message says what it holds."""
-
-
-@dataclass(frozen=True)
-class SizeCheck:
-    """A dynamic size, stride or storage offset of ``node`` that a rewrite takes at its traced
-    value (an op argument that must be a number: a head count, a block's stride). The call
-    checks it when the graph runs (``Emitter.check_sizes``): an assert, not a guard, so
-    nothing recompiles; the code it replaces fails on another value too (its write's
-    shapes would not match)."""
-
-    node: torch.fx.Node
-    kind: str  # "size" | "stride" | "offset"
-    dim: int
-    value: int
-
-
-def fixed(value, node: torch.fx.Node, kind: str, dim: int, checks: list) -> int:
-    """``value`` as a number: itself, or a dynamic one's traced value with a ``SizeCheck``
-    appended to ``checks``."""
-    if isinstance(value, int):
-        return value
-    number = concrete(value)
-    checks.append(SizeCheck(node, kind, dim, number))
-    return number
 
 
 def expect(cond, why: str) -> None:
