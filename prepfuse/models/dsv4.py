@@ -228,6 +228,13 @@ def dsv4_kv_insert(
     nope, pe = split_rope_dims(x, spelling)
     cos, sin = cos_sin(cos_sin_cache, positions[:n])
     pe = rope(pe, cos, sin, spelling).to(kv.dtype)
+    write_fp8_ds_mla_rows(nope, pe, k_cache, slot_mapping, block_size, spelling)
+
+
+def write_fp8_ds_mla_rows(nope: torch.Tensor, pe: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          block_size: int, spelling: Dsv4Spelling = DSV4_SPELLINGS[0]) -> None:
+    """The engine's cache write alone: fp32 NoPE values ``[n, 448]`` quantised (UE8M0 block
+    scales, e4m3 codes) and bf16 RoPE values ``[n, 64]`` written as fp8_ds_mla rows at the slots."""
     codes, scales = ue8m0_quant(nope, spelling)
     data = torch.cat((codes, pe.view(torch.uint8)), dim=-1)  # [n, 576]
 

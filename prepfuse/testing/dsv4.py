@@ -8,13 +8,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from prepfuse.ops.dsv4_qnorm_rope_kv_insert import HEAD_DIM, NOPE_DIM, SLOT_BYTES
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, SCALE_BYTES, SLOT_BYTES
 from prepfuse.testing.common import (
     Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
     seeded_generator,
 )
 
-__all__ = ["Dsv4Inputs", "make_dsv4_inputs", "exact_rms_q", "seeded_dsv4_inputs", "Dsv4Comparison", "fp8_data_byte_mask", "compare_dsv4_q", "compare_dsv4"]
+__all__ = ["Dsv4Inputs", "make_dsv4_inputs", "exact_rms_q", "seeded_dsv4_inputs", "Dsv4Comparison", "fp8_data_byte_mask",
+           "compare_dsv4_q", "compare_dsv4", "fp8_ds_mla_values"]
 
 
 @dataclass
@@ -227,3 +228,18 @@ def compare_dsv4(a: Dsv4Inputs, b: Dsv4Inputs) -> Dsv4Comparison:
         cache_max_code_diff=int(code_diff.max()) if code_diff.numel() else 0,
         cache_non_fp8_mismatches=int((cache_diff & ~fp8_mask).sum()),
     )
+
+
+def fp8_ds_mla_values(k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The fp32 ``[n, 512]`` values an fp8_ds_mla cache holds at ``slot_mapping``: each NoPE
+    code times its block's UE8M0 scale ``2^(byte - 127)``, then the bf16 RoPE values. For
+    comparing caches that two spellings wrote (``max_row_rel_diff``) where their bytes may
+    differ by a code or a rounding."""
+    blocks, rows = slot_mapping // block_size, slot_mapping % block_size
+    data = k_cache[:, : block_size * CACHE_ROW_BYTES].reshape(k_cache.shape[0], block_size, CACHE_ROW_BYTES)
+    scales = k_cache[:, block_size * CACHE_ROW_BYTES: block_size * (CACHE_ROW_BYTES + SCALE_BYTES)]
+    scales = scales.reshape(k_cache.shape[0], block_size, SCALE_BYTES)[blocks, rows, : NOPE_DIM // 64]
+    row = data[blocks, rows]
+    codes = row[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float().unflatten(-1, (NOPE_DIM // 64, 64))
+    nope = (codes * torch.exp2(scales.float() - 127).unsqueeze(-1)).flatten(-2)
+    return torch.cat((nope, row[:, NOPE_DIM:].contiguous().view(torch.bfloat16).float()), dim=-1)

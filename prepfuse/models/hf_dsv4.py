@@ -1,0 +1,96 @@
+"""transformers' own ``DeepseekV4Attention``, run the way an engine runs it: its k written
+into vLLM's fp8_ds_mla cache.
+
+The module is transformers' (``transformers.models.deepseek_v4``), unchanged: q through
+``q_a_proj``, the weighted ``q_a_norm``, ``q_b_proj``, the per-head unweighted ``q_b_norm``
+(its rsqrt factor rounded to bf16) and GPT-J RoPE on the last 64 of 512 dims with the
+model's bf16 cos/sin (``repeat_interleave(2)``); kv through ``kv_proj``, the weighted
+``kv_norm`` and the same RoPE. Its attention call goes to an engine function registered
+through transformers' ``AttentionInterface`` (``DSV4_ENGINE_ATTENTION``): it writes the
+step's k rows into the paged fp8_ds_mla cache as the engine does (UE8M0-scaled e4m3 NoPE
+codes and the bf16 RoPE values, ``models.dsv4.write_fp8_ds_mla_rows``), then attends over
+the step's tokens (one kv head for every q head; the sinks are the engine kernel's
+business). Layers are sliding-window ones (no compressor: one cache row a token).
+
+``transformers`` is a test dependency: this module imports it when a client is built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from prepfuse.models.dsv4 import fp8_ds_mla_cache, write_fp8_ds_mla_rows
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import NOPE_DIM
+
+__all__ = ["DSV4_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client", "register_dsv4_engine_attention"]
+
+DSV4_ENGINE_ATTENTION = "prepfuse_fp8_ds_mla"
+
+
+def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The engine's attention: k's rows into the fp8_ds_mla cache at the step's slots, then
+    causal SDPA over the step's tokens with the one kv head repeated for every q head."""
+    batch, _, seq, head_dim = key.shape
+    rows = key.transpose(1, 2).reshape(batch * seq, head_dim)
+    write_fp8_ds_mla_rows(rows[:, :NOPE_DIM].float(), rows[:, NOPE_DIM:], kwargs["k_cache"], kwargs["slot_mapping"],
+                          kwargs["block_size"])
+    heads = query.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key.expand(-1, heads, -1, -1), value.expand(-1, heads, -1, -1), is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_dsv4_engine_attention() -> None:
+    """Register ``_fp8_ds_mla_attention`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DSV4_ENGINE_ATTENTION, _fp8_ds_mla_attention)
+
+
+class HfDsv4Layers(nn.Module):
+    """Layers of ``DeepseekV4Attention`` with the model's rotary module, each adding its
+    output to the hidden state (a decoder's residual, without the MoE)."""
+
+    def __init__(self, config, num_layers: int) -> None:
+        super().__init__()
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
+
+        self.rotary = DeepseekV4RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DeepseekV4Attention(config, layer_idx=i) for i in range(num_layers))
+
+    def forward(self, x, position_ids, slot_mapping, caches, block_size: int):
+        embeddings = {t: self.rotary(x, position_ids=position_ids, layer_type=t) for t in ("main", "compress")}
+        for layer, cache in zip(self.layers, caches):
+            out, _ = layer(x, position_embeddings=embeddings, position_ids=position_ids, attention_mask=None,
+                           k_cache=cache, slot_mapping=slot_mapping, block_size=block_size)
+            x = x + out
+        return x
+
+
+def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: int = 256, heads: int = 4,
+                         block_size: int = 16, num_blocks: int = 4, seed: int = 0):
+    """``(module, (x, position_ids, slot_mapping, caches, block_size))``: bf16 layers with
+    random weights (norm weights around 1), one step of ``num_tokens`` tokens at positions
+    ``3 ..`` and distinct random slots, fresh fp8_ds_mla caches."""
+    from transformers import DeepseekV4Config
+
+    register_dsv4_engine_attention()
+    config = DeepseekV4Config(hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
+                              head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=128,
+                              layer_types=["sliding_attention"] * num_layers)
+    config._attn_implementation = DSV4_ENGINE_ATTENTION
+    g = torch.Generator().manual_seed(seed)
+    module = HfDsv4Layers(config, num_layers)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    module = module.to(torch.bfloat16).eval()
+    x = torch.randn(1, num_tokens, hidden, generator=g).to(torch.bfloat16)
+    position_ids = (torch.arange(num_tokens) + 3).unsqueeze(0)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    caches = [fp8_ds_mla_cache(num_blocks, block_size) for _ in range(num_layers)]
+    return module, (x, position_ids, slots, caches, block_size)
