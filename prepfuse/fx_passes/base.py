@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from prepfuse.fx_passes.matching.nodes import remove_dead
+
 log = logging.getLogger("prepfuse.passes")
 _WARNED: set = set()
 
@@ -78,6 +80,8 @@ class PrepfusePass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.log = PassLog()
+        self.replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.memo: dict = {}  # what the probes showed for each region form in this graph (``Probes.form``)
         try:
             self.matched_count = self.run(graph)
         except Exception as err:  # noqa: BLE001 - a pass's own failure must not fail the compile
@@ -85,8 +89,13 @@ class PrepfusePass(CustomGraphPass):
             _warn_once(self.name, err)
             self.matched_count = sum(e.kind == "matched" for e in self.log.events)
         if self.matched_count:
-            graph.eliminate_dead_code()
+            remove_dead([*self.replaced, *(n for n in graph.nodes if n.op in ("call_function", "get_attr") and not n.users)])
             graph.lint()
+
+    def replace(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
+        """Rewire ``old``'s readers to ``new``; ``old`` and what only it read go once the pass is done."""
+        old.replace_all_uses_with(new)
+        self.replaced[old] = new
 
     def run(self, graph: torch.fx.Graph) -> int:  # pragma: no cover - abstract
         raise NotImplementedError

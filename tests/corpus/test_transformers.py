@@ -186,3 +186,16 @@ def test_dynamic_true_eps_input_is_declined_by_name():
             torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(*args)
     whys = [r.why for r in backend.reports.near_misses()]
     assert whys and all("is a 0-d tensor the graph reads at run time" in why for why in whys), whys
+
+
+def test_layers_of_one_form_are_validated_once():
+    """Three layers of one model are regions of one form: the first runs the probes, the
+    others take its candidate (the report says so), and every layer's rows equal eager's."""
+    backend = PrepfuseBackend()
+    out, caches, ref, ref_caches, _ = compiled_run(CASES["hf-llama"], backend, num_layers=3)
+    notes = [m.why for r in backend.reports for m in r.matches() if m.pass_name == "fuse_gqa_prep"]
+    assert len(notes) == 3 and notes[0].startswith("validated on 2 probes: "), notes
+    assert all(n.startswith("the same form as a region validated earlier in this graph: ") for n in notes[1:]), notes
+    assert {n.split(": ", 1)[1] for n in notes} == {notes[0].split(": ", 1)[1]}
+    for got, want in zip(caches, ref_caches):
+        assert_rows_close(list(got), list(want), 2**-5)

@@ -85,7 +85,6 @@ class FuseDsv4PrepPass(PrepfusePass):
         return (str(DSV4_QNORM_ROPE_KV_INSERT._schema), str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
-        self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         kvs = self._kv_sides(graph)
         kv_starts = {s for kv in kvs for s in kv.sources}
         qs = self._q_sides(graph, kv_starts)
@@ -169,7 +168,7 @@ class FuseDsv4PrepPass(PrepfusePass):
             block_size = kv.data.block_size
             slot = slot_of(kv.data)
             roles.update({slot: "slots"} if slot is not None else {kv.data.block: "slot_block", kv.data.row: "slot_row"})
-        probes = Probes(outputs, roles, slots=_slots(kv), block_size=block_size, mode=self.validate)
+        probes = Probes(outputs, roles, slots=_slots(kv), block_size=block_size, mode=self.validate, memo=self.memo)
         rope_ops = per_token_operands((q.candidates[0].operands if q else []) + (kv.operands if kv else []),
                                       weight_like)
         ropes = [r for r in rope_forms(rope_ops, None, ROPE_DIM, probes.equal_parts,
@@ -186,11 +185,10 @@ class FuseDsv4PrepPass(PrepfusePass):
         agreed = first_agreeing(probes, cands, lambda: Emitter(graph, point, source=(q.candidates[0].node if q
                                                                                         else kv.anchor), readers=readers))
         for old, new in agreed.result:
-            old.replace_all_uses_with(new)
-            self._replaced[old] = new
+            self.replace(old, new)
         pattern = "dsv4_q+kv" if q and kv else ("dsv4_q" if q else "dsv4_kv")
         self.log.matched(self.name, pattern, q.candidates[0].node if q else kv.anchor,
-                         f"validated on {agreed.probes_run} probes: {agreed.candidate.name}")
+                         agreed.note(agreed.candidate.name))
 
     def _emitter_of(self, q, p, kv, kv_src, rope, eps):
         def emit_it(emit: Emitter):
@@ -214,7 +212,7 @@ class FuseDsv4PrepPass(PrepfusePass):
                 kv_in = kv_src if len(shape(kv_src)) == 2 else emit.node(aten.reshape.default, kv_src, [-1, HEAD_DIM])
                 if val(kv_in).dtype != torch.bfloat16:  # fp32 the code rounded (a round trip Inductor dropped)
                     kv_in = emit.node(prims.convert_element_type.default, kv_in, torch.bfloat16)
-                cache, slots = self._replaced.get(kv.root, kv.root), _emit_slots(emit, kv.data)
+                cache, slots = self.replaced.get(kv.root, kv.root), _emit_slots(emit, kv.data)
                 block_size = kv.data.block_size
             else:
                 kv_in = emit.node(aten.select.int, q_in, 1, 0)

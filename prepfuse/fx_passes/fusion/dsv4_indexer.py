@@ -119,7 +119,6 @@ class _FuseDsv4IndexerPass(PrepfusePass):
         return (str(self.fmt.op._schema), str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
-        self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         ks = self._k_sides(graph)
         qs = self._q_sides(graph, {s for k in ks for s in k.sources})
         claimed: set = set()
@@ -175,6 +174,10 @@ class _FuseDsv4IndexerPass(PrepfusePass):
 
     def _q_sides(self, graph, k_sources) -> list[QSide]:
         found = []
+        _, width, dtype = next(o for o in self.fmt.q_outputs if o[0] == "q_out")
+        if not any(isinstance(v := val(n), torch.Tensor) and v.dtype == dtype and v.shape[-1:] == (width,)
+                   for n in graph.nodes):
+            return found  # no tensor a prepared q could be: nothing to trace
         for node in graph.nodes:
             v = val(node)
             if not (isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float32) and v.dim() >= 2
@@ -221,7 +224,7 @@ class _FuseDsv4IndexerPass(PrepfusePass):
             slot = slot_of(k.data)
             roles.update({slot: "slots"} if slot is not None else {k.data.block: "slot_block", k.data.row: "slot_row"})
         probes = Probes(outputs, roles, slots=(val(k.root).shape[0] * k.data.block_size) if k else None,
-                        block_size=k.data.block_size if k else None, mode=self.validate)
+                        block_size=k.data.block_size if k else None, mode=self.validate, memo=self.memo)
         q_ropes = self._ropes(probes, q.operands) if q else [None]
         k_ropes = self._ropes(probes, k.operands) if k else [None]
         pairs = [(qr, kr) for qr in q_ropes for kr in k_ropes
@@ -236,10 +239,9 @@ class _FuseDsv4IndexerPass(PrepfusePass):
         if weights is not None:
             claimed.add(weights[0])
         for old, new in agreed.result:
-            old.replace_all_uses_with(new)
-            self._replaced[old] = new
+            self.replace(old, new)
         self.log.matched(self.name, self._pattern(q, k), q.anchor if q else k.anchor,
-                         f"validated on {agreed.probes_run} probes: {agreed.candidate.name}")
+                         agreed.note(agreed.candidate.name))
 
     def _ropes(self, probes, ops) -> list[RopeOperand]:
         forms = rope_forms(per_token_operands(ops, weight_like), None, ROPE_DIM, probes.equal_parts,
@@ -268,7 +270,7 @@ class _FuseDsv4IndexerPass(PrepfusePass):
                 slot = slot_of(k.data)
                 slots = slot if slot is not None else emit.node(
                     aten.add.Tensor, emit.node(aten.mul.Tensor, k.data.block, k.data.block_size), k.data.row)
-                k_cache, block_size = self._replaced.get(k.root, k.root), k.data.block_size
+                k_cache, block_size = self.replaced.get(k.root, k.root), k.data.block_size
                 k_tokens = _token_size(emit, k_src)
             else:
                 k_in = emit.empty([0, HEAD_DIM], torch.bfloat16, like)

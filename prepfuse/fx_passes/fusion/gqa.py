@@ -103,7 +103,6 @@ class FuseGqaPrepPass(PrepfusePass):
                 str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
-        self._replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         writes = self._kv_writes(graph)
         ks, vs = [w for w in writes if w.rotated], [w for w in writes if not w.rotated]
         matched, used = 0, set()
@@ -206,7 +205,7 @@ class FuseGqaPrepPass(PrepfusePass):
         scales = (_scale(k), _scale(v))
         _expect_no_runtime_floats(k, scales)
         probes_out = [k.write.after, v.write.after] if not shared else [shared[1]]
-        probes = Probes(probes_out + [q.prepared for q in qs], **self._roles(k), mode=self.validate)
+        probes = Probes(probes_out + [q.prepared for q in qs], **self._roles(k), mode=self.validate, memo=self.memo)
         ropes = rope_forms(per_token_operands(k.operands, weight_like), k.tokens, k.head_dim, probes.equal_parts,
                            lambda n: probes.equal_parts(n, pairs=True))
         expect(ropes, f"rope: no cos/sin the op can read among what the rows written at {where(k.write.write)} mix in")
@@ -217,22 +216,26 @@ class FuseGqaPrepPass(PrepfusePass):
                                 constants(k.region, {k.start.node}, {}), fp8, _gptj_hint(k))
         make = lambda: Emitter(graph, point, source=qs[0].prepared, readers=readers)  # noqa: E731
         checked_kv = lambda emit, outs: _kv_checked(k, v, shared, outs)  # noqa: E731
-        agreed = first_agreeing(probes, [Candidate(m.describe(), _call(self, m, qs[0], k, v, shared, scales, checked_kv,
-                                                                       with_q=False)) for m in maths], make)
-        agreed.emitter.discard()
-        math = agreed.candidate.name
-        best = next(m for m in maths if m.describe() == math)
-        final = first_agreeing(probes, [Candidate(f"{math}; q {where(q.prepared)}",
-                                                  _call(self, best, q, k, v, shared, scales, checked_kv, with_q=True))
-                                        for q in qs], make)
+        if len(qs) == 1:  # one q: its call with each math, in one search
+            final = first_agreeing(probes, [Candidate(m.describe(), _call(self, m, qs[0], k, v, shared, scales,
+                                                                          checked_kv, with_q=True)) for m in maths], make)
+            best = next(m for m in maths if m.describe() == final.candidate.name)
+        else:  # the math on k and v first, then which q goes with it
+            agreed = first_agreeing(probes, [Candidate(m.describe(), _call(self, m, qs[0], k, v, shared, scales,
+                                                                           checked_kv, with_q=False)) for m in maths],
+                                    make)
+            agreed.emitter.discard()
+            best = next(m for m in maths if m.describe() == agreed.candidate.name)
+            final = first_agreeing(probes, [Candidate(f"{best.describe()}; q {where(q.prepared)}",
+                                                      _call(self, best, q, k, v, shared, scales, checked_kv,
+                                                            with_q=True)) for q in qs], make)
         q, new_q, written = final.result
-        q.prepared.replace_all_uses_with(new_q)
+        self.replace(q.prepared, new_q)
         for old, new in written:
-            old.replace_all_uses_with(new)
-            self._replaced[old] = new
+            self.replace(old, new)
         pattern = ("gqa_qknorm_rope_kv" if best.norm != "none" else "gqa_rope_kv") + (
             "+separate" if _is_whole(k) else "")
-        self.log.matched(self.name, pattern, q.prepared, f"validated on {final.probes_run} probes: {best.describe()}")
+        self.log.matched(self.name, pattern, q.prepared, final.note(best.describe()))
 
     def _roles(self, k: KvWrite) -> dict:
         w, view = k.write, k.view
@@ -298,7 +301,7 @@ def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, check
         views, roots = {}, {}
         for name, w in (("k_cache", k), ("v_cache", v)):
             root = shared[0] if shared else w.write.root
-            root = pass_._replaced.get(root, root)
+            root = pass_.replaced.get(root, root)
             if w.view.direct and not shared:
                 args[name] = root
             else:

@@ -31,7 +31,7 @@ import operator
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.matching.nodes import CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, scalar, shape, val
+from prepfuse.fx_passes.matching.nodes import CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, remove_dead, scalar, shape, val
 
 __all__ = ["canonicalize", "PURE_STEPS", "merge_repeated_steps"]
 
@@ -52,7 +52,7 @@ def canonicalize(graph: torch.fx.Graph) -> dict[str, int]:
     counts = {"aliases": _no_aliases(graph), "squares": _one_square(graph), "writes": _one_write_form(graph),
               "bitcast writes": _bitcast_writes(graph)}
     counts["merged steps"] = merge_repeated_steps(graph)
-    graph.eliminate_dead_code()
+    remove_dead([n for n in graph.nodes if n.op == "call_function" and not n.users])
     return counts
 
 

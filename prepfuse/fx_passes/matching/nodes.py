@@ -26,7 +26,7 @@ INT_MAX = 2**63 - 1
 
 __all__ = ["NoMatch", "expect", "is_op", "val", "shape", "same_size", "same_shape", "scalar", "concrete", "where",
            "aten", "prims", "RESHAPES", "CONVERTS", "VIEW_OPS", "WRITE_VIEWS", "INT_MAX", "view_chain",
-           "scatter_back", "slice_params", "getitem_of", "graph_order"]
+           "scatter_back", "slice_params", "getitem_of", "graph_order", "remove_dead"]
 
 
 class NoMatch(Exception):
@@ -160,3 +160,18 @@ def scatter_back(written, chain: list[torch.fx.Node]) -> torch.fx.Node:
         expect(ok, f"write: the written view of {where(step)} is not scattered back into its buffer")
         node = user
     return node
+
+
+def remove_dead(nodes) -> None:
+    """Erase ``nodes`` that nothing reads and, in turn, what only they read: the dead code a
+    rewrite leaves, without a scan of the whole graph (``Graph.eliminate_dead_code`` asks
+    every node whether it is impure, most of a pass's cost on a large graph)."""
+    stack, erased = list(nodes), set()
+    while stack:
+        node = stack.pop()
+        if node in erased or node.users or node.op in ("placeholder", "output") or node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        node.graph.erase_node(node)
+        erased.add(node)
+        stack.extend(inputs)

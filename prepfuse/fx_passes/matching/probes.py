@@ -63,8 +63,10 @@ class Probes:
 
     def __init__(self, outputs: list[torch.fx.Node], roles: dict[torch.fx.Node, str] | None = None, *,
                  slots: int | None = None, positions: int | None = None, block_size: int | None = None,
-                 mode: str = "probe") -> None:
+                 mode: str = "probe", memo: dict | None = None) -> None:
         self.roles = dict(roles or {})
+        self.outputs = list(outputs)
+        self.memo = memo if memo is not None else {}  # per graph: what regions of the same form showed
         self.count = 1 if mode == "quick" else NUM_PROBES
         self.nodes = backward(outputs, cut=set(self.roles), limit=MAX_REGION_NODES)
         if len(self.nodes) > MAX_REGION_NODES:
@@ -81,10 +83,70 @@ class Probes:
             self._region[probe] = _run(self.nodes, values, "the code")
         return self._region[probe]
 
+    def form(self) -> tuple:
+        """The region's form: every step's op, constants and where its inputs come from (by
+        position in the region), the leaves' roles, dtypes and sizes, and the probe limits.
+        Two regions of one form (a model's layers) run the same on the probes: a family may
+        take one's outcome for the other (``search.first_agreeing``) instead of running it."""
+        if getattr(self, "_form", None) is None:
+            index, outer = self._structural_order()
+
+            def ref(x):
+                if isinstance(x, torch.fx.Node):
+                    return ("n", index[x]) if x in index else ("l", outer[x]) if x in outer else ("?", x.name)
+                if isinstance(x, (list, tuple)):
+                    return tuple(ref(i) for i in x)
+                if isinstance(x, dict):
+                    return tuple((k, ref(v)) for k, v in x.items())
+                return repr(x)
+
+            def meta(n):
+                v = val(n)
+                return (str(v.dtype), repr(tuple(v.shape))) if isinstance(v, torch.Tensor) else repr(v)
+
+            steps = tuple((str(n.target), ref(n.args), ref(n.kwargs), meta(n)) for n in sorted(index, key=index.get))
+            inputs = tuple((self.roles.get(n) or _role(n), meta(n)) for n in outer)
+            self._form = (steps, inputs, ref(self.outputs), repr(self.limits), self.count)
+        return self._form
+
+    def position(self, node: torch.fx.Node):
+        """Where ``node`` stands in the region's form (``form``)."""
+        return self._structural_order()[0].get(node, node.name)
+
+    def _structural_order(self) -> tuple[dict, dict]:
+        """The region's steps and leaves numbered as a walk from the outputs through each
+        step's inputs in argument order meets them: the numbering follows the code's
+        structure, not where the graph happens to place each node (layers interleave)."""
+        if getattr(self, "_order", None) is None:
+            members, index, outer = set(self.nodes), {}, {}
+            stack = [(n, False) for n in reversed(self.outputs)]
+            while stack:
+                node, done = stack.pop()
+                if node in index:
+                    continue
+                if done:
+                    index[node] = len(index)
+                    continue
+                stack.append((node, True))
+                for x in reversed(node.all_input_nodes):
+                    if x in members:
+                        stack.append((x, False))
+                for x in node.all_input_nodes:
+                    if x not in members:
+                        outer.setdefault(x, len(outer))
+            self._order = (index, outer)
+        return self._order
+
     def equal_parts(self, node: torch.fx.Node, pairs: bool = False) -> bool:
         """Whether ``node``'s last dim holds its values twice on every probe: two equal halves
         (Hugging Face's ``cat((f, f))``), or with ``pairs`` equal adjacent entries
         (``repeat_interleave(2)``)."""
+        key = ("equal parts", self.form(), self.position(node), pairs)
+        if key not in self.memo:
+            self.memo[key] = self._equal_parts(node, pairs)
+        return self.memo[key]
+
+    def _equal_parts(self, node: torch.fx.Node, pairs: bool) -> bool:
         for probe in range(self.count):
             value = self.region(probe).get(node)
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] % 2:
@@ -315,7 +377,7 @@ def _run(nodes: list[torch.fx.Node], known: dict, what: str) -> dict:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             # a size the graph holds symbolically runs at its traced value: a probe never
             # reasons about a symbol (which would add a guard)
-            args, kwargs = torch.utils._pytree.tree_map_only(torch.SymInt, concrete, (args, kwargs))
+            args, kwargs = _numbers(args), {k: _numbers(v) for k, v in kwargs.items()}
             try:
                 if node.target is SCRATCH:  # fresh poisoned memory, not an arena handout
                     _, sizes, dtype, device = args
@@ -330,6 +392,15 @@ def _run(nodes: list[torch.fx.Node], known: dict, what: str) -> dict:
                 first = str(err).splitlines()[0] if str(err) else ""
                 raise NoMatch(f"{what} did not run on a probe: {type(err).__name__}: {first}") from None
     return env
+
+
+def _numbers(x):
+    """``x`` with every SymInt at its traced value (lists and tuples walked, nothing else)."""
+    if isinstance(x, torch.SymInt):
+        return concrete(x)
+    if isinstance(x, (list, tuple)) and any(isinstance(i, (torch.SymInt, list, tuple)) for i in x):
+        return type(x)(_numbers(i) for i in x) if isinstance(x, list) or type(x) is tuple else x
+    return x
 
 
 def _poisoned(sizes, dtype, device) -> torch.Tensor:

@@ -47,12 +47,41 @@ class Agreed:
     emitter: Emitter
     checked: list
     result: object
-    probes_run: int
+    probes_run: int  # 0: taken from an earlier region of the same form
+
+    def note(self, what: str) -> str:
+        """How the call was decided, for the report."""
+        if self.probes_run:
+            return f"validated on {self.probes_run} probes: {what}"
+        return f"the same form as a region validated earlier in this graph: {what}"
 
 
 def first_agreeing(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> Agreed:
     """The first of ``candidates`` whose call computes the region, its nodes left in the
-    graph; or NoMatch naming the closest one and where it differs."""
+    graph; or NoMatch naming the closest one and where it differs.
+
+    A region of the same form as one searched before in this graph (``Probes.form``: a
+    model's next layer), with the same candidates, has the same outcome on the probes: the
+    candidate that agreed there is emitted without running them again (a decline is
+    searched again, so that it names this region's code)."""
+    candidates = list(candidates)
+    key = ("agreed", probes.form(), tuple(c.name for c in candidates))
+    if key in probes.memo:
+        outcome = probes.memo[key]
+        emit = make_emitter()
+        try:
+            checked, result = candidates[outcome].emit(emit)
+            emit.inputs_in_order()
+            return Agreed(candidates[outcome], emit, checked, result, 0)
+        except BaseException:
+            emit.discard()
+            raise
+    agreed = _search(probes, candidates, make_emitter)
+    probes.memo[key] = candidates.index(agreed.candidate)
+    return agreed
+
+
+def _search(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> Agreed:
     closest: tuple | None = None
     structural: str | None = None
     for candidate in candidates:
