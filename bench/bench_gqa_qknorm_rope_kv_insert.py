@@ -29,6 +29,7 @@ Writes ``gqa_qknorm_rope_kv_insert_<device>.json``, a PNG beside it and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import sys
@@ -65,6 +66,16 @@ MODELS = {
     "qwen3-8b-heads-first": (32, 8, 128, 128, True, True, torch.bfloat16, "heads-first"),
     "qwen3-8b-token-pool": (32, 8, 128, 128, True, True, torch.bfloat16, "token-pool"),
     "qwen3-8b-cos-sin-operands": (32, 8, 128, 128, True, True, torch.bfloat16, "operands"),
+    # the operands real code needs, each beside the row it extends: int32 slots and positions,
+    # negative ones counted from the end (wrap_indices), v's own fp8 scale, fp8 codes into
+    # uint8 caches (vLLM's "fp8" cache, a bitcast view), one kv head, and
+    # half the head rotated (partial rotary at every T)
+    "qwen3-8b-int32": (32, 8, 128, 128, True, True, torch.bfloat16, "int32"),
+    "qwen3-8b-wrap": (32, 8, 128, 128, True, True, torch.bfloat16, "wrap"),
+    "qwen3-8b-fp8-v-scale": (32, 8, 128, 128, True, True, FP8, "v-scale"),
+    "qwen3-8b-fp8-uint8": (32, 8, 128, 128, True, True, FP8, "uint8"),
+    "qwen3-8b-one-kv-head": (32, 1, 128, 128, True, True, torch.bfloat16),
+    "qwen3-8b-partial": (32, 8, 128, 64, True, True, torch.bfloat16),
     # the other head dims the kernel takes: Llama-3.2-1B's 64, Gemma-3-12B's 256 (its q/k
     # norm here with bf16 weights; Gemma's fp32 1 + w reads 1 KB more a call)
     "llama3.2-1b": (32, 8, 64, 64, True, False, torch.bfloat16),
@@ -75,12 +86,20 @@ MODELS = {
 # a run's models unless --models names others: the head-dim-128 rows of docs/benchmarks_gqa.md;
 # the other head dims are their own run and page (gpu_session.sh gqa-head-dims), so that
 # each fits one GPU call
-DEFAULT_MODELS = tuple(m for m, v in MODELS.items() if v[2] == 128)
+# the operand rows run as their own page beside the rows they extend (gpu_session.sh gqa-operands)
+OPERAND_FORMS = ("qwen3-8b-int32", "qwen3-8b-wrap", "qwen3-8b-one-kv-head", "qwen3-8b-partial",
+                 "qwen3-8b-fp8-v-scale", "qwen3-8b-fp8-uint8")
+OPERAND_MODELS = ("qwen3-8b", "qwen3-8b-fp8", *OPERAND_FORMS)
+DEFAULT_MODELS = tuple(m for m, v in MODELS.items() if v[2] == 128 and m not in OPERAND_FORMS)
 
 
 FORM_NOTES = {"full": ", full-width cos/sin (full_cos_sin)", "heads-first": ", heads-first [NB, Hkv, bs, D] caches",
               "token-pool": ", token-pool [N, Hkv, D] caches",
-              "operands": ", per-token bf16 cos and sin operands (positions=None)"}
+              "operands": ", per-token bf16 cos and sin operands (positions=None)",
+              "int32": ", int32 slot_mapping and positions",
+              "wrap": ", wrap_indices=True, half the slots and positions negative (counted from the end)",
+              "v-scale": ", v_scale beside kv_scale (k's)",
+              "uint8": ", fp8 codes into uint8 caches"}
 
 
 def operand_form(model: tuple) -> str:
@@ -107,14 +126,30 @@ def make_inputs(num_tokens: int, model: tuple, *, skip_fraction: float):
     )
 
     hq, hkv, d, rot, neox, norm, dtype = model[:7]
+    if operand_form(model) == "wrap":  # a negative slot is a row counted from the end there, never a skip
+        skip_fraction = 0.0
     inputs = make_gqa_inputs(num_tokens, hq, hkv, d, BLOCK_SIZE, harness.DEVICE, rotary_dim=rot, is_neox=neox,
                              norm=norm, cache_dtype=dtype, skip_fraction=skip_fraction)
     if full_cos_sin(model):  # full width with every entry its own value: the kernel reads all 2R of them
         return with_full_cos_sin(inputs, seeded_generator()[0])
-    if operand_form(model) == "operands":
+    form = operand_form(model)
+    if form == "operands":
         return with_cos_sin_operands(inputs, dtype=torch.bfloat16, per_token=True)[0]
-    if operand_form(model) != "half":
-        return with_cache_layout(inputs, operand_form(model))
+    if form == "int32":
+        return dataclasses.replace(inputs, slot_mapping=inputs.slot_mapping.int(), positions=inputs.positions.int())
+    if form == "wrap":  # every other index as the same row counted from the end: the same writes
+        slots, positions = inputs.slot_mapping.clone(), inputs.positions.clone()
+        num_slots = inputs.k_cache.shape[0] * inputs.k_cache.shape[1]
+        slots[::2] = torch.where(slots[::2] >= 0, slots[::2] - num_slots, slots[::2])
+        positions[::2] -= inputs.cos_sin_cache.shape[0]
+        return dataclasses.replace(inputs, slot_mapping=slots, positions=positions, wrap_indices=True)
+    if form == "v-scale":
+        return dataclasses.replace(inputs, v_scale=inputs.kv_scale * 0.5)
+    if form == "uint8":
+        return dataclasses.replace(inputs, k_cache=inputs.k_cache.view(torch.uint8),
+                                   v_cache=inputs.v_cache.view(torch.uint8))
+    if form != "half":
+        return with_cache_layout(inputs, form)
     return inputs
 
 

@@ -10,6 +10,8 @@
 #   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
 #   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
 #   gqa   - the GQA op's benchmark, head dim 128 models (JSON, PNG, benchmarks_gqa.md into $OUT; ~200 s)
+#   gqa-operands - the operands real code needs (int32 and wrapped indices, one kv head, partial rotary, v_scale,
+#           uint8 caches), each beside the row it extends (..._operands.json, benchmarks_gqa_operands.md)
 #   gqa-head-dims - the same for the other head dims, 64 and 256 (..._head_dims.json, benchmarks_gqa_head_dims.md; ~120 s)
 #   gqa-sweep - the GQA kernel's launch-configuration sweep (PREPFUSE_GQA_SWEEP_ARGS replaces its shapes and configs)
 #   indexer - the DeepSeek-V4 indexer ops' benchmark (JSON, PNG, benchmarks_indexer.md into $OUT)
@@ -96,6 +98,11 @@ for what in "${steps[@]}"; do
     gqa)
         step gqa
         python3 bench/bench_gqa_qknorm_rope_kv_insert.py --out-dir "$OUT" --docs "$OUT/benchmarks_gqa.md" 2>&1 | tail -n 40 | tee -a "$log" || status=1
+        ;;
+    gqa-operands)
+        step gqa-operands
+        python3 bench/bench_gqa_qknorm_rope_kv_insert.py --models "$(python3 -c 'import sys; sys.path.insert(0, "bench"); import bench_gqa_qknorm_rope_kv_insert as b; print(",".join(b.OPERAND_MODELS))')" \
+            --name-suffix _operands --out-dir "$OUT" --docs "$OUT/benchmarks_gqa_operands.md" 2>&1 | tail -n 40 | tee -a "$log" || status=1
         ;;
     gqa-head-dims)
         step gqa-head-dims

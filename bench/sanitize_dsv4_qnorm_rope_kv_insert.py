@@ -3,9 +3,12 @@
     compute-sanitizer --tool memcheck  python3 bench/sanitize_dsv4_qnorm_rope_kv_insert.py
     compute-sanitizer --tool racecheck python3 bench/sanitize_dsv4_qnorm_rope_kv_insert.py
 
-Shapes cover padded heads, a slot mapping shorter than T with skipped rows, and each
-block size; the check at the end makes a wrong result fail the run too.
+Shapes cover padded heads, a slot mapping shorter than T with skipped rows, each block
+size, int32 slots and positions, and negative ones counted from the end (``wrap_indices``);
+the check at the end makes a wrong result fail the run too.
 """
+
+import dataclasses
 
 import torch
 
@@ -13,18 +16,29 @@ import prepfuse  # noqa: F401
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, dsv4_qnorm_rope_kv_insert_reference
 from prepfuse.testing import compare_dsv4, make_dsv4_inputs
 
-SHAPES = [  # (T, H, HP, block_size, T')
+SHAPES = [  # (T, H, HP, block_size, T'[, form])
     (1, 1, 8, 16, 1),
     (7, 3, 8, 16, 4),
     (64, 16, 64, 64, 64),
     (33, 128, 128, 256, 30),
+    (9, 3, 8, 16, 9, "int32"),
+    (33, 16, 64, 64, 33, "wrap+int32"),
 ]
 
 
 def main() -> int:
     failures = 0
-    for num_tokens, heads, padded, block_size, inserted in SHAPES:
-        base = make_dsv4_inputs(num_tokens, heads, padded, block_size, "cuda", num_inserted=inserted)
+    for num_tokens, heads, padded, block_size, inserted, *form in SHAPES:
+        form = form[0] if form else ""
+        base = make_dsv4_inputs(num_tokens, heads, padded, block_size, "cuda", num_inserted=inserted,
+                                skip_fraction=0.0 if "wrap" in form else 0.1)
+        if "wrap" in form:  # every other row addressed from the end: the same rows, through the wrap
+            slots, positions = base.slot_mapping.clone(), base.positions.clone()
+            slots[::2] -= base.k_cache.shape[0] * block_size
+            positions[::2] -= base.cos_sin_cache.shape[0]
+            base = dataclasses.replace(base, slot_mapping=slots, positions=positions, wrap_indices=True)
+        if "int32" in form:
+            base = dataclasses.replace(base, slot_mapping=base.slot_mapping.int(), positions=base.positions.int())
         fused, ref = base.fresh_outputs(), base.fresh_outputs()
         DSV4_QNORM_ROPE_KV_INSERT(*fused.args())
         dsv4_qnorm_rope_kv_insert_reference(*ref.args())
@@ -32,7 +46,7 @@ def main() -> int:
         cmp = compare_dsv4(ref, fused)
         ok = cmp.within_spec() and bool((fused.q_out[:, heads:] == 0).all())
         failures += not ok
-        print(f"T={num_tokens} H={heads} HP={padded} bs={block_size} T'={inserted}: {'ok' if ok else cmp}")
+        print(f"T={num_tokens} H={heads} HP={padded} bs={block_size} T'={inserted} {form}: {'ok' if ok else cmp}")
     return 1 if failures else 0
 
 

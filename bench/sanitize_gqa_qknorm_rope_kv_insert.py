@@ -12,7 +12,8 @@ again with a launch configuration of several tokens per program (a last program 
 tokens past T; with dedupe "off": a scan or the row locks take one token a program) and
 once more with each token's kv programs first (``kv_first``, the decode floor's probe), fp8
 codes into uint8 caches (vLLM's "fp8" cache) and with
-``fp8_saturate=False`` (NaN past 464); a wrong result fails the run too.
+``fp8_saturate=False`` (NaN past 464), int32 slots and positions, negative ones counted from
+the end (``wrap_indices``) and v's own fp8 scale; a wrong result fails the run too.
 """
 
 import dataclasses
@@ -43,6 +44,9 @@ SHAPES = [
     (7, 8, 2, 128, 44, True, FP8, 5, False, None, "uint8"),
     (300, 32, 8, 128, None, True, FP8, 290, False, None, "nan"),
     (9, 40, 8, 128, None, False, FP8, 9, False, None, "uint8+nan"),
+    (7, 8, 2, 128, 44, True, FP8, 5, False, None, "int32"),
+    (9, 8, 2, 128, None, True, torch.bfloat16, 9, False, None, "wrap"),
+    (300, 32, 8, 128, None, True, FP8, 300, False, None, "wrap+int32+v_scale"),
 ]
 # (BLOCK_H, num_warps, tokens per program) for each shape's second launch
 MULTI_TOKEN_CONFIG = (2, 1, 4)
@@ -55,7 +59,8 @@ def main() -> int:
         # exact-sum qkv: a random head's sum of squares can round differently in the
         # kernel's order and flip one bf16 q value (seen once in 5 runs at D=256)
         base, seed = seeded_gqa_inputs(tokens, hq, hkv, head_dim, 16, "cuda", rotary_dim=rotary, is_neox=neox,
-                                       cache_dtype=cache_dtype, num_inserted=inserted)
+                                       cache_dtype=cache_dtype, num_inserted=inserted,
+                                       skip_fraction=0.0 if "wrap" in form else 0.1)
         if fp32_weights:
             base, _ = with_fp32_norm_weights(base)
         if operands is not None:
@@ -65,6 +70,15 @@ def main() -> int:
             base = dataclasses.replace(base, k_cache=base.k_cache.view(torch.uint8), v_cache=base.v_cache.view(torch.uint8))
         if "nan" in form:
             base = dataclasses.replace(base, fp8_saturate=False)
+        if "wrap" in form:  # every other row addressed from the end: the same rows, through the wrap
+            slots, positions = base.slot_mapping.clone(), base.positions.clone()
+            slots[::2] -= base.k_cache.shape[0] * base.k_cache.shape[1]
+            positions[::2] -= base.cos_sin_cache.shape[0]
+            base = dataclasses.replace(base, slot_mapping=slots, positions=positions, wrap_indices=True)
+        if "int32" in form:
+            base = dataclasses.replace(base, slot_mapping=base.slot_mapping.int(), positions=base.positions.int())
+        if "v_scale" in form:
+            base = dataclasses.replace(base, v_scale=base.kv_scale * 0.5)
         ref = base.fresh_outputs()
         gqa_qknorm_rope_kv_insert_reference(*ref.args())
         launches = (("op", lambda o: GQA_QKNORM_ROPE_KV_INSERT(*o.args())),

@@ -256,6 +256,7 @@ class DefunctionalizePass(PrepfusePass):
             call = graph.call_function(op, tuple(args), call_kwargs)
         call.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
         call.meta["original_aten"] = op
+        _pin_input_strides(call)
         returns = _val(node)[: len(op._schema.returns)] if isinstance(_val(node), (tuple, list)) else ()
         call.meta["val"] = None if not returns else (returns[0] if len(returns) == 1 else tuple(returns))
 
@@ -322,3 +323,18 @@ def _nodes_in(args) -> list[torch.fx.Node]:
     found: list[torch.fx.Node] = []
     torch.fx.node.map_arg(args, found.append)
     return found
+
+
+def _pin_input_strides(call: torch.fx.Node) -> None:
+    """Have Inductor lay the call's inputs out with the strides the graph's values have
+    (``eager_input_vals``: the default ``needs_exact_strides`` constraint of a custom op
+    reads them; a call a pass inserts without them gets any layout). Why: the op's checks
+    passed on those strides when the call was made, and a layout Inductor picks instead
+    (a transposed cos, say) fails them while lowering. Left out where an input has no value."""
+    def fake(x):
+        return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+
+    if all(isinstance(n.meta.get("val"), (torch.Tensor, list, tuple, int, float, bool, torch.SymInt))
+           for n in call.all_input_nodes):
+        call.meta["eager_input_vals"] = (tuple(torch.fx.node.map_aggregate(a, fake) for a in call.args),
+                                         {k: torch.fx.node.map_aggregate(v, fake) for k, v in call.kwargs.items()})

@@ -48,10 +48,15 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
     else:
         k_cache[slots // block_size, slots % block_size] = key.transpose(1, 2).reshape(batch * seq, kv_heads, head_dim)
         v_cache[slots // block_size, slots % block_size] = value.transpose(1, 2).reshape(batch * seq, kv_heads, head_dim)
-    groups = query.shape[1] // kv_heads
+    return causal_gqa_attention(query, key, value, scaling), None
+
+
+def causal_gqa_attention(query, key, value, scaling) -> torch.Tensor:
+    """Causal SDPA over the step's tokens, kv heads repeated for GQA: ``[B, S, H, Dv]``."""
+    groups = query.shape[1] // key.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), is_causal=True, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def register_engine_attention() -> None:

@@ -31,11 +31,12 @@ class Dsv4Inputs:
     cos_sin_cache: torch.Tensor
     eps: float
     block_size: int
+    wrap_indices: bool = False  # a negative slot or position counts from the end
 
     def args(self) -> tuple:
         return (
             self.q, self.kv, self.q_out, self.k_cache, self.slot_mapping,
-            self.positions, self.cos_sin_cache, self.eps, self.block_size,
+            self.positions, self.cos_sin_cache, self.eps, self.block_size, self.wrap_indices,
         )
 
     def fresh_outputs(self) -> "Dsv4Inputs":

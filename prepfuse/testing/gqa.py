@@ -40,13 +40,15 @@ class GqaInputs:
     cos: torch.Tensor | None = None  # the two-table form instead of cos_sin_cache (``with_cos_sin_operands``)
     sin: torch.Tensor | None = None
     fp8_saturate: bool = True  # False: NaN where an fp8 value rounds past 448 (a bare non-saturating cast)
+    wrap_indices: bool = False  # a negative slot or position counts from the end (``with_wrapped_indices``)
+    v_scale: torch.Tensor | None = None  # v's own fp8 scale (vLLM's v_scale); None: kv_scale serves both
 
     def args(self) -> tuple:
         return (
             self.qkv, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
             self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale,
             self.num_q_heads, self.num_kv_heads, self.is_neox, self.eps, self.full_cos_sin, self.cos, self.sin,
-            self.fp8_saturate,
+            self.fp8_saturate, self.wrap_indices, self.v_scale,
         )
 
     @property
@@ -68,7 +70,7 @@ class GqaInputs:
         return (
             *sources, self.q_norm_weight, self.k_norm_weight, self.q_out, self.k_cache, self.v_cache,
             self.slot_mapping, self.positions, self.cos_sin_cache, self.kv_scale, self.is_neox, self.eps,
-            self.full_cos_sin, self.cos, self.sin, self.fp8_saturate,
+            self.full_cos_sin, self.cos, self.sin, self.fp8_saturate, self.wrap_indices, self.v_scale,
         )
 
     def fresh_outputs(self) -> "GqaInputs":

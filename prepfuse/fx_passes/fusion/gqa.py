@@ -132,9 +132,14 @@ class FuseGqaPrepPass(PrepfusePass):
                 self.log.declined(self.name, PATTERN, node, str(w))
                 continue
             target, width = val(w.target), shape(w.values)[-1:]
-            if target.dim() not in (3, 4) or width not in [(d,) for d in HEAD_DIMS] \
+            if width not in [(d,) for d in HEAD_DIMS] \
                     or target.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8, torch.float16):
                 continue  # no KV cache of heads: another family's, or none
+            if target.dim() not in (3, 4):  # heads of a head dim the op takes, in a cache it cannot address
+                self.log.declined(self.name, PATTERN, node, f"write: the rows written at {where(w.write)} go into a "
+                                  f"{target.dim()}-d buffer; the op writes [blocks, block, heads, dim], "
+                                  "[blocks, heads, block, dim] or [slots, heads, dim] caches")
+                continue
             self.attempt(lambda w=w: found.append(self._kv_write(w)), PATTERN, node)
         return found
 

@@ -54,7 +54,8 @@ class _Limits:
     slots: int | None = None  # slots of the cache the op writes
     positions: int | None = None  # rows of the cos/sin table
     block_size: int | None = None  # for slot_block / slot_row
-    repeats: bool = True  # the edge probe repeats a slot (CPU: eager's last writer is defined)
+    repeats: bool = True  # the CPU: the edge probe repeats a slot (eager's last writer is defined) and counts
+    # index_copy_'s positions from the end (CUDA's kernel does not wrap them)
 
 
 class Probes:
@@ -290,11 +291,11 @@ def _probe_value(node: torch.fx.Node, role: str | None, limits: _Limits, probe: 
     return out
 
 
-def _slots(n: int, capacity: int, probe: int, gen, repeats: bool) -> torch.Tensor:
+def _slots(n: int, capacity: int, probe: int, gen, repeats: bool, from_end: bool = True) -> torch.Tensor:
     if capacity is None or n > capacity:
         raise NoMatch(f"{n} rows do not fit the cache ({capacity} slots)")
     slots = torch.randperm(capacity, generator=gen)[:n]
-    if probe == 1 and n >= 2:  # what eager indexing accepts too: slots counted from the end, a repeat
+    if probe == 1 and n >= 2 and from_end:  # what eager indexing accepts too: slots counted from the end, a repeat
         slots[0] = slots[0] - capacity
         if n >= 3 and repeats:
             slots[-1] = slots[1]
@@ -311,7 +312,9 @@ def _values(role, sizes, dtype, limits: _Limits, probe: int, gen) -> torch.Tenso
     if role == "sequence_slots":  # [B, T] positions of B sequences, each row's own
         if limits.slots is None or len(sizes) != 2 or sizes[1] > limits.slots:
             raise NoMatch(f"{sizes} positions do not fit the sequences ({limits.slots} positions each)")
-        return torch.stack([_slots(sizes[1], limits.slots, probe, gen, False) for _ in range(sizes[0])]).to(dtype)
+        # index_copy_ takes a negative index only on the CPU (CUDA's kernel does not wrap it)
+        return torch.stack([_slots(sizes[1], limits.slots, probe, gen, False, from_end=limits.repeats)
+                            for _ in range(sizes[0])]).to(dtype)
     if role in ("slot_block", "slot_row"):  # one permutation of the slots for both: distinct pairs
         if limits.slots is None or limits.block_size is None or n > limits.slots:
             raise NoMatch(f"{n} block/row pairs do not fit the cache ({limits.slots} slots)")
@@ -326,6 +329,13 @@ def _values(role, sizes, dtype, limits: _Limits, probe: int, gen) -> torch.Tenso
         rows = limits.positions if role == "positions" else int(role.split(":")[1])
         if not rows:
             raise NoMatch("no rows to draw positions from")
+        if not limits.repeats and sizes and sizes[-1] <= rows:  # distinct along the tokens: positions may
+            # make slots (b * S + pos), and a slot written twice is undefined off the CPU
+            lead = 1
+            for size in sizes[:-1]:
+                lead *= size
+            return torch.stack([torch.randperm(rows, generator=gen)[:sizes[-1]] for _ in range(lead)]) \
+                .reshape(sizes).to(dtype)
         return torch.randint(0, rows, sizes, generator=gen).to(dtype)
     if dtype == torch.bool:
         return torch.rand(sizes, generator=gen) < 0.5

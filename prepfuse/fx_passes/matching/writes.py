@@ -162,6 +162,14 @@ def rows_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, RowsWrite | NoMatc
                 found[node] = rows_write(node)
             except NoMatch as err:
                 found[node] = err
+        elif is_op(node, aten.select_scatter.default, aten.as_strided_scatter.default) \
+                and _is_graph_buffer(view_chain(node.args[0])[0]) and not is_op(node.args[1], *_WRITES_BACK,
+                                                                               aten.index_put.default):
+            # values written straight into one index (or a strided window) of a buffer: no
+            # rows at indices, but said, so that such code never declines in silence
+            found[node] = NoMatch(f"write: {where(node)} writes its values into one "
+                                  f"{'index' if is_op(node, aten.select_scatter.default) else 'strided window'} "
+                                  f"of {view_chain(node.args[0])[0].name}, not rows at token indices")
     return found
 
 
