@@ -123,6 +123,7 @@ def gqa_bytes_moved(num_tokens: int, model: tuple) -> int:
 def make_inputs(num_tokens: int, model: tuple, *, skip_fraction: float):
     from prepfuse.testing import (
         make_gqa_inputs, seeded_generator, with_cache_layout, with_cos_sin_operands, with_full_cos_sin,
+        with_wrapped_indices,
     )
 
     hq, hkv, d, rot, neox, norm, dtype = model[:7]
@@ -138,11 +139,7 @@ def make_inputs(num_tokens: int, model: tuple, *, skip_fraction: float):
     if form == "int32":
         return dataclasses.replace(inputs, slot_mapping=inputs.slot_mapping.int(), positions=inputs.positions.int())
     if form == "wrap":  # every other index as the same row counted from the end: the same writes
-        slots, positions = inputs.slot_mapping.clone(), inputs.positions.clone()
-        num_slots = inputs.k_cache.shape[0] * inputs.k_cache.shape[1]
-        slots[::2] = torch.where(slots[::2] >= 0, slots[::2] - num_slots, slots[::2])
-        positions[::2] -= inputs.cos_sin_cache.shape[0]
-        return dataclasses.replace(inputs, slot_mapping=slots, positions=positions, wrap_indices=True)
+        return with_wrapped_indices(inputs, inputs.k_cache.shape[0] * inputs.k_cache.shape[1])
     if form == "v-scale":
         return dataclasses.replace(inputs, v_scale=inputs.kv_scale * 0.5)
     if form == "uint8":

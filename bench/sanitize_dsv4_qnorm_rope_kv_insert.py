@@ -14,7 +14,7 @@ import torch
 
 import prepfuse  # noqa: F401
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, dsv4_qnorm_rope_kv_insert_reference
-from prepfuse.testing import compare_dsv4, make_dsv4_inputs
+from prepfuse.testing import compare_dsv4, make_dsv4_inputs, with_wrapped_indices
 
 SHAPES = [  # (T, H, HP, block_size, T'[, form])
     (1, 1, 8, 16, 1),
@@ -33,10 +33,7 @@ def main() -> int:
         base = make_dsv4_inputs(num_tokens, heads, padded, block_size, "cuda", num_inserted=inserted,
                                 skip_fraction=0.0 if "wrap" in form else 0.1)
         if "wrap" in form:  # every other row addressed from the end: the same rows, through the wrap
-            slots, positions = base.slot_mapping.clone(), base.positions.clone()
-            slots[::2] -= base.k_cache.shape[0] * block_size
-            positions[::2] -= base.cos_sin_cache.shape[0]
-            base = dataclasses.replace(base, slot_mapping=slots, positions=positions, wrap_indices=True)
+            base = with_wrapped_indices(base, base.k_cache.shape[0] * block_size)
         if "int32" in form:
             base = dataclasses.replace(base, slot_mapping=base.slot_mapping.int(), positions=base.positions.int())
         fused, ref = base.fresh_outputs(), base.fresh_outputs()

@@ -23,7 +23,9 @@ import torch
 import prepfuse  # noqa: F401
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, gqa_qknorm_rope_kv_insert_reference
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import gqa_qknorm_rope_kv_insert_triton
-from prepfuse.testing import compare_gqa, seeded_gqa_inputs, with_cos_sin_operands, with_fp32_norm_weights
+from prepfuse.testing import (
+    compare_gqa, seeded_gqa_inputs, with_cos_sin_operands, with_fp32_norm_weights, with_wrapped_indices,
+)
 
 FP8 = torch.float8_e4m3fn
 # (T, Hq, Hkv, D, rotary dim, NeoX, cache dtype, T', fp32 norm weights, cos/sin operands:
@@ -71,10 +73,7 @@ def main() -> int:
         if "nan" in form:
             base = dataclasses.replace(base, fp8_saturate=False)
         if "wrap" in form:  # every other row addressed from the end: the same rows, through the wrap
-            slots, positions = base.slot_mapping.clone(), base.positions.clone()
-            slots[::2] -= base.k_cache.shape[0] * base.k_cache.shape[1]
-            positions[::2] -= base.cos_sin_cache.shape[0]
-            base = dataclasses.replace(base, slot_mapping=slots, positions=positions, wrap_indices=True)
+            base = with_wrapped_indices(base, base.k_cache.shape[0] * base.k_cache.shape[1])
         if "int32" in form:
             base = dataclasses.replace(base, slot_mapping=base.slot_mapping.int(), positions=base.positions.int())
         if "v_scale" in form:

@@ -1,11 +1,13 @@
 """What every family's checks share: poisoned outputs, fresh generators, random slots, a
-cos/sin table, ULP and code distances, and a call through the fake impl."""
+cos/sin table, ULP and code distances, wrapped indices, and a call through the fake impl."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-__all__ = ["Q_POISON", "CACHE_POISON", "poisoned_like", "fresh_generator", "seeded_generator", "random_slots", "rope_cos_sin_cache", "bf16_ulp_diff", "e4m3_code_diff", "max_row_rel_diff", "call_with_fake_tensors"]
+__all__ = ["Q_POISON", "CACHE_POISON", "poisoned_like", "fresh_generator", "seeded_generator", "random_slots", "rope_cos_sin_cache", "bf16_ulp_diff", "e4m3_code_diff", "max_row_rel_diff", "with_wrapped_indices", "call_with_fake_tensors"]
 
 Q_POISON = -123.0
 CACHE_POISON = 0xA5
@@ -71,6 +73,19 @@ def e4m3_code_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ia = torch.where(ia >= 128, 128 - ia, ia)
     ib = torch.where(ib >= 128, 128 - ib, ib)
     return (ia - ib).abs()
+
+
+def with_wrapped_indices(inputs, num_slots: int):
+    """``inputs`` (a family's inputs with ``slot_mapping``, ``positions``, ``cos_sin_cache``
+    and ``wrap_indices``) with every other slot and position counted from the end of the
+    ``num_slots`` slots and of the table, and ``wrap_indices=True``: the same rows written,
+    through the wrap. Slots must all be valid (under the wrap a negative slot is no skip)."""
+    slots, positions = inputs.slot_mapping.clone(), inputs.positions.clone()
+    if (slots < 0).any():
+        raise ValueError("slot_mapping: a skipped (negative) slot has no wrapped form; make the inputs without skips")
+    slots[::2] -= num_slots
+    positions[::2] -= inputs.cos_sin_cache.shape[0]
+    return dataclasses.replace(inputs, slot_mapping=slots, positions=positions, wrap_indices=True)
 
 
 def max_row_rel_diff(got, want) -> float:

@@ -40,7 +40,7 @@ class GqaInputs:
     cos: torch.Tensor | None = None  # the two-table form instead of cos_sin_cache (``with_cos_sin_operands``)
     sin: torch.Tensor | None = None
     fp8_saturate: bool = True  # False: NaN where an fp8 value rounds past 448 (a bare non-saturating cast)
-    wrap_indices: bool = False  # a negative slot or position counts from the end (``with_wrapped_indices``)
+    wrap_indices: bool = False  # a negative slot or position counts from the end (``common.with_wrapped_indices``)
     v_scale: torch.Tensor | None = None  # v's own fp8 scale (vLLM's v_scale); None: kv_scale serves both
 
     def args(self) -> tuple:

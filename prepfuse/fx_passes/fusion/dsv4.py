@@ -34,13 +34,15 @@ from prepfuse.fx_passes.matching import MATCHING_MODULES
 from prepfuse.fx_passes.matching.axes import base_columns
 from prepfuse.fx_passes.matching.compare import Checked
 from prepfuse.fx_passes.matching.emitter import Emitter
-from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, prims, same_size, shape, val, where
+from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, graph_order, prims, same_size, shape, val, where
 from prepfuse.fx_passes.matching.probes import Probes
-from prepfuse.fx_passes.matching.regions import backward, constants, is_leaf, operands
+from prepfuse.fx_passes.matching.regions import backward, constants
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
-from prepfuse.fx_passes.matching.sources import column_starts, prepared, row_sources, weight_like
-from prepfuse.fx_passes.matching.writes import ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of
+from prepfuse.fx_passes.matching.sources import prepared, projection_starts, row_sources, weight_like
+from prepfuse.fx_passes.matching.writes import (
+    ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
+)
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, SLOT_BYTES
 
@@ -135,17 +137,8 @@ class FuseDsv4PrepPass(PrepfusePass):
 
     def _q_sides(self, graph, kv_starts) -> list[QSide]:
         found = []
-        for node in graph.nodes:
-            v = val(node)
-            if not (isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) and v.dim() >= 2
-                    and is_leaf(node)
-                    and isinstance(v.shape[-1], int) and v.shape[-1] % HEAD_DIM == 0) or node in kv_starts:
-                continue
-            starts = column_starts(node, HEAD_DIM)
-            if not starts:
-                continue
-            start = starts[0]
-            cands = [p for p in prepared(start, HEAD_DIM, _tokens(node), dtypes=(torch.bfloat16, torch.float16))
+        for start in projection_starts(graph, HEAD_DIM, (torch.bfloat16, torch.float16), avoid=kv_starts):
+            cands = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=(torch.bfloat16, torch.float16))
                      if per_token_operands(p.operands, weight_like) and len(shape(p.node)) >= 3
                      and shape(p.node)[-1] == HEAD_DIM]
             if cands:
@@ -156,7 +149,7 @@ class FuseDsv4PrepPass(PrepfusePass):
     def _fuse(self, graph, q: QSide | None, kv: KvSide | None) -> None:
         expect(q is None or val(q.start.source).dtype == torch.bfloat16,
                f"q: the projection is {val(q.start.source).dtype if q else ''}; the op reads bfloat16")
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = graph_order(graph)
         outputs = ([p.node for p in q.candidates] if q else []) + ([kv.after] if kv else [])
         outputs += [pd.node for p in (q.candidates if q else []) for pd in
                     (head_padding(u, p.node, HEAD_DIM) for u in p.node.users) if pd is not None]
@@ -166,8 +159,7 @@ class FuseDsv4PrepPass(PrepfusePass):
         roles, block_size = {}, 1
         if kv is not None:
             block_size = kv.data.block_size
-            slot = slot_of(kv.data)
-            roles.update({slot: "slots"} if slot is not None else {kv.data.block: "slot_block", kv.data.row: "slot_row"})
+            roles.update(slot_roles(kv.data))
         probes = Probes(outputs, roles, slots=_slots(kv), block_size=block_size, mode=self.validate, memo=self.memo)
         rope_ops = per_token_operands((q.candidates[0].operands if q else []) + (kv.operands if kv else []),
                                       weight_like)

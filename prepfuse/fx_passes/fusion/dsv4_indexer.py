@@ -37,13 +37,17 @@ from prepfuse.fx_passes.matching import MATCHING_MODULES
 from prepfuse.fx_passes.matching.axes import base_columns
 from prepfuse.fx_passes.matching.compare import Checked, Exact
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout
-from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, is_op, prims, same_size, shape, val, where
+from prepfuse.fx_passes.matching.nodes import (
+    NoMatch, aten, expect, graph_order, is_op, prims, same_size, shape, val, where,
+)
 from prepfuse.fx_passes.matching.probes import Probes
-from prepfuse.fx_passes.matching.regions import backward, is_leaf, leaves, operands
+from prepfuse.fx_passes.matching.regions import backward, leaves, operands
 from prepfuse.fx_passes.matching.rope_operands import RopeOperand, emit_table, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
-from prepfuse.fx_passes.matching.sources import column_starts, dim_roles, prepared, row_sources, weight_like
-from prepfuse.fx_passes.matching.writes import ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of
+from prepfuse.fx_passes.matching.sources import dim_roles, prepared, projection_starts, row_sources, weight_like
+from prepfuse.fx_passes.matching.writes import (
+    ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
+)
 from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_INDEXER_ROPE_MXFP4_INSERT, SCRATCH
 from prepfuse.ops.dsv4_indexer_common import HEAD_DIM, MXFP4_BLOCKS, MXFP4_PACKED, ROPE_DIM
 
@@ -178,17 +182,8 @@ class _FuseDsv4IndexerPass(PrepfusePass):
         if not any(isinstance(v := val(n), torch.Tensor) and v.dtype == dtype and v.shape[-1:] == (width,)
                    for n in graph.nodes):
             return found  # no tensor a prepared q could be: nothing to trace
-        for node in graph.nodes:
-            v = val(node)
-            if not (isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float32) and v.dim() >= 2
-                    and is_leaf(node)
-                    and isinstance(v.shape[-1], int) and v.shape[-1] % HEAD_DIM == 0) or node in k_sources:
-                continue
-            starts = column_starts(node, HEAD_DIM)
-            if not starts:
-                continue
-            start = starts[0]
-            tokens = base_columns(node, HEAD_DIM)[0]
+        for start in projection_starts(graph, HEAD_DIM, (torch.bfloat16, torch.float32), avoid=k_sources):
+            tokens = base_columns(start.source, HEAD_DIM)[0]
             outputs = {}
             for name, width, dtype in self.fmt.q_outputs:
                 cands = [p for p in prepared(start, HEAD_DIM, tokens, dtypes=(dtype,)) if shape(p.node)[-1] == width]
@@ -217,12 +212,11 @@ class _FuseDsv4IndexerPass(PrepfusePass):
             ([k.after] if k else [])
         readers = [u for o in outputs for u in o.users]
         expect(readers, "nothing reads what the preparation makes")
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = graph_order(graph)
         point = min(readers, key=order.__getitem__)
         roles = {}
         if k is not None:
-            slot = slot_of(k.data)
-            roles.update({slot: "slots"} if slot is not None else {k.data.block: "slot_block", k.data.row: "slot_row"})
+            roles.update(slot_roles(k.data))
         probes = Probes(outputs, roles, slots=(val(k.root).shape[0] * k.data.block_size) if k else None,
                         block_size=k.data.block_size if k else None, mode=self.validate, memo=self.memo)
         q_ropes = self._ropes(probes, q.operands) if q else [None]
@@ -354,7 +348,7 @@ def prepared_products(start, tokens, heads) -> list[tuple]:
         w = _weights_input(backward([node]), {start.node}, tokens, heads)
         if w is not None:
             found.append((node, w[0], w[1]))
-    order = {n: i for i, n in enumerate(start.node.graph.nodes)}
+    order = graph_order(start.node.graph)
     return sorted(found, key=lambda p: -order[p[0]])
 
 

@@ -37,7 +37,7 @@ from prepfuse.fx_passes.matching.compare import Checked
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, viewed_call
 from prepfuse.fx_passes.matching.layouts import Layout
 from prepfuse.fx_passes.matching.nodes import (
-    NoMatch, aten, concrete, expect, is_op, prims, same_size, shape, slice_params, val, where,
+    NoMatch, aten, concrete, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
 )
 from prepfuse.fx_passes.matching.probes import Probes
 from prepfuse.fx_passes.matching.regions import backward, constants, leaves, operands
@@ -204,7 +204,7 @@ class FuseGqaPrepPass(PrepfusePass):
         # before the first reader of anything the call may replace (any q candidate)
         readers = [u for o in ([q.prepared for q in qs] + ([shared[1]] if shared else [k.write.after, v.write.after]))
                    for u in o.users]
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = graph_order(graph)
         expect(readers, "write: nothing reads the written cache or the prepared q")
         point = min(readers, key=order.__getitem__)
         scales = (_scale(k), _scale(v))
@@ -303,7 +303,7 @@ def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, check
         args.update(is_neox=math.is_neox, eps=math.eps, wrap_indices=True)
         if not math.saturate:
             args["fp8_saturate"] = False
-        views, roots = {}, {}
+        views = {}
         for name, w in (("k_cache", k), ("v_cache", v)):
             root = shared[0] if shared else w.write.root
             root = pass_.replaced.get(root, root)

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.layouts import Axis, Layout, _known, _regroup, follow
-from prepfuse.fx_passes.matching.nodes import CONVERTS, VIEW_OPS, aten, same_size, shape, val
+from prepfuse.fx_passes.matching.nodes import CONVERTS, VIEW_OPS, aten, graph_order, same_size, shape, val
 
 __all__ = ["OPAQUE", "base_layout", "base_columns", "carry", "lead_count", "token_major_heads", "ELEMENTWISE"]
 
@@ -55,7 +55,6 @@ ELEMENTWISE = frozenset({
     aten.tan.default, aten.atan.default, aten.atan2.default, aten.erf.default, aten.expm1.default, aten.log1p.default,
     aten.log10.default, aten.relu.default, aten.silu.default, aten.gelu.default, aten.softplus.default,
     aten.floor_divide.default, aten.isnan.default, aten.isinf.default,
-    aten.add.Scalar, aten.mul.Scalar,
 })
 _REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
                          aten.var.correction, aten.prod.dim_int, aten.any.dims, aten.max.dim, aten.min.dim})
@@ -161,7 +160,7 @@ def carry(start: torch.fx.Node, layout: Layout, head_dim, foreign) -> dict[torch
     steps that keep each value in its token and head. ``foreign(node)`` says a node's values
     come from another source (it may not be mixed in)."""
     found = {start: layout}
-    order = {n: i for i, n in enumerate(start.graph.nodes)}
+    order = graph_order(start.graph)
     frontier = sorted(start.users, key=order.__getitem__)
     pending = set(frontier)
     while frontier:

@@ -18,7 +18,7 @@ from torch._guards import detect_fake_mode
 from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
 from prepfuse.fx_passes.matching.layouts import Layout, canonical_order
-from prepfuse.fx_passes.matching.nodes import NoMatch, aten, prims, same_size, shape, val
+from prepfuse.fx_passes.matching.nodes import NoMatch, aten, graph_order, prims, same_size, shape, val
 from prepfuse.fx_passes.matching.scratch_buffers import scratch_buffer
 from prepfuse.ops import SCRATCH
 
@@ -108,7 +108,7 @@ class Emitter:
         computes after the insertion point is moved (with what it needs) in front of it
         (``hoist_before``), or NoMatch where it needs a reader of what the call replaces."""
         emitted = set(self.emitted)
-        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        order = graph_order(self.graph)
         first = min(self.emitted, key=order.__getitem__, default=self.point)
         late = [i for n in self.emitted for i in n.all_input_nodes if i not in emitted and order[i] > order[first]]
         if late and not hoist_before(first, late, order, self.readers):

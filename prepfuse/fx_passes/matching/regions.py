@@ -25,7 +25,7 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.axes import ELEMENTWISE, _REDUCTIONS, _TAIL_STEPS
-from prepfuse.fx_passes.matching.nodes import VIEW_OPS, WRITE_VIEWS, aten, prims
+from prepfuse.fx_passes.matching.nodes import VIEW_OPS, WRITE_VIEWS, aten, graph_order, prims
 
 __all__ = ["PREP_STEPS", "is_leaf", "backward", "leaves", "depends_on", "operands", "constants"]
 
@@ -81,7 +81,7 @@ def _ordered(nodes) -> list[torch.fx.Node]:
     nodes = list(nodes)
     if not nodes:
         return nodes
-    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    order = graph_order(nodes[0].graph)
     return sorted(nodes, key=order.__getitem__)
 
 

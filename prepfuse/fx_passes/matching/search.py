@@ -67,43 +67,42 @@ def first_agreeing(probes: Probes, candidates, make_emitter: Callable[[], Emitte
     candidates = list(candidates)
     key = ("agreed", probes.form(), tuple(c.name for c in candidates))
     if key in probes.memo:
-        outcome = probes.memo[key]
-        emit = make_emitter()
-        try:
-            checked, result = candidates[outcome].emit(emit)
-            emit.inputs_in_order()
-            return Agreed(candidates[outcome], emit, checked, result, 0)
-        except BaseException:
-            emit.discard()
-            raise
+        candidate = candidates[probes.memo[key]]
+        return _emitted(candidate, make_emitter, None)
     agreed = _search(probes, candidates, make_emitter)
     probes.memo[key] = candidates.index(agreed.candidate)
     return agreed
+
+
+def _emitted(candidate: Candidate, make_emitter: Callable[[], Emitter], probes: Probes | None) -> Agreed:
+    """``candidate``'s call in a fresh emitter, its inputs in order, checked on ``probes``
+    (None: taken as agreed); or nothing it emitted left in the graph, and NoMatch where the
+    call's fake impl refuses it (a probe's Mismatch passes through)."""
+    emit = make_emitter()
+    try:
+        try:
+            checked, result = candidate.emit(emit)
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:  # the call's fake impl refuses it
+            raise NoMatch(f"the call cannot be made: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        emit.inputs_in_order()
+        run = probes.check(emit.emitted, checked) if probes is not None else 0
+        return Agreed(candidate, emit, checked, result, run)
+    except BaseException:
+        emit.discard()  # nothing a failed candidate emitted stays in the graph
+        raise
 
 
 def _search(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> Agreed:
     closest: tuple | None = None
     structural: str | None = None
     for candidate in candidates:
-        emit = make_emitter()
         try:
-            try:
-                checked, result = candidate.emit(emit)
-            except (RuntimeError, ValueError, TypeError, IndexError) as err:  # the call's fake impl refuses it
-                raise NoMatch(f"the call cannot be made: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
-            emit.inputs_in_order()
-            run = probes.check(emit.emitted, checked)
-            return Agreed(candidate, emit, checked, result, run)
+            return _emitted(candidate, make_emitter, probes)
         except Mismatch as m:
-            emit.discard()
             if closest is None or m.closeness() > closest[0]:
                 closest = (m.closeness(), candidate, m)
         except NoMatch as err:
-            emit.discard()
             structural = structural or f"{candidate.name}: {err}"
-        except BaseException:
-            emit.discard()  # nothing a failed candidate emitted stays in the graph
-            raise
     if closest is not None:
         _, candidate, m = closest
         raise NoMatch(f"closest: {candidate.name}: {m}")

@@ -19,10 +19,12 @@ import torch.fx
 
 from prepfuse.fx_passes.matching.axes import base_columns, base_layout, carry, lead_count
 from prepfuse.fx_passes.matching.layouts import Layout, _known
-from prepfuse.fx_passes.matching.nodes import CONVERTS, RESHAPES, aten, is_op, same_size, shape, slice_params, val
-from prepfuse.fx_passes.matching.regions import PREP_STEPS, backward, leaves, operands
+from prepfuse.fx_passes.matching.nodes import (
+    CONVERTS, RESHAPES, aten, graph_order, is_op, same_size, shape, slice_params, val,
+)
+from prepfuse.fx_passes.matching.regions import PREP_STEPS, backward, is_leaf, leaves, operands
 
-__all__ = ["Start", "Traced", "Prepared", "column_starts", "trace", "dim_roles", "token_dims_order", "heads_of",
+__all__ = ["Start", "Traced", "Prepared", "column_starts", "projection_starts", "trace", "dim_roles", "token_dims_order", "heads_of",
            "prepared", "projection_input", "weight_like", "first_tokens_of"]
 
 
@@ -71,6 +73,20 @@ def column_starts(source: torch.fx.Node, head_dim=None) -> list[Start]:
                     first = sum(sizes[:index]) if sizes else index * user.args[1]
                     found.append(Start(source, piece, first, shape(piece)[-1]))
     return [s for s in found if all(isinstance(x, int) for x in (s.first, s.width))]
+
+
+def projection_starts(graph: torch.fx.Graph, head_dim: int, dtypes, avoid=frozenset()) -> list[Start]:
+    """The first column start (``column_starts``) of every leaf of ``graph`` that could be a
+    projection of heads of ``head_dim``: ``dtypes``, two dims or more, a static width that
+    whole heads fill; none of ``avoid`` (another side's sources)."""
+    found = []
+    for node in graph.nodes:
+        v = val(node)
+        if not (isinstance(v, torch.Tensor) and v.dtype in dtypes and v.dim() >= 2 and is_leaf(node)
+                and isinstance(v.shape[-1], int) and v.shape[-1] % head_dim == 0) or node in avoid:
+            continue
+        found += column_starts(node, head_dim)[:1]
+    return found
 
 
 def _source_candidates(region: list[torch.fx.Node], avoid: set) -> list[torch.fx.Node]:
@@ -237,7 +253,7 @@ def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.
         if "head" not in roles or heads[0] * head_dim != start.width:
             continue
         found.append(Prepared(node, layout, heads[0], operands(backward([node]), {start.node}, {})))
-    order = {n: i for i, n in enumerate(start.node.graph.nodes)}
+    order = graph_order(start.node.graph)
     return sorted(found, key=lambda p: -order[p.node])
 
 
@@ -269,6 +285,6 @@ def row_sources(rows: list[torch.fx.Node], head_dim: int, avoid=frozenset()) -> 
             continue  # per-token values mixed in already: past the rotation
         found.append(node)
     found += [x for x in map(first_tokens_of, found) if x is not None and x not in found]
-    order = {n: i for i, n in enumerate(rows[0].graph.nodes)}
+    order = graph_order(rows[0].graph)
     found.sort(key=lambda n: (val(n).dtype != torch.bfloat16, -order[n]))
     return found, region, ops

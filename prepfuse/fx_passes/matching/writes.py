@@ -287,6 +287,13 @@ def slot_of(rows: ByteRows) -> torch.fx.Node | None:
     return None
 
 
+def slot_roles(rows: ByteRows) -> dict[torch.fx.Node, str]:
+    """The probes' roles of what addresses the rows: the slots (``slot_of``), else the block
+    and the row in it, drawn together (``probes``: distinct pairs)."""
+    slot = slot_of(rows)
+    return {slot: "slots"} if slot is not None else {rows.block: "slot_block", rows.row: "slot_row"}
+
+
 def before_cast(values: torch.fx.Node) -> torch.fx.Node | None:
     """The values an fp8 write held before their cast (and clamp), through views and
     bitcasts: what bounds a row the cast saturated (``compare.Checked.before_cast``)."""

@@ -69,3 +69,13 @@ def assert_same_as_eager(r: Run) -> None:
     for got, want in zip(r.out or (), r.ref_out or ()):
         assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), int((_bits(got) != _bits(want)).sum())
     assert torch.equal(r.cache, r.ref_cache), int((r.cache != r.ref_cache).sum())
+
+
+def assert_same_as_rounded_eager(r: Run, model, spelling, inputs) -> None:
+    """``r``'s outputs and cache are, byte for byte, eager's for ``spelling`` with its bf16
+    rounding of the rotation (what the op computes where the code quantised it unrounded)."""
+    ref_cache = inputs.k_cache.clone()
+    rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
+    ref_out = prep(model, dataclasses.replace(spelling, bf16_round=True))(inputs.q, inputs.weights, inputs.k,
+                                                                          ref_cache, *rest)
+    assert_same_as_eager(Run(r.out, r.cache, ref_out, ref_cache, None))

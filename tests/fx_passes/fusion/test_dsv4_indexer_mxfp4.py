@@ -204,11 +204,7 @@ def test_quantising_the_unrounded_rotation_fuses_within_one_code():
     inputs = make_inputs()
     r = run(prep(spelling), inputs)
     assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_mxfp4_q+k"], r.events("declined")
-    rounded = dataclasses.replace(spelling, bf16_round=True)
-    ref_cache = inputs.k_cache.clone()
-    rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
-    ref_out = prep(rounded)(inputs.q, inputs.weights, inputs.k, ref_cache, *rest)
-    assert_same_as_eager(Run(r.out, r.cache, ref_out, ref_cache, None))
+    harness.assert_same_as_rounded_eager(r, model, spelling, inputs)
 
 
 def assert_nope_exact_rope_close(out, ref_out, cache, ref_cache, block_size: int = BLOCK) -> None:
