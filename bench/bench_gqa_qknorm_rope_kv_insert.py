@@ -267,7 +267,7 @@ def run_sweep(args) -> dict:
     path = out_dir / f"{OP}_sweep_{info['device_slug']}{args.name_suffix}.json"
     data = {"op": f"prepfuse::{OP}", "mode": "sweep-config", **info, "rows": [], "best": []}
     harness.spin_up_clocks()
-    # the first timing of a run is discarded (stop 32's sweeps each had their outlier in the first row timed)
+    # the first timing of a run is discarded (earlier sweeps each had their outlier in the first row timed)
     discard = True
     for name in args.models:
         model = MODELS[name]

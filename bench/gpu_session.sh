@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything one device-tool call does on the GPU machine, in order, logging under $OUT:
 #   env  - GPU, driver, torch and triton versions
-#   tests - the GPU-marked tests on CUDA, on PREPFUSE_GPU_TEST_WORKERS (8) xdist workers (632 in 4 min at
-#           stop 36; the whole suite in one process did not finish in a 10-minute call: the CPU tests are CI's);
+#   tests - the GPU-marked tests on CUDA, on PREPFUSE_GPU_TEST_WORKERS (8) xdist workers (632 in 4 min on
+#           an H200; the whole suite in one process did not finish in a 10-minute call: the CPU tests are CI's);
 #           PREPFUSE_TEST_MARK="" runs every test, PREPFUSE_TEST_PATHS picks files
 #   sanitize - compute-sanitizer memcheck and racecheck on small shapes of each op (bench/sanitize_*.py;
 #           PREPFUSE_SANITIZE_SCRIPTS names fewer, e.g. the changed op's and bench/sanitize_duplicate_slots.py)

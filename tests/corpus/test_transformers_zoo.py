@@ -32,7 +32,7 @@ MIN_MODELS = 120  # transformers 5.17 gives 165; far fewer means the rules stopp
 
 @functools.lru_cache(maxsize=None)
 def discovered() -> tuple[dict, dict]:
-    """(name -> model, entry model type left out -> why), once a session: discovery imports
+    """(name -> model, entry model type left out -> why), once a test run: discovery imports
     every family's modeling module."""
     excluded: dict[str, str] = {}
     return {m.name: m for m in discover(excluded)}, excluded
