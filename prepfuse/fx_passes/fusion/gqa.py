@@ -44,7 +44,8 @@ from prepfuse.fx_passes.matching.regions import backward, constants, leaves, ope
 from prepfuse.fx_passes.matching.rope_operands import emit_rope, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import (
-    Traced, column_starts, dim_roles, heads_of, prepared, projection_input, token_dims_order, trace, weight_like,
+    Traced, column_starts, dim_roles, heads_of, prepared, projection_input, token_dims_order, trace, unpadded_rows,
+    weight_like,
 )
 from prepfuse.fx_passes.matching.writes import RowsWrite, before_cast, first_rows, rows_writes
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
@@ -152,7 +153,7 @@ class FuseGqaPrepPass(PrepfusePass):
                        "(no per-token, per-head path back to one)")
         t = traced[0]
         roles = dim_roles(t.layout, head_dim)
-        order = token_dims_order(t.layout, roles, _tokens(t.start.node))
+        order = token_dims_order(t.layout, roles, t.start.tokens)
         heads = heads_of(t.layout, roles, head_dim)
         expect(order is not None and heads is not None,
                f"write: the rows written at {where(w.write)} list tokens or heads in an order the op cannot write")
@@ -194,7 +195,7 @@ class FuseGqaPrepPass(PrepfusePass):
             starts = [s for s in column_starts(k.start.source) if s.first == 0 and s.width == num_q * d]
         found = []
         for start in starts:
-            found += [Q(start, p.node, p.layout, p.heads, _weight(p.operands)) for p in prepared(start, d, _tokens(start.node))]
+            found += [Q(start, p.node, p.layout, p.heads, _weight(p.operands)) for p in prepared(start, d, start.tokens)]
         expect(found, "q: no prepared q (rotated heads of the q projection read by a later step) goes with k")
         return found
 
@@ -263,7 +264,9 @@ class FuseGqaPrepPass(PrepfusePass):
 def _expect_no_runtime_floats(k: KvWrite, scales) -> None:
     """Decline where the math reads a one-value float graph input other than a kv scale: a
     Python float (eps, a RoPE attention scaling) that ``dynamic=True`` turned into an input
-    (Dynamo's ``specialize_float`` off), which the op would need as a number."""
+    (Dynamo's ``specialize_float`` off), which the op would need as a number. A scale
+    computed from a 0-d input (``scale.reciprocal()``) is a scale."""
+    scales = {n for s in scales if s is not None for n in (s, *leaves(backward([s])))}
     for n in leaves(k.region):
         v = val(n)
         if n.op == "placeholder" and n not in scales and isinstance(v, torch.Tensor) and v.dim() == 0 \
@@ -411,7 +414,7 @@ def _same_slots(a: RowsWrite, b: RowsWrite) -> bool:
 
 
 def _float_sources(graph):
-    return [n for n in graph.nodes if isinstance(val(n), torch.Tensor) and val(n).dtype.is_floating_point
+    return [unpadded_rows(n) for n in graph.nodes if isinstance(val(n), torch.Tensor) and val(n).dtype.is_floating_point
             and val(n).dim() >= 2 and (n.op == "placeholder" or is_op(n, aten.mm.default, aten.addmm.default,
                                                                        aten.bmm.default, aten.baddbmm.default))]
 

@@ -17,7 +17,16 @@ graph nothing fuses in runs as before):
   ``cache[idx] = rows`` already are;
 - **a cache is its own bytes**: a write into a bitcast view (``cache.view(torch.int16)[s] =
   k.view(torch.int16)``, TensorRT-LLM's and text-generation-inference's spelling) becomes the
-  write of the values into the cache itself.
+  write of the values into the cache itself;
+- **no writes into views in between**: code that rotates a view of its projection in place
+  (``q1 = q[..., :32]; q1.copy_(...)``, text-generation-inference, lmdeploy) reaches the
+  post-grad graph as ``slice_scatter``/``select_scatter`` back into the projection and views
+  of that. A read of such a scatter is what it reads: the scattered values, where it reads
+  exactly them, or the same read of what was there before, where it reads none of them
+  (decided by running the views on element numbers, so every view spelling is one case);
+  scatters that together overwrite a whole dim are the ``cat`` of what they wrote; a
+  reshape of a reshape is one reshape (none, back to the input's shape); a functional
+  ``copy(dst, src)`` of dst's shape is ``src`` in dst's dtype.
 
 What a family reads needs no more than this: which math a region computes is decided by
 running candidate calls against it on probes (``probes.py``), not by reading its spelling,
@@ -31,9 +40,11 @@ import operator
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.matching.nodes import CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, remove_dead, scalar, shape, val
+from prepfuse.fx_passes.matching.nodes import (
+    CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, prims, remove_dead, scalar, shape, val,
+)
 
-__all__ = ["canonicalize", "PURE_STEPS", "merge_repeated_steps"]
+__all__ = ["canonicalize", "PURE_STEPS", "merge_repeated_steps", "reads_through_scatters"]
 
 # steps whose value is a function of their arguments alone (no randomness, no mutation)
 PURE_STEPS = (
@@ -50,7 +61,8 @@ PURE_STEPS = (
 def canonicalize(graph: torch.fx.Graph) -> dict[str, int]:
     """Rewrite ``graph`` into its canonical form; returns how often each rule applied."""
     counts = {"aliases": _no_aliases(graph), "squares": _one_square(graph), "writes": _one_write_form(graph),
-              "bitcast writes": _bitcast_writes(graph)}
+              "bitcast writes": _bitcast_writes(graph), "copies": _plain_copies(graph),
+              "reads through scatters": reads_through_scatters(graph)}
     counts["merged steps"] = merge_repeated_steps(graph)
     remove_dead([n for n in graph.nodes if n.op == "call_function" and not n.users])
     return counts
@@ -137,13 +149,20 @@ def _is_expand_of(index: torch.fx.Node, idx: torch.fx.Node, dim: int) -> bool:
 
 
 def _bitcast_writes(graph) -> int:
-    """``index_put(x.view(d), idx, v.view(d))`` with ``d`` of x's item size, read back as
-    ``.view(x.dtype)``: the write of ``v`` into ``x``."""
+    """``index_put(x.view(d)[.reshape(..)], idx, v.view(d))`` with ``d`` of x's item size,
+    read back as ``[.reshape(..)].view(x.dtype)``: the write of ``v`` into ``x`` (or its
+    reshape)."""
     done = 0
     for node in list(graph.nodes):
-        if not is_op(node, aten.index_put.default) or not is_op(node.args[0], aten.view.dtype):
+        if not is_op(node, aten.index_put.default):
             continue
-        bytes_view, indices, values = node.args[:3]
+        reshapes, bytes_view = [], node.args[0]
+        while is_op(bytes_view, *RESHAPES):
+            reshapes.append(bytes_view)
+            bytes_view = bytes_view.args[0]
+        if not is_op(bytes_view, aten.view.dtype):
+            continue
+        indices, values = node.args[1:3]
         cache = bytes_view.args[0]
         own, seen = val(cache).dtype, val(bytes_view).dtype
         if own.itemsize != seen.itemsize or own == seen:
@@ -157,21 +176,227 @@ def _bitcast_writes(graph) -> int:
         else:
             continue
         with graph.inserting_before(node):
-            put = graph.call_function(aten.index_put.default, (cache, indices, values, *node.args[3:]), dict(node.kwargs))
+            target = cache
+            for r in reversed(reshapes):  # the same reshapes of the cache in its own dtype
+                target = graph.call_function(r.target, (target, *r.args[1:]), dict(r.kwargs))
+                target.meta.update(r.meta)
+                target.meta["val"] = val(r).view(own)
+            put = graph.call_function(aten.index_put.default, (target, indices, values, *node.args[3:]), dict(node.kwargs))
             back = graph.call_function(aten.view.dtype, (put, seen))
         put.meta.update(node.meta)
         put.meta["val"] = val(node).view(own)
         back.meta["val"] = val(node)
         node.replace_all_uses_with(back)
         graph.erase_node(node)
-        for user in list(back.users):  # the functional write-back's view to the cache's own dtype
-            if is_op(user, aten.view.dtype) and val(user).dtype == own:
-                user.replace_all_uses_with(put)
+        _read_in_own_dtype(graph, back, put, own)
         done += 1
     return done
 
 
+def _read_in_own_dtype(graph, back: torch.fx.Node, put: torch.fx.Node, own) -> None:
+    """Readers of ``back`` (``put`` seen as bytes) that reshape it and view it as ``own``
+    again (the functional write-back) read the same reshapes of ``put``."""
+    frontier = [(u, []) for u in back.users]
+    while frontier:
+        user, chain = frontier.pop()
+        if is_op(user, aten.view.dtype) and val(user).dtype == own:
+            at = put
+            with graph.inserting_before(user):
+                for r in chain:
+                    at = graph.call_function(r.target, (at, *r.args[1:]), dict(r.kwargs))
+                    at.meta.update(r.meta)
+                    at.meta["val"] = val(r).view(own)
+            user.replace_all_uses_with(at)
+        elif is_op(user, *RESHAPES):
+            frontier += [(u, chain + [user]) for u in user.users]
+
+
 # --------------------------------------------------------------------------------------
+SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default)
+# steps that read a part of their first argument: what a read of a scatter may go through
+_READS = (*VIEW_OPS, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
+          operator.getitem)
+MAX_SCATTER_ROUNDS = 32
+
+
+def _plain_copies(graph) -> int:
+    """``copy(dst, src)`` (functionalization's ``dst.copy_(src)``) with src of dst's shape:
+    src, in dst's dtype."""
+    done = 0
+    for node in list(graph.nodes):
+        if not is_op(node, aten.copy.default) or node.kwargs.get("non_blocking") or len(node.args) > 2:
+            continue
+        dst, src = node.args[:2]
+        if not isinstance(src, torch.fx.Node) or tuple(shape(src)) != tuple(shape(dst)):
+            continue
+        if val(src).dtype == val(dst).dtype:
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+        else:
+            _replace(graph, node, prims.convert_element_type.default, (src, val(dst).dtype))
+        done += 1
+    return done
+
+
+def reads_through_scatters(graph: torch.fx.Graph) -> int:
+    """Reads of ``slice_scatter``/``select_scatter`` results become reads of what they read
+    (the module docstring's rule), and scatters tiling a dim become a ``cat``, until nothing
+    changes; a scatter into a graph input (a cache's write-back) is left as it is. Returns
+    how many reads and tilings went."""
+    done = 0
+    for _ in range(MAX_SCATTER_ROUNDS):
+        step = _reshape_chains(graph) + _tiling_scatters(graph)
+        for node in list(graph.nodes):
+            if is_op(node, *SCATTERS) and node.users and not _into_input(node):
+                step += _resolve_reads(graph, node)
+        remove_dead([n for n in graph.nodes if n.op == "call_function" and not n.users])
+        done += step
+        if not step:
+            break
+    return done
+
+
+def _into_input(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a view of, or a write into, a graph input (through views and
+    other writes): a cache's functional write-back, which the cache-write reader reads as
+    it is."""
+    while is_op(node, *_READS, *SCATTERS, aten.index_put.default, aten.view.dtype):
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _concrete_shape(node) -> list[int] | None:
+    v = val(node)
+    if not isinstance(v, torch.Tensor) or not all(isinstance(s, int) for s in v.shape):
+        return None
+    return list(v.shape)
+
+
+def _resolve_reads(graph, scatter: torch.fx.Node) -> int:
+    base, src = scatter.args[:2]
+    base_shape, src_shape = _concrete_shape(base), _concrete_shape(src)
+    if base_shape is None or src_shape is None:
+        return 0
+    base_ids = torch.arange(_numel(base_shape)).reshape(base_shape)
+    src_ids = -1 - torch.arange(_numel(src_shape)).reshape(src_shape)
+    try:
+        ids = scatter.target(base_ids, src_ids, *scatter.args[2:], **scatter.kwargs)
+    except Exception:  # noqa: BLE001 - a scatter the element numbers cannot replay: left as it is
+        return 0
+    done = 0
+    frontier = [(u, [u], ids) for u in scatter.users if is_op(u, *_READS) and u.args[0] is scatter]
+    while frontier:
+        node, chain, parent_ids = frontier.pop(0)
+        try:
+            got = node.target(parent_ids, *node.args[1:], **node.kwargs)
+        except Exception:  # noqa: BLE001
+            continue
+        if isinstance(got, torch.Tensor) and got.numel() and _concrete_shape(node) == list(got.shape):
+            new = _read_of(graph, node, chain, got, base, src, src_shape)
+            if new is not None:
+                node.replace_all_uses_with(new)
+                done += 1
+                continue
+        frontier += [(u, chain + [u], got) for u in node.users if is_op(u, *_READS) and u.args[0] is node]
+    return done
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _read_of(graph, node, chain, ids: torch.Tensor, base, src, src_shape) -> torch.fx.Node | None:
+    """What ``node`` (``chain`` of reads from a scatter, giving element numbers ``ids``)
+    reads: the scattered values in their order (a reshape of ``src``), or the same chain of
+    reads from ``base``; None when it reads some of each."""
+    if bool((ids < 0).all()):
+        if ids.numel() != _numel(src_shape) or not bool(((-1 - ids).flatten() == torch.arange(ids.numel())).all()):
+            return None
+        if list(ids.shape) == src_shape:
+            return src
+        with graph.inserting_before(node):
+            new = graph.call_function(aten.reshape.default, (src, list(ids.shape)))
+        new.meta.update(node.meta)
+        return new
+    if not bool((ids >= 0).all()):
+        return None
+    made = {chain[0].args[0]: base}
+    with graph.inserting_before(node):
+        for step in chain:
+            new = graph.call_function(step.target, (made[step.args[0]], *step.args[1:]), dict(step.kwargs))
+            new.meta.update(step.meta)
+            made[step] = new
+    return made[node]
+
+
+def _reshape_chains(graph) -> int:
+    """A reshape of a reshape is one reshape of the first input, and a reshape back to the
+    input's own shape is the input (reshapes keep the elements' order); not on a graph
+    input's views, whose chains the cache-write reader follows back."""
+    done = 0
+    for node in list(graph.nodes):
+        if not is_op(node, *RESHAPES) or not is_op(node.args[0], *RESHAPES) or not node.users or _into_input(node):
+            continue
+        root = node.args[0]
+        while is_op(root, *RESHAPES):
+            root = root.args[0]
+        if _concrete_shape(root) is not None and _concrete_shape(root) == _concrete_shape(node):
+            node.replace_all_uses_with(root)
+        else:
+            node.replace_input_with(node.args[0], root)
+        done += 1
+    return done
+
+
+def _tiling_scatters(graph) -> int:
+    """``slice_scatter(... slice_scatter(base, a, d, 0, m) ..., b, d, m, n)`` where the
+    ranges written along ``d`` cover it whole: the ``cat`` of the written values along
+    ``d``, in their order (the inner scatters stay for their other readers)."""
+    done = 0
+    for node in list(graph.nodes):
+        if not is_op(node, aten.slice_scatter.default) or _into_input(node):
+            continue
+        pieces, at = [], node
+        dim = None
+        while is_op(at, aten.slice_scatter.default):
+            base_shape = _concrete_shape(at.args[0])
+            d, start, end, step = _slice_scatter_params(at)
+            if base_shape is None or step != 1 or (dim is not None and d % len(base_shape) != dim) or not all(
+                    isinstance(x, int) for x in (d, 0 if start is None else start, 0 if end is None else end)):
+                break
+            dim = d % len(base_shape)
+            size = base_shape[dim]
+            start, end = _clamp(0 if start is None else start, size), _clamp(size if end is None else end, size)
+            pieces.append((start, end, at.args[1]))
+            at = at.args[0]
+        if len(pieces) < 2:
+            continue
+        size = _concrete_shape(node)[dim]
+        ranges = sorted((a, b) for a, b, _ in pieces)
+        if ranges[0][0] != 0 or ranges[-1][1] != size or any(b != c for (_, b), (c, _) in zip(ranges, ranges[1:])):
+            continue
+        srcs = [s for _, _, s in sorted(pieces, key=lambda p: p[0])]
+        _replace(graph, node, aten.cat.default, (srcs, dim))
+        done += 1
+    return done
+
+
+def _slice_scatter_params(node):
+    names = ("dim", "start", "end", "step")
+    defaults = (0, None, None, 1)
+    args = list(node.args[2:]) + [None] * (4 - len(node.args[2:]))
+    return tuple(node.kwargs.get(n, a if a is not None else d) for n, a, d in zip(names, args, defaults))
+
+
+def _clamp(i: int, size: int) -> int:
+    if i < 0:
+        i += size
+    return max(0, min(i, size))
+
+
 def _mutates(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.is_mutable

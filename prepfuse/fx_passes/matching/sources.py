@@ -12,20 +12,21 @@ what layout.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.axes import base_columns, base_layout, carry, lead_count
-from prepfuse.fx_passes.matching.layouts import Layout, _known
+from prepfuse.fx_passes.matching.layouts import Axis, Layout, _known, _regroup
 from prepfuse.fx_passes.matching.nodes import (
     CONVERTS, RESHAPES, aten, graph_order, is_op, same_size, shape, slice_params, val,
 )
 from prepfuse.fx_passes.matching.regions import PREP_STEPS, backward, is_leaf, leaves, operands
 
 __all__ = ["Start", "Traced", "Prepared", "column_starts", "projection_starts", "trace", "dim_roles", "token_dims_order", "heads_of",
-           "prepared", "projection_input", "weight_like", "first_tokens_of"]
+           "prepared", "projection_input", "weight_like", "first_tokens_of", "unpadded_rows"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,26 @@ class Start:
     node: torch.fx.Node
     first: int
     width: int
+    token_dims: int | None = None  # leading dims of ``node`` that are the tokens (None: ``base_columns`` reads them)
+
+    @property
+    def tokens(self):
+        """How many tokens ``node`` holds (without ``token_dims``: every dim but the last)."""
+        n = 1
+        for size in shape(self.node)[:-1 if self.token_dims is None else self.token_dims]:
+            n = n * size
+        return n
+
+    def layout(self, head_dim) -> Layout | None:
+        """``node`` as factors of the base ``[T, width]``."""
+        if self.token_dims is None:
+            return base_layout(self.node, head_dim if self.node is self.source else None)
+        sizes = shape(self.node)
+        tokens = 1
+        for size in sizes[:self.token_dims]:
+            tokens = tokens * size
+        grouped = _regroup([Axis(0, tokens, 1), Axis(1, self.width, 1)], sizes)
+        return None if grouped is None else Layout(grouped)
 
 
 @dataclass(frozen=True)
@@ -72,7 +93,48 @@ def column_starts(source: torch.fx.Node, head_dim=None) -> list[Start]:
                     index = piece.args[1]
                     first = sum(sizes[:index]) if sizes else index * user.args[1]
                     found.append(Start(source, piece, first, shape(piece)[-1]))
-    return [s for s in found if all(isinstance(x, int) for x in (s.first, s.width))]
+    found = [s for s in found if all(isinstance(x, int) for x in (s.first, s.width))]
+    seen = {s.node for s in found}
+    return found + [s for s in _viewed_column_ranges(source) if s.node not in seen]
+
+
+_COLUMN_VIEWS = (*RESHAPES, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
+                 aten.unsqueeze.default, aten.squeeze.dim, operator.getitem)
+MAX_COLUMN_VIEWS = 64
+
+
+def _viewed_column_ranges(source: torch.fx.Node) -> list[Start]:
+    """Views of a 2-d ``source`` that keep its tokens as their first dim and hold one range
+    of its columns per token in order, however the views are spelled
+    (``qkv.view(T, 2, H, D)[:, 0]``: columns ``[W_q, W_q + H * D)``): found by replaying
+    the views on a meta tensor and reading the offset and strides they give. Concrete
+    sizes only (a symbolic one is left to ``column_starts``'s own cases)."""
+    sizes = shape(source)
+    if len(sizes) != 2 or not all(isinstance(x, int) for x in sizes):
+        return []
+    tokens, width = sizes
+    found = []
+    frontier = [(u, source, torch.empty(sizes, device="meta")) for u in source.users]
+    while frontier and len(found) < MAX_COLUMN_VIEWS:
+        node, parent_node, parent = frontier.pop(0)
+        if not is_op(node, *_COLUMN_VIEWS) or node.args[0] is not parent_node:
+            continue
+        try:
+            target = aten.view.default if node.target in RESHAPES else node.target
+            out = target(parent, *node.args[1:], **node.kwargs)
+        except Exception:  # noqa: BLE001 - a view the meta tensor cannot replay (a symbolic size): not followed
+            continue
+        if isinstance(out, (list, tuple)):
+            frontier += [(u, node, out) for u in node.users]
+            continue
+        if node.target is not operator.getitem and node.target not in RESHAPES and not out._is_view():
+            continue
+        first = out.storage_offset()
+        if out.dim() >= 2 and out.shape[0] == tokens and out.stride(0) == width and first + out[0].numel() <= width \
+                and out[0].is_contiguous():
+            found.append(Start(source, node, first, out[0].numel(), token_dims=1))
+        frontier += [(u, node, out) for u in node.users]
+    return found
 
 
 def projection_starts(graph: torch.fx.Graph, head_dim: int, dtypes, avoid=frozenset()) -> list[Start]:
@@ -85,7 +147,7 @@ def projection_starts(graph: torch.fx.Graph, head_dim: int, dtypes, avoid=frozen
         if not (isinstance(v, torch.Tensor) and v.dtype in dtypes and v.dim() >= 2 and is_leaf(node)
                 and isinstance(v.shape[-1], int) and v.shape[-1] % head_dim == 0) or node in avoid:
             continue
-        found += column_starts(node, head_dim)[:1]
+        found += column_starts(unpadded_rows(node), head_dim)[:1]
     return found
 
 
@@ -121,7 +183,7 @@ def trace(values: torch.fx.Node, head_dim: int, avoid=frozenset(), region=None) 
         # whole heads only: a slice inside one head is the head's own math, not a source
         starts = sorted((s for s in column_starts(source, head_dim) if s.width % head_dim == 0), key=lambda s: s.width)
         for start in starts:
-            base = base_layout(start.node, head_dim if start.node is start.source else None)
+            base = start.layout(head_dim)
             if base is None:
                 continue
             carried = carry(start.node, base, head_dim, lambda n: False)
@@ -204,6 +266,19 @@ def projection_input(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def unpadded_rows(node: torch.fx.Node) -> torch.fx.Node:
+    """The projection's own rows where Inductor padded them for alignment and slices them
+    back (``slice(mm(constant_pad_nd(x)), 0, 0, T)``, nothing else reading the padded
+    product): that slice; else ``node``. The padded product holds T + pad tokens, so its
+    token count never matches the prep's."""
+    operand = node.args[0] if is_op(node, aten.mm.default) else node.args[1] if is_op(node, aten.addmm.default) \
+        else None
+    if operand is None or not is_op(_under_views(operand), aten.constant_pad_nd.default) or len(node.users) != 1:
+        return node
+    (user,) = node.users
+    return user if first_tokens_of(user) is node else node
+
+
 def _under_views(node):
     while is_op(node, *RESHAPES, aten.slice.Tensor, aten.permute.default, aten.t.default, aten.transpose.int):
         node = node.args[0]
@@ -236,7 +311,7 @@ def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.
     """Every node carried from ``start`` (heads of ``head_dim``) that a step outside the
     carried set reads (attention, a matmul, the graph's output), whole heads per token in
     some layout, latest first: the candidates for "the prepared q"."""
-    base = base_layout(start.node, head_dim if start.node is start.source else None)
+    base = start.layout(head_dim)
     if base is None:
         return []
     carried = carry(start.node, base, head_dim, lambda n: False)

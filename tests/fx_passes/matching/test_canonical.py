@@ -112,3 +112,55 @@ def test_a_write_through_a_bitcast_view_is_a_write_of_the_cache():
     puts = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.index_put.default]
     assert [p.meta["val"].dtype for p in puts] == [torch.bfloat16]  # into the bf16 cache itself
     assert torch.equal(want, got)
+
+
+def test_a_reshaped_bitcast_write_is_a_write_of_the_cache():
+    """TGI's fp8 store: ``cache.view(torch.uint8).view(-1, H, D)[slots] = k.view(torch.uint8)``."""
+    def store(cache, k, slots):
+        shape = cache.shape
+        cache.view(torch.uint8).view(-1, shape[-2], shape[-1])[slots] = k.view(torch.uint8)
+        return cache.float() * 1
+
+    cache = torch.zeros(2, 4, 2, 8).to(torch.float8_e4m3fn)
+    k, slots = torch.randn(3, 2, 8).to(torch.float8_e4m3fn), torch.tensor([5, 0, 7])
+    want, got, graph = run_both(store, cache, k, slots)
+    puts = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.index_put.default]
+    assert [p.meta["val"].dtype for p in puts] == [torch.float8_e4m3fn]
+    assert torch.equal(want, got)
+
+
+def rotate_views_in_place(x, w, cos, sin):
+    """TGI's in-place rotation: ``flash_apply_rotary`` on views of q and of k inside the
+    projection, then q and k read back from it."""
+    qkv = x @ w
+    q = qkv[:, :16].view(-1, 2, 8)
+    kv = qkv[:, 16:].view(-1, 2, 1, 8)
+    for rotated in (q, torch.select(kv, 1, 0)):
+        x1, x2 = rotated[..., :4], rotated[..., 4:]
+        o1 = (x1.float() * cos - x2.float() * sin).to(rotated.dtype)
+        o2 = (x1.float() * sin + x2.float() * cos).to(rotated.dtype)
+        x1.copy_(o1)
+        x2.copy_(o2)
+    return q * 1, kv[:, 0] * 1, kv[:, 1] * 1
+
+
+def test_reads_of_views_rotated_in_place_are_the_rotated_values():
+    x, w = torch.randn(3, 8).bfloat16(), torch.randn(8, 32).bfloat16()
+    cos, sin = torch.rand(3, 1, 4), torch.rand(3, 1, 4)
+    want, got, graph = run_both(rotate_views_in_place, x, w, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert count(graph, aten.slice_scatter.default) == count(graph, aten.select_scatter.default) == 0
+    assert count(graph, aten.cat.default) == 2  # each rotated tensor is its two halves
+
+
+def test_a_read_of_part_of_a_scatter_stays():
+    """A read that takes some scattered and some earlier values has no simpler form."""
+    def half_overwritten(x, y):
+        x = x * 2
+        x[:, :4] = y
+        return x[:, 2:6] * 1
+
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    want, got, graph = run_both(half_overwritten, x, y)
+    assert torch.equal(want, got)
+    assert count(graph, aten.slice_scatter.default) == 1
