@@ -30,6 +30,11 @@ FP8 = torch.float8_e4m3fn
 TWO_FP8_WRITES = pytest.mark.xfail(raises=torch._inductor.exc.InductorError, strict=False,
                                    reason="Inductor CPU: two writes into one float8 tensor")
 PARAMS = [pytest.param(n, marks=TWO_FP8_WRITES) if n == "trtllm-llama-fp8" else n for n in CASES]
+# the cases whose two layers fuse today (docs/corpus_references.md): each by a different way of
+# reaching the op's operands (complex and GPT-J RoPE, a norm after RoPE, views rotated in place,
+# a reshaped fp8 bitcast write, the model's own copy of heads strided apart)
+FUSES_EVERY_LAYER = {"llama-ref-complex", "llama4-norm-after-rope", "llama2c-real-gptj", "litgpt-qwen3",
+                     "tgi-llama-fp8", "tgi-gemma3", "torchtitan-qwen3"}
 
 
 def run(case, backend, seed):
@@ -63,7 +68,11 @@ def test_reference_spelling_compiles(name):
     case = CASES[name]
     seed = int(torch.randint(0, 2**31, (1,)))
     ref_out, ref_rows, poison = run(case, None, seed)
-    out, rows, _ = run(case, PrepfuseBackend(), seed)
+    backend = PrepfuseBackend()
+    out, rows, _ = run(case, backend, seed)
+    if name in FUSES_EVERY_LAYER:
+        fused = sum(r.matched_counts.get("fuse_gqa_prep", 0) for r in backend.reports)
+        assert fused == 2, backend.reports.format(verbose=True)
     for got, want, old in zip(rows, ref_rows, poison):  # the reader reads where the source writes
         assert (want != old).any(-1).all() and (got != old).any(-1).all(), f"seed={seed}: a row left unwritten"
     if case.cache_dtype == FP8:

@@ -44,8 +44,8 @@ from prepfuse.fx_passes.matching.regions import backward, constants, leaves, ope
 from prepfuse.fx_passes.matching.rope_operands import emit_rope, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import (
-    Traced, column_starts, dim_roles, heads_of, prepared, projection_input, token_dims_order, trace, unpadded_rows,
-    weight_like,
+    Start, Traced, column_starts, copy_start, dim_roles, heads_of, is_copy, prepared, projection_input, token_dims_order,
+    trace, unpadded_rows, weight_like,
 )
 from prepfuse.fx_passes.matching.writes import RowsWrite, before_cast, first_rows, rows_writes
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
@@ -76,10 +76,7 @@ class KvWrite:
 
     @property
     def tokens(self):
-        n = 1
-        for s in shape(self.start.node)[:-1]:
-            n = n * s
-        return n
+        return self.start.tokens
 
 
 @dataclass
@@ -151,12 +148,13 @@ class FuseGqaPrepPass(PrepfusePass):
         traced = trace(values, head_dim, avoid={w.root}, region=region)
         expect(traced, f"write: the rows written at {where(w.write)} are not heads of {head_dim} values of a projection "
                        "(no per-token, per-head path back to one)")
-        t = traced[0]
-        roles = dim_roles(t.layout, head_dim)
-        order = token_dims_order(t.layout, roles, t.start.tokens)
-        heads = heads_of(t.layout, roles, head_dim)
-        expect(order is not None and heads is not None,
+        writable = [(t, roles, order, heads) for t in traced for roles in [dim_roles(t.layout, head_dim)]
+                    for order, heads in [(token_dims_order(t.layout, roles, t.start.tokens),
+                                          heads_of(t.layout, roles, head_dim))]
+                    if order is not None and heads is not None]
+        expect(writable,  # the first source, in trace's order, whose layout the op can write
                f"write: the rows written at {where(w.write)} list tokens or heads in an order the op cannot write")
+        t, roles, order, heads = writable[0]
         view = cache_view(w, roles, heads[0], head_dim)
         memo: dict = {}
         ops = [n for n in operands(region, {t.start.node}, memo) if n is not w.root]
@@ -181,10 +179,14 @@ class FuseGqaPrepPass(PrepfusePass):
         d = k.head_dim
         written = {w.start.node for w in writes}
         if _is_whole(k):
-            sources = [n for n in _float_sources(k.start.node.graph) if n is not k.start.source
-                       and n is not v.start.source and shape(n)[-1] % d == 0 and same_size(_tokens(n), k.tokens)]
+            graph = k.start.node.graph
+            sources = [n for n in _float_sources(graph) if shape(n)[-1] % d == 0 and same_size(_tokens(n), k.tokens)]
+            if is_copy(k.start.source):  # k from the model's copy: q from its own, if the projection's order is none
+                sources += [n for n in graph.nodes if is_copy(n) and copy_start(n, d, k.tokens) is not None]
+            sources = [n for n in sources if n is not k.start.source and n is not v.start.source]
             sources = _closest(sources, lambda n: n, k.start.source)
-            starts = [s for n in sources for s in column_starts(n)[:1] if s.node not in written]
+            starts = [copy_start(n, d, k.tokens) if is_copy(n) else column_starts(n)[0] for n in sources]
+            starts = [s for s in starts if s.node not in written]
         else:
             expect(k.start.first % d == 0 and k.start.first > 0,
                    f"k: its heads start at column {k.start.first} of the projection, not after whole q heads")
@@ -284,11 +286,12 @@ def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, check
     """The emit function of one candidate call."""
     def emit_it(emit: Emitter):
         device = val(k.start.node).device
-        tokens = emit.size(_as_2d(emit, k.start.source), 0)
         if _is_whole(k):
             op = GQA_SEPARATE_QKNORM_ROPE_KV_INSERT
-            args = dict(q=_as_2d(emit, q.start.source), k=_as_2d(emit, k.start.source), v=_as_2d(emit, v.start.source))
+            args = dict(q=_as_2d(emit, q.start), k=_as_2d(emit, k.start), v=_as_2d(emit, v.start))
+            tokens = emit.size(args["k"], 0)
         else:
+            tokens = emit.size(_as_2d(emit, k.start.source), 0)
             op = GQA_QKNORM_ROPE_KV_INSERT
             args = dict(qkv=_as_2d(emit, k.start.source), num_q_heads=q.heads, num_kv_heads=k.heads)
         args.update(_norm_weights(emit, math, q, k))
@@ -362,9 +365,12 @@ def _norm_weights(emit, math: Math, q: Q, k: KvWrite) -> dict:
 
 
 def _as_2d(emit, source):
-    """The op's ``[T, W]`` view of a source with leading token dims, dense along W."""
+    """The op's ``[T, W]`` view of a source with leading token dims (a whole ``Start``: its
+    own token dims, the rest ``W``), dense along W."""
+    width = source.width if isinstance(source, Start) else None
+    source = source.source if isinstance(source, Start) else source
     if len(shape(source)) != 2:
-        source = emit.node(aten.reshape.default, source, [-1, shape(source)[-1]])
+        source = emit.node(aten.reshape.default, source, [-1, width or shape(source)[-1]])
     if val(source).stride(-1) != 1:
         source = emit.node(aten.clone.default, source, memory_format=torch.contiguous_format)
     return source
@@ -404,7 +410,7 @@ def _gptj_hint(k: KvWrite) -> bool:
 
 def _is_whole(w) -> bool:
     start = w.start if hasattr(w, "start") else w
-    return start.first == 0 and start.width == shape(start.source)[-1]
+    return start.first == 0 and (start.node is start.source or start.width == shape(start.source)[-1])
 
 
 def _same_slots(a: RowsWrite, b: RowsWrite) -> bool:

@@ -26,7 +26,7 @@ from prepfuse.fx_passes.matching.nodes import (
 from prepfuse.fx_passes.matching.regions import PREP_STEPS, backward, is_leaf, leaves, operands
 
 __all__ = ["Start", "Traced", "Prepared", "column_starts", "projection_starts", "trace", "dim_roles", "token_dims_order", "heads_of",
-           "prepared", "projection_input", "weight_like", "first_tokens_of", "unpadded_rows"]
+           "prepared", "projection_input", "weight_like", "first_tokens_of", "unpadded_rows", "is_copy", "copy_start"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Start:
 
     def layout(self, head_dim) -> Layout | None:
         """``node`` as factors of the base ``[T, width]``."""
-        if self.token_dims is None:
+        if self.token_dims is None or len(shape(self.node)) == 2:
             return base_layout(self.node, head_dim if self.node is self.source else None)
         sizes = shape(self.node)
         tokens = 1
@@ -71,7 +71,9 @@ def column_starts(source: torch.fx.Node, head_dim=None) -> list[Start]:
     """``source`` whole (``[T, W]``, or heads ``[T, H, head_dim]``: ``axes.base_columns``),
     and every slice of its columns (a slice, a split's piece) reached through views that
     keep its last dim whole."""
-    found = [Start(source, source, 0, base_columns(source, head_dim)[1])]
+    sizes = shape(source)
+    heads_given = head_dim is not None and len(sizes) == 3 and sizes[-1] == head_dim  # [T, H, D]: T tokens
+    found = [Start(source, source, 0, base_columns(source, head_dim)[1], token_dims=1 if heads_given else None)]
     width = shape(source)[-1]
     stack = [source]
     while stack:
@@ -152,15 +154,41 @@ def projection_starts(graph: torch.fx.Graph, head_dim: int, dtypes, avoid=frozen
 
 
 def _source_candidates(region: list[torch.fx.Node], avoid: set) -> list[torch.fx.Node]:
-    """Leaves of ``region`` that hold float columns, then region nodes made by a step the
-    axes do not carry (from where the model's own computation must stand)."""
+    """Leaves of ``region`` that hold float columns, then the model's copies of values
+    (``is_copy``), then region nodes made by a step the axes do not carry (from where the
+    model's own computation must stand)."""
     def columns_like(n):
         v = val(n)
         return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dim() >= 2 and n not in avoid
     first = [n for n in leaves(region) if columns_like(n)]
-    return first + [n for n in region if columns_like(n) and n.op == "call_function" and n.target in PREP_STEPS
-                    and (is_op(n, aten.index.Tensor, aten.mean.dim, aten.sum.dim_IntList, aten.cat.default)
-                         or first_tokens_of(n) is not None)]
+    copies = [n for n in region if columns_like(n) and is_copy(n)]  # the projection's values, copied
+    return first + copies + [n for n in region if columns_like(n) and n.op == "call_function" and n.target in PREP_STEPS
+                             and (is_op(n, aten.index.Tensor, aten.mean.dim, aten.sum.dim_IntList, aten.cat.default)
+                                  or first_tokens_of(n) is not None)]
+
+
+def copy_start(node: torch.fx.Node, head_dim: int, tokens) -> Start | None:
+    """A copy (``is_copy``) whole, as the source of ``tokens`` tokens: its leading dims
+    that hold that many, the rest whole heads of ``head_dim`` (a ``[T, Hkv, G, D]`` copy of
+    q heads grouped per kv head is ``T`` tokens of ``Hkv * G`` heads)."""
+    sizes = shape(node)
+    count = 1
+    for dims in range(1, len(sizes)):
+        count = count * sizes[dims - 1]
+        width = 1
+        for size in sizes[dims:]:
+            width = width * size
+        if same_size(count, tokens) and isinstance(width, int) and width % head_dim == 0:
+            return Start(node, node, 0, width, token_dims=dims)
+    return None
+
+
+def is_copy(node: torch.fx.Node) -> bool:
+    """A copy the model makes of a projection's values, before any math (``.contiguous()``,
+    a reshape that must copy): where the projection's own order is one no op call can read
+    (heads strided apart, as a qkv grouped per kv head lays them out), the op may read the
+    copy instead."""
+    return is_op(node, aten.clone.default) and is_leaf(_under_views(node.args[0]))
 
 
 def first_tokens_of(node) -> torch.fx.Node | None:
@@ -242,10 +270,15 @@ def heads_of(layout: Layout, roles: list[str], head_dim: int) -> tuple[int, int]
     dims = [i for i, r in enumerate(roles) if r == "heads"]
     if not dims:
         return 1, 0
-    if len(dims) != 1 or len(layout.dims[dims[0]]) != 1:
+    if len(dims) != 1:
         return None
-    f = layout.dims[dims[0]][0]
-    return (f.size, 0) if _known(f.stride == head_dim) else None
+    group = layout.dims[dims[0]]  # factors of one heads dim, outer first: one run of heads if they abut
+    if any(not _known(outer.stride == inner.size * inner.stride) for outer, inner in zip(group, group[1:])):
+        return None
+    count = 1
+    for f in group:
+        count = count * f.size
+    return (count, 0) if _known(group[-1].stride == head_dim) else None
 
 
 def _stride(s) -> int:
@@ -255,10 +288,10 @@ def _stride(s) -> int:
 
 def projection_input(node: torch.fx.Node) -> torch.fx.Node | None:
     """The activation a linear projection read (``mm(x, w)``, ``addmm(b, x, w)``, through
-    views on both sides), or None when ``node`` is no projection. Inductor on CUDA may pad
+    views on both sides and a copy of the product), or None when ``node`` is no projection. Inductor on CUDA may pad
     the rows of an mm for alignment (``slice(mm(constant_pad_nd(x)))``); each projection
     pads its own copy, so the padding is seen through to ``x``."""
-    node = _under_views(node)
+    node = _under_views(node.args[0] if is_copy(node) else node)
     if is_op(node, aten.mm.default):
         return _unpadded(_under_views(node.args[0]))
     if is_op(node, aten.addmm.default):
@@ -280,7 +313,9 @@ def unpadded_rows(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _under_views(node):
-    while is_op(node, *RESHAPES, aten.slice.Tensor, aten.permute.default, aten.t.default, aten.transpose.int):
+    while is_op(node, *RESHAPES, aten.slice.Tensor, aten.permute.default, aten.t.default, aten.transpose.int,
+                aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.split.Tensor,
+                aten.split_with_sizes.default, operator.getitem):
         node = node.args[0]
     return node
 
