@@ -67,10 +67,11 @@ class Traced:
     carried: dict  # every node the start's axes reach, with its layout
 
 
-def column_starts(source: torch.fx.Node, head_dim=None) -> list[Start]:
+def column_starts(source: torch.fx.Node, head_dim=None, views: bool = False) -> list[Start]:
     """``source`` whole (``[T, W]``, or heads ``[T, H, head_dim]``: ``axes.base_columns``),
     and every slice of its columns (a slice, a split's piece) reached through views that
-    keep its last dim whole."""
+    keep its last dim whole; with ``views``, also every other view holding one column range
+    per token (``_viewed_column_ranges``: dearer, so the last resort of ``trace``)."""
     sizes = shape(source)
     heads_given = head_dim is not None and len(sizes) == 3 and sizes[-1] == head_dim  # [T, H, D]: T tokens
     found = [Start(source, source, 0, base_columns(source, head_dim)[1], token_dims=1 if heads_given else None)]
@@ -96,6 +97,8 @@ def column_starts(source: torch.fx.Node, head_dim=None) -> list[Start]:
                     first = sum(sizes[:index]) if sizes else index * user.args[1]
                     found.append(Start(source, piece, first, shape(piece)[-1]))
     found = [s for s in found if all(isinstance(x, int) for x in (s.first, s.width))]
+    if not views:
+        return found
     seen = {s.node for s in found}
     return found + [s for s in _viewed_column_ranges(source) if s.node not in seen]
 
@@ -206,10 +209,20 @@ def trace(values: torch.fx.Node, head_dim: int, avoid=frozenset(), region=None) 
     head of ``head_dim``: the projection columns the values were made from (most likely
     first: a leaf before a computed node, a narrower column range before a wider one)."""
     region = region if region is not None else backward([values])
+    sources = _source_candidates(region, set(avoid))
+    found = _traced(values, head_dim, sources, views=False)
+    if any(is_leaf(t.start.source) for t in found):
+        return found
+    # the views' replay (dearer) only where the plain column slices reach no leaf
+    return _traced(values, head_dim, sources, views=True)
+
+
+def _traced(values, head_dim, sources, views: bool) -> list[Traced]:
     found = []
-    for source in _source_candidates(region, set(avoid)):
+    for source in sources:
         # whole heads only: a slice inside one head is the head's own math, not a source
-        starts = sorted((s for s in column_starts(source, head_dim) if s.width % head_dim == 0), key=lambda s: s.width)
+        starts = sorted((s for s in column_starts(source, head_dim, views) if s.width % head_dim == 0),
+                        key=lambda s: s.width)
         for start in starts:
             base = start.layout(head_dim)
             if base is None:
