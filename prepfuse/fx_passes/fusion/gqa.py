@@ -180,12 +180,13 @@ class FuseGqaPrepPass(PrepfusePass):
         written = {w.start.node for w in writes}
         if _is_whole(k):
             graph = k.start.node.graph
+            # k from the model's copy: q from its own, if the projection's order is none
+            copies = {n: s for n in graph.nodes if is_copy(n) for s in [copy_start(n, d, k.tokens)] if s is not None} \
+                if is_copy(k.start.source) else {}
             sources = [n for n in _float_sources(graph) if shape(n)[-1] % d == 0 and same_size(_tokens(n), k.tokens)]
-            if is_copy(k.start.source):  # k from the model's copy: q from its own, if the projection's order is none
-                sources += [n for n in graph.nodes if is_copy(n) and copy_start(n, d, k.tokens) is not None]
-            sources = [n for n in sources if n is not k.start.source and n is not v.start.source]
+            sources = [n for n in [*sources, *copies] if n is not k.start.source and n is not v.start.source]
             sources = _closest(sources, lambda n: n, k.start.source)
-            starts = [copy_start(n, d, k.tokens) if is_copy(n) else column_starts(n)[0] for n in sources]
+            starts = [copies[n] if n in copies else column_starts(n)[0] for n in sources]
             starts = [s for s in starts if s.node not in written]
         else:
             expect(k.start.first % d == 0 and k.start.first > 0,
@@ -291,9 +292,9 @@ def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, check
             args = dict(q=_as_2d(emit, q.start), k=_as_2d(emit, k.start), v=_as_2d(emit, v.start))
             tokens = emit.size(args["k"], 0)
         else:
-            tokens = emit.size(_as_2d(emit, k.start.source), 0)
             op = GQA_QKNORM_ROPE_KV_INSERT
             args = dict(qkv=_as_2d(emit, k.start.source), num_q_heads=q.heads, num_kv_heads=k.heads)
+            tokens = emit.size(args["qkv"], 0)
         args.update(_norm_weights(emit, math, q, k))
         args["q_out"] = emit.scratch("gqa_qknorm_rope_kv_insert.q_out", [tokens, q.heads, k.head_dim],
                                      torch.bfloat16, k.start.node, name=Q_SCRATCH_NAME)

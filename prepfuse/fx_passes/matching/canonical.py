@@ -41,7 +41,7 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.nodes import (
-    CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, prims, remove_dead, scalar, shape, val,
+    CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, prims, remove_dead, scalar, shape, slice_params, val,
 )
 
 __all__ = ["canonicalize", "PURE_STEPS", "merge_repeated_steps", "reads_through_scatters"]
@@ -176,11 +176,7 @@ def _bitcast_writes(graph) -> int:
         else:
             continue
         with graph.inserting_before(node):
-            target = cache
-            for r in reversed(reshapes):  # the same reshapes of the cache in its own dtype
-                target = graph.call_function(r.target, (target, *r.args[1:]), dict(r.kwargs))
-                target.meta.update(r.meta)
-                target.meta["val"] = val(r).view(own)
+            target = _reshaped_as(graph, cache, reversed(reshapes), own)
             put = graph.call_function(aten.index_put.default, (target, indices, values, *node.args[3:]), dict(node.kwargs))
             back = graph.call_function(aten.view.dtype, (put, seen))
         put.meta.update(node.meta)
@@ -193,6 +189,15 @@ def _bitcast_writes(graph) -> int:
     return done
 
 
+def _reshaped_as(graph, node: torch.fx.Node, reshapes, own) -> torch.fx.Node:
+    """``reshapes`` (nodes of a byte view, outer first) applied to ``node``, held in ``own``."""
+    for r in reshapes:
+        node = graph.call_function(r.target, (node, *r.args[1:]), dict(r.kwargs))
+        node.meta.update(r.meta)
+        node.meta["val"] = val(r).view(own)
+    return node
+
+
 def _read_in_own_dtype(graph, back: torch.fx.Node, put: torch.fx.Node, own) -> None:
     """Readers of ``back`` (``put`` seen as bytes) that reshape it and view it as ``own``
     again (the functional write-back) read the same reshapes of ``put``."""
@@ -200,13 +205,8 @@ def _read_in_own_dtype(graph, back: torch.fx.Node, put: torch.fx.Node, own) -> N
     while frontier:
         user, chain = frontier.pop()
         if is_op(user, aten.view.dtype) and val(user).dtype == own:
-            at = put
             with graph.inserting_before(user):
-                for r in chain:
-                    at = graph.call_function(r.target, (at, *r.args[1:]), dict(r.kwargs))
-                    at.meta.update(r.meta)
-                    at.meta["val"] = val(r).view(own)
-            user.replace_all_uses_with(at)
+                user.replace_all_uses_with(_reshaped_as(graph, put, chain, own))
         elif is_op(user, *RESHAPES):
             frontier += [(u, chain + [user]) for u in user.users]
 
@@ -363,7 +363,7 @@ def _tiling_scatters(graph) -> int:
         dim = None
         while is_op(at, aten.slice_scatter.default):
             base_shape = _concrete_shape(at.args[0])
-            d, start, end, step = _slice_scatter_params(at)
+            d, start, end, step = slice_params(at.args[2:], at.kwargs)
             if base_shape is None or step != 1 or (dim is not None and d % len(base_shape) != dim) or not all(
                     isinstance(x, int) for x in (d, 0 if start is None else start, 0 if end is None else end)):
                 break
@@ -382,13 +382,6 @@ def _tiling_scatters(graph) -> int:
         _replace(graph, node, aten.cat.default, (srcs, dim))
         done += 1
     return done
-
-
-def _slice_scatter_params(node):
-    names = ("dim", "start", "end", "step")
-    defaults = (0, None, None, 1)
-    args = list(node.args[2:]) + [None] * (4 - len(node.args[2:]))
-    return tuple(node.kwargs.get(n, a if a is not None else d) for n, a, d in zip(names, args, defaults))
 
 
 def _clamp(i: int, size: int) -> int:

@@ -52,11 +52,7 @@ class Start:
         """``node`` as factors of the base ``[T, width]``."""
         if self.token_dims is None or len(shape(self.node)) == 2:
             return base_layout(self.node, head_dim if self.node is self.source else None)
-        sizes = shape(self.node)
-        tokens = 1
-        for size in sizes[:self.token_dims]:
-            tokens = tokens * size
-        grouped = _regroup([Axis(0, tokens, 1), Axis(1, self.width, 1)], sizes)
+        grouped = _regroup([Axis(0, self.tokens, 1), Axis(1, self.width, 1)], shape(self.node))
         return None if grouped is None else Layout(grouped)
 
 
