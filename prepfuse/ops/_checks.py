@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -55,6 +56,18 @@ def check_unit_last_stride(name: str, t: torch.Tensor) -> None:
         t.shape[-1] <= 1 or t.stride(-1) == 1,
         f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}",
     )
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def check_fp32_scalar(name: str, value, *, at_least: float | None = None) -> None:
+    """A finite float the kernels can hold in fp32 (the schema's ``float`` is a double:
+    1e300 would reach the kernel as inf), and ``>= at_least`` where given."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= _FP32_MAX:
+        raise ValueError(f"{name}: must be a finite float within float32's range, got {value!r}")
+    if at_least is not None and not value >= at_least:
+        raise ValueError(f"{name}: must be >= {at_least}, got {value!r}")
 
 
 # Index values (slots, positions) can only be checked by reading them, which on CUDA is
@@ -140,58 +153,72 @@ def check_written_apart(named: dict, written: list[str]) -> None:
 
     Precise for views of one buffer (``kv[:, 0]`` and ``kv[:, 1]`` of a FlashInfer cache
     interleave without overlapping and pass); runs in the eager paths and in the fake impl
-    (fake tensors share a storage as real ones do), where sizes are concrete."""
-    tensors = [(n, t) for n, t in named.items() if isinstance(t, torch.Tensor)]
+    (fake tensors share a storage as real ones do), where sizes are concrete. Where tensors
+    have memory, bytes are device addresses: two storages may map the same bytes (a DLPack
+    round trip, ``torch.from_numpy`` of one array twice), so storage identity decides only
+    between fake tensors."""
+    placed = {n: _placed(t) for n, t in named.items() if isinstance(t, torch.Tensor) and t.numel()}
+    placed = {n: p for n, p in placed.items() if p is not None}  # symbolic sizes: not checked
     for name in written:
-        a = named.get(name)
-        if not isinstance(a, torch.Tensor) or a.numel() == 0 or _layout(a) is None:
+        if name not in placed:
             continue
-        if _self_overlapping(a):
+        memory, start, dims = placed[name]
+        if _self_overlapping(dims):
             raise ValueError(f"{name}: its elements overlap each other (an expanded or self-overlapping view, "
-                             f"strides {tuple(a.stride())}), so two writes would land on one element")
-        for other, b in tensors:
+                             f"strides {tuple(named[name].stride())}), so two writes would land on one element")
+        for other, (other_memory, other_start, other_dims) in placed.items():
             if other == name or (other in written and written.index(other) < written.index(name)):
                 continue
-            if b.numel() and _layout(b) is not None and _overlap(a, b):
+            if other_memory == memory and _overlap(start, dims, other_start, other_dims):
                 raise ValueError(f"{name}: shares memory with {other}; an argument the op writes must not "
                                  f"overlap another argument (it would read what it wrote, or two writes collide)")
 
 
-def _layout(t: torch.Tensor):
-    """(byte offset, [(byte stride, size)] largest stride first, the element's bytes as the
-    last dim) when every size and stride is a concrete int, else None (symbolic)."""
+def _placed(t: torch.Tensor):
+    """(its memory, first byte, [(byte stride, size)] largest stride first with the element's
+    bytes as the last dim), or None where a size or stride is symbolic. The memory is the
+    device where ``t`` has an address (the first byte is then one), else its storage object."""
     sizes, strides, offset = t.shape, t.stride(), t.storage_offset()
     if not all(isinstance(v, int) for v in (*sizes, *strides, offset)):
         return None
     size = t.element_size()
-    dims = sorted(((st * size, sz) for st, sz in zip(strides, sizes) if sz > 1), reverse=True)
-    return offset * size, dims + [(1, size)]
+    dims = sorted(((st * size, sz) for st, sz in zip(strides, sizes) if sz > 1), reverse=True) + [(1, size)]
+    address = _address(t)
+    if address is None:  # fake or meta: views of one buffer share its storage object
+        return (t.device, StorageWeakRef(t.untyped_storage())), offset * size, dims
+    return t.device, address + offset * size, dims
 
 
 def _span(dims) -> int:
     return sum(st * (sz - 1) for st, sz in dims)
 
 
-def _self_overlapping(t: torch.Tensor) -> bool:
-    """Two indices of ``t`` reach one byte: a zero stride, or a stride within the span of
-    the smaller dims (blocks laid over each other)."""
-    _, dims = _layout(t)
+def _self_overlapping(dims) -> bool:
+    """Two indices reach one byte: a zero stride, or a stride within the span of the
+    smaller dims (blocks laid over each other)."""
     return any(st == 0 or st <= _span(dims[i + 1:]) for i, (st, _) in enumerate(dims[:-1]))
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` share a byte. Different storages or disjoint byte ranges do
-    not; views with the same byte layout at different offsets (k and v halves of one
-    buffer) overlap iff the offset difference is a reachable index difference; anything
-    else whose ranges intersect is taken as overlapping."""
-    if a.device != b.device or StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+def _overlap(start_a: int, dims_a, start_b: int, dims_b) -> bool:
+    """Whether two placements in one memory share a byte. Disjoint byte ranges do not;
+    views with the same byte layout at different offsets (k and v halves of one buffer)
+    overlap iff the offset difference is a reachable index difference; anything else whose
+    ranges intersect is taken as overlapping."""
+    if start_a + _span(dims_a) < start_b or start_b + _span(dims_b) < start_a:
         return False
-    (off_a, dims_a), (off_b, dims_b) = _layout(a), _layout(b)
-    if off_a + _span(dims_a) < off_b or off_b + _span(dims_b) < off_a:
-        return False
-    if dims_a != dims_b or _self_overlapping(a):
+    if dims_a != dims_b or _self_overlapping(dims_a):
         return True
-    return _reachable(off_b - off_a, dims_a)
+    return _reachable(start_b - start_a, dims_a)
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage, or None where it has no memory (fake, meta)."""
+    if t.device.type == "meta" or (type(t) is not torch.Tensor and is_fake(t)):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without real storage
+        return None
 
 
 def _reachable(delta: int, dims) -> bool:

@@ -82,6 +82,7 @@ def define_op(
         return DefinedOp(getattr(getattr(torch.ops, NAMESPACE), name), checked_reference, fake)
     _LIB.define(schema)
     _LIB.impl(name, checked_reference, "CompositeExplicitAutograd")
+    _LIB.impl(name, _not_differentiable(name, arg_names), "Autograd")
     if triton is not None:
         cuda = _checked(name, arg_names, check, index_check, triton, written, defaults) if has_triton() else \
             _reference_with_warning(name, checked_reference)
@@ -122,6 +123,32 @@ def _checked(name: str, arg_names: list[str], check: Callable | None, index_chec
 
     run.__name__ = f"{name}_{getattr(impl, '__name__', 'fake')}"
     return run
+
+
+def _not_differentiable(name: str, arg_names: list[str]) -> Callable:
+    """The ops' autograd kernel, one for every device: an inference op writes its outputs in
+    place and has no backward, so a call that autograd would have to record (grad mode on,
+    an input that requires grad) is a RuntimeError naming that input; any other call goes on
+    below autograd. Without it the CPU reference was recorded as differentiable and the
+    CUDA kernel was not: one model, two behaviours."""
+    packet = None
+
+    def autograd(*args, **kwargs):
+        nonlocal packet
+        if torch.is_grad_enabled():
+            named = dict(zip(arg_names, args), **kwargs)
+            for arg, value in named.items():
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    raise RuntimeError(
+                        f"{NAMESPACE}::{name}: {arg} requires grad; the op is not differentiable (it writes "
+                        "its outputs in place for inference): call it under torch.no_grad() or "
+                        "torch.inference_mode(), or pass detached tensors")
+        if packet is None:
+            packet = getattr(getattr(torch.ops, NAMESPACE), name).default
+        with torch._C._AutoDispatchBelowAutograd():
+            return packet(*args, **kwargs)
+
+    return autograd
 
 
 def _reference_with_warning(name: str, reference: Callable) -> Callable:

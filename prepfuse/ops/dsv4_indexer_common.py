@@ -68,6 +68,7 @@ from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._math import e4m3_pow2_quant, rope_gptj, ue8m0_bytes
 from prepfuse.ops._checks import (
     can_read_index_values,
+    check_fp32_scalar,
     check_index_tensor,
     check_size,
     check_slot_and_position_values,
@@ -536,10 +537,7 @@ def check_common_inputs(
         f"k_cache: a block of {block_size} slots needs {block_size * slot_bytes} bytes "
         f"({slot_bytes} per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
     )
-    if isinstance(weights_scale, bool) or not isinstance(weights_scale, (int, float)) or not (
-        abs(weights_scale) < float("inf")
-    ):
-        raise ValueError(f"weights_scale: must be a finite float, got {weights_scale!r}")
+    check_fp32_scalar("weights_scale", weights_scale)
 
 
 def check_q_output(name: str, t: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, last: int, what: str) -> None:

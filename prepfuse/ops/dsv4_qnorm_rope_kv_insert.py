@@ -49,7 +49,8 @@ import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import (
-    check_index_tensor, check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require,
+    check_fp32_scalar, check_index_tensor, check_size, check_slot_and_position_values, check_tensor,
+    check_unit_last_stride, require,
 )
 from prepfuse.ops import _duplicate_slots
 from prepfuse.ops._indices import clamped_positions, wrapped, written_rows
@@ -432,8 +433,7 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
         f"k_cache: a block of {block_size} slots needs {block_size * SLOT_BYTES} bytes "
         f"(576 data + 8 scale bytes per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
     )
-    if not (eps >= 0.0):
-        raise ValueError(f"eps: must be >= 0, got {eps!r}")
+    check_fp32_scalar("eps", eps, at_least=0.0)
     if not isinstance(wrap_indices, bool):
         raise ValueError(f"wrap_indices: must be a bool, got {wrap_indices!r}")
 

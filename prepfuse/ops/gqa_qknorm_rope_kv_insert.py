@@ -100,7 +100,8 @@ import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import (
-    check_index_tensor, check_size, check_slot_and_position_values, check_tensor, check_unit_last_stride, require,
+    check_fp32_scalar, check_index_tensor, check_size, check_slot_and_position_values, check_tensor,
+    check_unit_last_stride, require,
 )
 from prepfuse.ops import _duplicate_slots
 from prepfuse.ops._indices import clamped_positions, wrapped, written_rows
@@ -1179,8 +1180,7 @@ def check_prep_args(
             check_unit_last_stride(name, t)
     if not isinstance(is_neox, bool):
         raise ValueError(f"is_neox: must be a bool, got {is_neox!r}")
-    if not (eps >= 0.0):
-        raise ValueError(f"eps: must be >= 0, got {eps!r}")
+    check_fp32_scalar("eps", eps, at_least=0.0)
 
 
 def check_cos_sin(cos_sin_cache, cos, sin, full_cos_sin, head_dim, device) -> tuple:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,3 +95,29 @@ def test_interleaved_views_of_one_buffer_are_accepted():
     op(*out.args())
     names = [a.name for a in op._schema.arguments]
     call_with_fake_tensors(op, dict(zip(names, out.args())))
+
+
+def test_two_storages_over_the_same_memory_are_compared_by_address():
+    """A DLPack round trip, or ``torch.from_numpy`` of one array twice, gives two storage
+    objects over the same bytes; the check compares address ranges, not storages."""
+    op, out = gqa()
+    array = np.zeros(out.k_cache.numel(), dtype=np.uint16)
+    k = torch.from_numpy(array).view(torch.bfloat16).view(out.k_cache.shape)
+    v = torch.from_numpy(array).view(torch.bfloat16).view(out.k_cache.shape)
+    assert k.untyped_storage() is not v.untyped_storage()
+    before = k.clone()
+    with pytest.raises(ValueError, match=message("k_cache", "v_cache")):
+        op(*dataclasses.replace(out, k_cache=k, v_cache=v).args())
+    assert torch.equal(k, before)
+    same = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(out.k_cache))
+    with pytest.raises(ValueError, match=message("k_cache", "v_cache")):
+        op(*dataclasses.replace(out, v_cache=same).args())
+
+
+def test_two_storages_over_disjoint_halves_of_one_array_are_accepted():
+    op, out = gqa()
+    n = out.k_cache.numel()
+    array = np.zeros(2 * n, dtype=np.uint16)
+    k = torch.from_numpy(array[:n]).view(torch.bfloat16).view(out.k_cache.shape)
+    v = torch.from_numpy(array[n:]).view(torch.bfloat16).view(out.k_cache.shape)
+    op(*dataclasses.replace(out, k_cache=k, v_cache=v).args())

@@ -597,6 +597,7 @@ BAD_INPUTS = [
     ("k_cache-block_size-too-big", FORMATS, "k_cache", lambda a: {"block_size": 4 * a["block_size"]}),
     ("block_size-zero", FORMATS, "block_size", lambda a: {"block_size": 0}),
     ("weights_scale-inf", FORMATS, "weights_scale", lambda a: {"weights_scale": float("inf")}),
+    ("weights_scale-past-fp32", FORMATS, "weights_scale", lambda a: {"weights_scale": 1e300}),  # inf in fp32
     ("k-device", FORMATS, "k", lambda a: {"k": a["k"].to(other_device(a["k"].device.type))}),
     ("weights_out-device", FORMATS, "weights_out",
      lambda a: {"weights_out": a["weights_out"].to(other_device(a["q"].device.type))}),

@@ -565,6 +565,8 @@ BAD_INPUTS = [
     ("block_size-zero", "block_size", lambda a: {"block_size": 0}),
     ("block_size-negative", "block_size", lambda a: {"block_size": -16}),
     ("eps-negative", "eps", lambda a: {"eps": -1e-6}),
+    ("eps-inf", "eps", lambda a: {"eps": float("inf")}),
+    ("eps-past-fp32", "eps", lambda a: {"eps": 1e300}),  # a double the fp32 kernel would read as inf
     ("kv-device", "kv", lambda a: {"kv": a["kv"].to(other_device(a["kv"].device.type))}),
     ("cos_sin_cache-device", "cos_sin_cache",
      lambda a: {"cos_sin_cache": a["cos_sin_cache"].to(other_device(a["q"].device.type))}),

@@ -697,6 +697,9 @@ BAD_INPUTS = [
      with_fp8(lambda a: {"kv_scale": a["kv_scale"].to(other_device(a["qkv"].device.type))})),
     ("positions-device", "positions", lambda a: {"positions": a["positions"].to(other_device(a["qkv"].device.type))}),
     ("eps-negative", "eps", lambda a: {"eps": -1e-6}),
+    ("eps-inf", "eps", lambda a: {"eps": float("inf")}),
+    ("eps-past-fp32", "eps", lambda a: {"eps": 1e300}),  # a double the fp32 kernel would read as inf
+    ("eps-nan", "eps", lambda a: {"eps": float("nan")}),
 ]
 
 # Bad index values: seen only by reading them, so only in eager use.
