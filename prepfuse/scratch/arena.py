@@ -39,12 +39,13 @@ graph replays on must be ordered by the engine, or ``record_stream`` the replay 
 
 Lanes. A name's storage is per *lane* too: every thread has its own (two threads calling
 one compiled model never write one reservation; the main thread's lane is the plain
-name, another thread's ``<name>@thread-<id>``), and ``micro_batch(i)`` gives micro-batch
+name, the other threads' ``<name>@thread<k>``, ``k`` numbering the threads alive at once:
+a thread that starts after another ended takes its lane), and ``micro_batch(i)`` gives micro-batch
 ``i >= 1`` its own (``<name>@mb<i>``), so two micro-batches of a dual-batch-overlap
 forward run on two streams at once instead of being ordered one after the other by the
 rule above. The profiling run reserves every lane it will use (run each micro-batch once,
-or ``reserve`` under ``micro_batch(i)``); after ``freeze()`` a lane nobody reserved is the
-usual ``RuntimeError`` naming it.
+or ``reserve`` under ``micro_batch(i)``), and from as many threads at once as will call;
+after ``freeze()`` a lane nobody reserved is the usual ``RuntimeError`` naming it, every time.
 """
 
 from __future__ import annotations
@@ -52,20 +53,47 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+_MAX_BYTES = 2**62  # a size past this overflows the allocator's int64 byte count on the way up
 _ALIGN = 512  # bytes; the caching allocator's own granularity, so growth never wastes a block
-_LANE = threading.local()  # .micro_batch: the index ``micro_batch`` set on this thread
+_LANE = threading.local()  # .micro_batch: the index ``micro_batch`` set; .thread: this thread's _ThreadLane
+_THREAD_LANES_LOCK = threading.Lock()
+_THREAD_LANES_HELD: set[int] = set()  # thread lane numbers held by live threads
+
+
+class _ThreadLane:
+    """A thread's lane number, held while the thread lives: the smallest number no live
+    thread holds, given back when the thread ends (its thread-local dies with it). Numbered
+    by how many threads call at once, not by thread id, so a thread started after
+    ``freeze()`` takes the lane of one that ended (ids are reused, and a new id must not
+    decide whether a reservation exists)."""
+
+    def __init__(self) -> None:
+        with _THREAD_LANES_LOCK:
+            self.number = next(i for i in range(1, len(_THREAD_LANES_HELD) + 2) if i not in _THREAD_LANES_HELD)
+            _THREAD_LANES_HELD.add(self.number)
+        weakref.finalize(self, _release_thread_lane, self.number)
+
+
+def _release_thread_lane(number: int) -> None:
+    with _THREAD_LANES_LOCK:
+        _THREAD_LANES_HELD.discard(number)
 
 
 def current_lane() -> str:
     """The calling thread's lane: "" on the main thread outside any micro-batch; else
-    ``thread-<id>`` and/or ``mb<i>`` joined by "." (see the module docstring)."""
+    ``thread<k>`` (``k``: the smallest number no other live thread holds) and/or ``mb<i>``
+    joined by "." (see the module docstring)."""
     parts = []
     if threading.current_thread() is not threading.main_thread():
-        parts.append(f"thread-{threading.get_ident()}")
+        lane = getattr(_LANE, "thread", None)
+        if lane is None:
+            lane = _LANE.thread = _ThreadLane()
+        parts.append(f"thread{lane.number}")
     index = getattr(_LANE, "micro_batch", 0)
     if index:
         parts.append(f"mb{index}")
@@ -200,6 +228,10 @@ class ScratchArena:
         key = (_laned(name), _device(device))
         if key not in self._reservations:
             raise ValueError(f"name: no reservation {name!r} on {key[1]}")
+        if key[1].type != "cuda":
+            raise ValueError(f"device: record_stream orders CUDA streams, and {name!r} is on {key[1]}")
+        if not isinstance(stream, torch.cuda.Stream):
+            raise ValueError(f"stream: expected a torch.cuda.Stream, got {stream!r}")
         with self._lock:
             self._reservations[key].users[stream.stream_id] = stream
 
@@ -212,9 +244,12 @@ class ScratchArena:
         if reservation is not None and nbytes <= have:
             return reservation
         if self._frozen and nbytes > 0:
+            lane = "@thread" in name and reservation is None
             raise RuntimeError(
                 f"scratch arena: {name!r} on {device} needs {nbytes} bytes ({tuple(shape)} {dtype}) but only {have} "
                 "were reserved before freeze(); reserve it during the profiling run, with the largest token count"
+                + ("; a thread's lane is its number among the threads calling at once: run the profiling run "
+                   "from as many threads at once as will serve" if lane else "")
             )
         if capturing and nbytes > 0:
             raise RuntimeError(
@@ -278,7 +313,11 @@ def _checked(name, shape, dtype, device) -> tuple[str, int, torch.device]:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
     check_shape(shape)
-    return _laned(name), math.prod(shape) * dtype.itemsize, _device(device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if isinstance(nbytes, int) and nbytes > _MAX_BYTES:
+        raise ValueError(f"shape: {list(shape)} {dtype} is {nbytes} bytes, more than any device can hold "
+                         f"(at most {_MAX_BYTES})")
+    return _laned(name), nbytes, _device(device)
 
 
 def check_shape(shape) -> None:

@@ -129,6 +129,8 @@ def test_devices_are_separate_reservations():
         (("x", [2.0], torch.float32, "cpu"), "shape: sizes must be ints"),
         (("x", [2], "float32", "cpu"), "dtype: expected a torch.dtype"),
         (("x", [2], torch.float32, "nowhere"), "device: expected a torch.device"),
+        (("x", [2**62], torch.float32, "cpu"), r"shape: \[4611686018427387904\] torch.float32 is .* bytes, more than"),
+        (("x", [2**31, 2**31], torch.float32, "cpu"), r"shape: .* more than any device can hold"),
     ],
 )
 def test_bad_arguments_name_the_argument(args, message):
@@ -143,6 +145,13 @@ def test_bad_arguments_name_the_argument(args, message):
 def test_record_stream_needs_a_reservation():
     with pytest.raises(ValueError, match="name: no reservation 'x' on cpu"):
         ScratchArena().record_stream("x", "cpu", None)
+
+
+def test_record_stream_is_for_cuda_streams():
+    arena = ScratchArena()
+    arena.take("x", [4], torch.float32, "cpu")
+    with pytest.raises(ValueError, match="^device: record_stream orders CUDA streams, and 'x' is on cpu"):
+        arena.record_stream("x", "cpu", None)
 
 
 def test_use_arena_nests_and_restores():
