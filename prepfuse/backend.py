@@ -126,6 +126,10 @@ class PrepfuseOptions:
             raise ValueError(f"passes: {LAST_PASS!r} must come last (it removes the auto_functionalized calls the "
                              f"fusion passes make), got {passes}")
         object.__setattr__(self, "passes", passes)
+        if self.strict is True and LAST_PASS not in passes:
+            raise ValueError(f"strict: fails a compile where a prepfuse op is still auto_functionalized after the "
+                             f"passes, and without the {LAST_PASS!r} pass every fused op is: add it to passes, or "
+                             f"leave strict off")
 
         if self.debug_dir is not None:
             if not isinstance(self.debug_dir, (str, os.PathLike)):
@@ -189,6 +193,10 @@ class PrepfuseOptions:
         if not isinstance(options, Mapping):
             raise ValueError(f"prepfuse options must be a dict, got {type(options).__name__}")
         valid = [f.name for f in fields(cls)]
+        odd = [k for k in options if not isinstance(k, str)]
+        if odd:
+            raise ValueError(f"prepfuse options: keys must be option names (str), got {odd!r}; valid options: "
+                             f"{', '.join(valid)}")
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ValueError(f"unknown prepfuse option(s) {', '.join(map(repr, unknown))}; valid options: {', '.join(valid)}")
@@ -232,6 +240,9 @@ def _check_config_type(key: str, value) -> None:
     """An Inductor config value of the type the setting holds (``{"fx_graph_cache": "no"}``
     would leave the cache on: a non-empty string is true)."""
     current = torch._inductor.config.get_config_copy().get(key)
+    if "custom" in key and key.endswith("pass") and value is not None and not callable(value):
+        raise ValueError(f"inductor_config: {key!r} takes a graph pass (a callable, e.g. a CustomGraphPass) "
+                         f"or None, got {value!r}")
     if isinstance(current, bool) and not isinstance(value, bool):
         raise ValueError(f"inductor_config: {key!r} takes True or False, got {value!r}")
     if isinstance(current, int) and not isinstance(current, bool) and (isinstance(value, bool) or not isinstance(value, int)):

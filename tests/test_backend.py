@@ -180,8 +180,9 @@ def test_options_apply_to_this_compile_only(v2):
 
 
 def test_strict_fails_when_auto_functionalized_survives():
+    manager = PrepfusePassManager([], strict=True)  # a manager without defunctionalize: the op stays functional
     with pytest.raises(Exception, match=r"prepfuse \(strict\): auto_functionalized calls of prepfuse ops survived"):
-        run_compiled(options={"passes": (), "strict": True})
+        run_compiled(backend="inductor", options={"post_grad_custom_post_pass": manager})
 
 
 # --------------------------------------------------------------------------------------
@@ -328,6 +329,12 @@ def test_cache_hit_is_reported():
     ({"cudagraphs": "piecewise"}, "'piecewise' cuts the graph at splitting_ops, and none are given"),
     ({"splitting_ops": ("aten::mm", "aten::mm.default"), "cudagraphs": "piecewise"},
      "'aten::mm.default' is already covered by 'aten::mm'"),
+    # strict fails every compile that fuses when nothing defunctionalizes the fused calls
+    ({"passes": ("fuse_gqa_prep",), "strict": True}, "^strict: .* without the 'defunctionalize' pass every fused op"),
+    ({1: True, "strict": True}, r"^prepfuse options: keys must be option names \(str\), got \[1\]"),  # was TypeError '<'
+    # a hook Inductor would call only once the compile reached it
+    ({"inductor_config": {"post_grad_custom_pre_pass": "x"}}, "'post_grad_custom_pre_pass' takes a graph pass"),
+    ({"inductor_config": {"joint_custom_post_pass": 3}}, "'joint_custom_post_pass' takes a graph pass"),
 ])
 def test_options_that_meant_something_else_are_refused(options, why):
     with pytest.raises(ValueError, match=why):
@@ -350,3 +357,35 @@ def test_options_hash_and_backends_pickle_and_copy():
     assert pickle.loads(pickle.dumps(opts)) == opts and copy.deepcopy(opts) == opts
     backend = PrepfuseBackend(opts)
     assert copy.deepcopy(backend).options == opts and pickle.loads(pickle.dumps(backend)).options == opts
+
+
+# --------------------------------------------------------------------------------------
+# A returned arena view
+# --------------------------------------------------------------------------------------
+def prep_returning_q(q, kv, k_cache, slot_mapping, positions, cos_sin_cache):
+    from prepfuse.models import dsv4
+
+    q_out = dsv4.dsv4_q_prep(q, positions, cos_sin_cache, 1e-6, 8, dsv4.DSV4_SPELLINGS[0])
+    dsv4.dsv4_kv_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, 16, dsv4.DSV4_SPELLINGS[0])
+    return q_out
+
+
+@pytest.mark.parametrize("output_buffers, warned", [("arena", True), ("graph", False)])
+def test_a_graph_returning_the_fused_q_warns_once_naming_the_option(output_buffers, warned, caplog, monkeypatch):
+    """The returned padded q is an arena view that the next run of any graph fusing the same
+    op overwrites: said once per process at compile time, with the option that avoids it."""
+    from prepfuse.fx_passes import pass_manager
+
+    monkeypatch.setattr(pass_manager, "_warned_returned", False)
+    inputs = make_dsv4_inputs(7, 3, 8, 16, "cpu", skip_fraction=0.0)
+    args = (inputs.q, inputs.kv, inputs.k_cache, inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache)
+    with caplog.at_level(logging.WARNING, logger="prepfuse.passes"):
+        for _ in range(2):
+            torch._dynamo.reset()
+            backend = PrepfuseBackend({"output_buffers": output_buffers})
+            torch.compile(prep_returning_q, backend=backend, fullgraph=True)(*args)
+            assert backend.reports.pattern_counts().get("dsv4_q+kv") == 1
+    said = [r.getMessage() for r in caplog.records if "a view of the scratch arena" in r.getMessage()]
+    assert len(said) == (1 if warned else 0)
+    if warned:
+        assert "dsv4_qnorm_rope_kv_insert.q_out.0" in said[0] and "'output_buffers': 'graph'" in said[0]

@@ -48,7 +48,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.graph_print import normalized_graph
 from prepfuse.fx_passes.placement import PlacementPolicy, placement_uuid, plan_and_check, raise_on_problems
 from prepfuse.fx_passes.matching.canonical import canonicalize
-from prepfuse.fx_passes.matching.scratch_buffers import scratch_to_pool_buffers
+from prepfuse.fx_passes.matching.scratch_buffers import returned_scratch, scratch_to_pool_buffers
 from prepfuse.fx_passes.report import GraphReport
 from prepfuse.ops import NAMESPACE
 
@@ -114,6 +114,8 @@ class PrepfusePassManager(CustomGraphPass):
             moved = scratch_to_pool_buffers(graph)
             if moved:
                 log.debug("%d scratch views -> graph buffers", moved)
+        else:
+            _warn_if_returned(graph)
         namespaces = {NAMESPACE, *(n for p in self.passes for n in getattr(p, "namespaces", ()))}
         report.finish(graph, tuple(sorted(namespaces)))
         problems: list[str] = []
@@ -156,6 +158,24 @@ class PrepfusePassManager(CustomGraphPass):
         folder = os.path.join(self.debug_dir, name)
         os.makedirs(folder, exist_ok=True)
         return folder
+
+
+_warned_returned = False
+
+
+def _warn_if_returned(graph: torch.fx.Graph) -> None:
+    """Once per process: a graph returns a fused op's output buffer, an arena view that the
+    next run of any graph taking the same name overwrites (``output_buffers``)."""
+    global _warned_returned
+    if _warned_returned:
+        return
+    names = returned_scratch(graph)
+    if names:
+        _warned_returned = True
+        log.warning("prepfuse: this graph returns %s, a view of the scratch arena (output_buffers='arena'): the "
+                    "next call of any compiled graph fusing the same op overwrites it. Use it before the next call, "
+                    "clone it, or compile with options={'output_buffers': 'graph'} (said once per process)",
+                    " and ".join(sorted(set(names))))
 
 
 def _graph_text(graph: torch.fx.Graph) -> str:

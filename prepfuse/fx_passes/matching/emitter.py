@@ -14,6 +14,7 @@ import operator
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
@@ -93,6 +94,7 @@ class Emitter:
         """
         v1, v2 = auto_functionalized_ops()
         written = [arg.name for arg in mutated_args(op)]
+        kwargs = self.dense_rows(kwargs, written)
         if v2 is not None and torch._inductor.config.enable_auto_functionalized_v2:
             hop = v2
             call = {k: v for k, v in kwargs.items() if k not in written}
@@ -102,6 +104,19 @@ class Emitter:
             hop, call = v1, kwargs
         af = self.node(hop, op, **call)
         return {name: self.node(operator.getitem, af, index) for name, index in output_indices(af).items()}
+
+    def dense_rows(self, args: dict, written) -> dict:
+        """``args`` with every tensor the call only reads made dense along its last dim (a
+        contiguous copy) where it may not be: the ops load rows with wide vector loads and
+        refuse a strided last dim, and model code hands them such views (``slot_info[:, 0]``
+        of a ``[T, 2]`` metadata tensor, ``slots[::2]``). A copy keeps the rewrite valid where
+        the op would refuse it; a written argument is the cache itself and is never copied."""
+        dense = dict(args)
+        for name, arg in args.items():
+            fake = val(arg) if isinstance(arg, torch.fx.Node) and name not in written else None
+            if isinstance(fake, torch.Tensor) and fake.dim() and not _dense_last_dim(fake):
+                dense[name] = self.node(aten.clone.default, arg, memory_format=torch.contiguous_format)
+        return dense
 
     def inputs_in_order(self) -> None:
         """Every graph node the emitted nodes read computed before them: an input the graph
@@ -120,6 +135,11 @@ class Emitter:
             if not node.users:
                 self.graph.erase_node(node)
         self.emitted = [n for n in self.emitted if n.users]
+
+
+def _dense_last_dim(t: torch.Tensor) -> bool:
+    """Whether ``t``'s last dim is certainly unit-strided or at most one element (no guard)."""
+    return statically_known_true(t.shape[-1] <= 1) or statically_known_true(t.stride(-1) == 1)
 
 
 def as_layout(emit: Emitter, tensor: torch.fx.Node, layout: Layout, like: torch.fx.Node) -> torch.fx.Node:
@@ -162,6 +182,7 @@ def viewed_call(emit: Emitter, op, args: dict, views: dict) -> tuple[dict, dict]
     {root: its new value})``."""
     v1, v2 = auto_functionalized_ops()
     written = [a.name for a in mutated_args(op)]
+    args = emit.dense_rows(args, written)
     roots = list(dict.fromkeys(root for root, _ in views.values()))
     strided = {name: (list(view.shape), list(view.stride()), view.storage_offset()) for name, (_, view) in views.items()}
     plain = [name for name in written if name not in views]

@@ -28,6 +28,7 @@ Sizes are the graph's own, a dynamic size at its traced value.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -261,7 +262,8 @@ def _indexed_size(node: torch.fx.Node) -> int | None:
             dim = list(user.args[1]).index(node)
             sizes.append(concrete(shape(user.args[0])[dim]))
         elif is_op(user, aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.expand.default,
-                   aten.slice.Tensor, *_CASTS):
+                   aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.default, aten.permute.default,
+                   aten.clone.default, aten.alias.default, *_CASTS):  # a column of a metadata tensor too
             inner = _indexed_size(user)
             if inner is not None:
                 sizes.append(inner)
@@ -380,7 +382,7 @@ def _attr(node: torch.fx.Node):
 # --------------------------------------------------------------------------------------
 def _run(nodes: list[torch.fx.Node], known: dict, what: str) -> dict:
     env = {leaf: value.clone() if isinstance(value, torch.Tensor) else value for leaf, value in known.items()}
-    with unset_fake_temporarily(), torch.no_grad():
+    with unset_fake_temporarily(), torch.no_grad(), _one_thread():
         for node in nodes:
             if node in env:
                 continue
@@ -402,6 +404,20 @@ def _run(nodes: list[torch.fx.Node], known: dict, what: str) -> dict:
                 first = str(err).splitlines()[0] if str(err) else ""
                 raise NoMatch(f"{what} did not run on a probe: {type(err).__name__}: {first}") from None
     return env
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One CPU thread while a probe runs: an index assignment naming one slot twice (the edge
+    probe's repeat) leaves that slot's row to whichever thread writes last, torn between
+    tokens where the row's bytes are split over threads; on one thread it is the last
+    token's row, always, so a compile's outcome does not depend on the schedule."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _numbers(x):

@@ -39,7 +39,8 @@ from prepfuse.fx_passes.mutation_info import functionalized_op, mutated_inputs, 
 from prepfuse.ops import SCRATCH
 from prepfuse.ops.scratch import ensure_inductor_lowering
 
-__all__ = ["scratch_buffer", "emit_scratch", "scratch_name", "scratch_nodes", "scratch_to_pool_buffers"]
+__all__ = ["scratch_buffer", "emit_scratch", "scratch_name", "scratch_nodes", "scratch_to_pool_buffers",
+           "returned_scratch"]
 
 aten = torch.ops.aten
 # ops that read only a tensor's metadata, never its bytes
@@ -179,3 +180,36 @@ def scratch_to_pool_buffers(graph: torch.fx.Graph) -> int:
         graph.erase_node(node)
         replaced += 1
     return replaced
+
+
+def returned_scratch(graph: torch.fx.Graph) -> list[str]:
+    """The scratch names whose bytes ``graph`` returns: a view of the buffer (or the buffer
+    as a call wrote it) reaches the output. Such a returned tensor is overwritten by the next
+    run of any graph that takes the same name, which a caller keeping it does not expect."""
+    names = []
+    for node in scratch_nodes(graph):
+        stack, seen = [node], {node}
+        while stack:
+            current = stack.pop()
+            if any(user.op == "output" for user in current.users):
+                names.append(node.args[0])
+                break
+            for user in current.users:
+                if user not in seen and (_aliases_input(user) or _latest_contents(current) is user):
+                    seen.add(user)
+                    stack.append(user)
+            written = _latest_contents(current)
+            if written is not current and written not in seen:
+                seen.add(written)
+                stack.append(written)
+    return names
+
+
+def _aliases_input(node: torch.fx.Node) -> bool:
+    """A view of its first input (its schema's return shares that input's alias set) or an
+    in-place write that returns it (``Tensor(a!)``)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns or not target._schema.arguments:
+        return False
+    returned, first = target._schema.returns[0].alias_info, target._schema.arguments[0].alias_info
+    return returned is not None and first is not None and set(returned.before_set) & set(first.before_set) != set()
