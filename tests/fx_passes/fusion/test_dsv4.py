@@ -355,7 +355,9 @@ def test_attention_block_dynamic():
 
     Layer 2 reads layer 1's output, which Inductor computes in its own order, so its kv
     (and cache bytes) may differ from eager by what the compiled projection and softmax
-    differ; the caches are compared dequantised, at one e4m3 step (12.5 %)."""
+    differ; the caches are compared dequantised: layer 1's exactly, layer 2's at one e4m3 step of
+    each value plus 2^-7 of its row's largest (an element-wise 12.5 % failed on a small value of
+    layer 2 that moved by 0.02 with the row's bf16 noise)."""
     block = Dsv4AttentionBlock(num_layers=2, num_heads=H, padded_heads=HP, block_size=BLOCK, spelling=DSV4_SPELLINGS[4])
     inputs = make_inputs()
     x = torch.randn(T, 64).to(torch.bfloat16)
@@ -373,8 +375,15 @@ def test_attention_block_dynamic():
     FileCheck().check_count("torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert.default(", 2, exactly=True).run(code)
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)
     for cache, ref_cache in zip(caches, ref_caches):
-        torch.testing.assert_close(_dequantized_rows(cache, inputs.slot_mapping),
-                                   _dequantized_rows(ref_cache, inputs.slot_mapping), atol=1e-2, rtol=0.13)
+        got, want = _dequantized_rows(cache, inputs.slot_mapping), _dequantized_rows(ref_cache, inputs.slot_mapping)
+        if cache is caches[0]:  # layer 1 reads what eager reads
+            assert torch.equal(got, want)
+            continue
+        # one e4m3 step at the value (the 8 codes of each binade: 12.5 % at its bottom), plus what layer 2's
+        # inputs moved: bf16 noise of its row, 2^-7 of the row's largest value
+        step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp_min(2.0**-30))) - 3)
+        bound = step + 2.0**-7 * want.abs().amax(dim=-1, keepdim=True)
+        assert ((got - want).abs() <= bound).all()
 
 
 # --------------------------------------------------------------------------------------
