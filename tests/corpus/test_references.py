@@ -34,7 +34,7 @@ PARAMS = [pytest.param(n, marks=TWO_FP8_WRITES) if n == "trtllm-llama-fp8" else 
 # reaching the op's operands (complex and GPT-J RoPE, a norm after RoPE, views rotated in place,
 # a reshaped fp8 bitcast write, the model's own copy of heads strided apart)
 FUSES_EVERY_LAYER = {"llama-ref-complex", "llama4-norm-after-rope", "llama2c-real-gptj", "litgpt-qwen3",
-                     "tgi-llama-fp8", "tgi-gemma3", "torchtitan-qwen3"}
+                     "tgi-llama-fp8", "tgi-gemma3", "torchtitan-qwen3", "lightllm-qwen3"}
 
 
 def run(case, backend, seed):

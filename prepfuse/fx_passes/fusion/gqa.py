@@ -178,7 +178,7 @@ class FuseGqaPrepPass(PrepfusePass):
         """The prepared q candidates, latest first."""
         d = k.head_dim
         written = {w.start.node for w in writes}
-        if _is_whole(k):
+        if _separate(k):
             graph = k.start.node.graph
             # k from the model's copy: q from its own, if the projection's order is none
             copies = {n: s for n in graph.nodes if is_copy(n) for s in [copy_start(n, d, k.tokens)] if s is not None} \
@@ -243,7 +243,7 @@ class FuseGqaPrepPass(PrepfusePass):
         for old, new in written:
             self.replace(old, new)
         pattern = ("gqa_qknorm_rope_kv" if best.norm != "none" else "gqa_rope_kv") + (
-            "+separate" if _is_whole(k) else "")
+            "+separate" if _separate(k) else "")
         self.log.matched(self.name, pattern, q.prepared, final.note(best.describe()))
 
     def _roles(self, k: KvWrite) -> dict:
@@ -287,9 +287,9 @@ def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, check
     """The emit function of one candidate call."""
     def emit_it(emit: Emitter):
         device = val(k.start.node).device
-        if _is_whole(k):
+        if _separate(k):
             op = GQA_SEPARATE_QKNORM_ROPE_KV_INSERT
-            args = dict(q=_as_2d(emit, q.start), k=_as_2d(emit, k.start), v=_as_2d(emit, v.start))
+            args = dict(q=_columns(emit, q.start), k=_columns(emit, k.start), v=_columns(emit, v.start))
             tokens = emit.size(args["k"], 0)
         else:
             op = GQA_QKNORM_ROPE_KV_INSERT
@@ -407,6 +407,22 @@ def _gptj_hint(k: KvWrite) -> bool:
     """Interleaved pairs read likelier than halves: the region steps by 2 or goes complex."""
     return any(is_op(n, aten.view_as_complex.default) or (is_op(n, aten.slice.Tensor) and slice_params(
         n.args[1:], n.kwargs)[3] == 2) or (is_op(n, aten.select.int) and shape(n.args[0])[-1:] == (2,)) for n in k.region)
+
+
+def _separate(k) -> bool:
+    """Whether k's projection holds no q heads before it: k a projection of its own, or the
+    first columns of a kv projection (k then v, lightllm's ``kv_proj``). The three-source op
+    reads q, k and v wherever they are."""
+    return _is_whole(k) or k.start.first == 0
+
+
+def _columns(emit, start: Start):
+    """The op's ``[T, width]`` view of ``start``'s columns: its whole source as ``_as_2d``
+    gives it, or that narrowed to the columns (a row stride the op takes as it is)."""
+    if _is_whole(start):
+        return _as_2d(emit, start)
+    source = _as_2d(emit, start.source)
+    return emit.node(aten.slice.Tensor, source, 1, start.first, start.first + start.width)
 
 
 def _is_whole(w) -> bool:

@@ -158,6 +158,10 @@ def rows_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, RowsWrite | NoMatc
             root = view_chain(node.args[0])[0]
             if not _is_graph_buffer(root):
                 continue
+            src = node.args[1]
+            if is_op(node, aten.slice_scatter.default) and is_op(src, *_WRITES_BACK) \
+                    and _is_graph_buffer(view_chain(src.args[0])[0]):
+                continue  # the scatter back of a write into a slice of the buffer, read with that write
             try:
                 found[node] = rows_write(node)
             except NoMatch as err:

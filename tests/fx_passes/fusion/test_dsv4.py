@@ -265,8 +265,7 @@ LOOKALIKE_CASES = [
     ("no_rsqrt", q_only, ["dsv4_q"], ["q_out differs"]),
     ("neox_rope", prep, ["dsv4_q", "dsv4_kv"], ["q_out differs", "k_cache"]),
     ("quant_block_128", kv_only, ["dsv4_kv"], ["k_cache (NoPE"]),
-    ("cache_row_640", kv_only, ["dsv4_kv", "dsv4_kv"], ["a byte cache written by other than (block, row) indices",
-                                                        "640 apart"]),
+    ("cache_row_640", kv_only, ["dsv4_kv"], ["640 apart"]),  # its slice's scatter back is no write of its own
     ("cache_row_640_columns", kv_only, ["dsv4_kv"], ["640 apart"]),
     ("float16", prep, ["dsv4_q", "dsv4_kv"], ["float16", "differs"]),
 ]
@@ -282,7 +281,7 @@ def test_lookalike_is_left_alone(name, code, declined, why, caplog):
     with caplog.at_level(logging.DEBUG, logger="prepfuse.passes"):
         r = run(code(spelling), inputs)
     assert r.matched == 0 and not r.report.ops_after  # no prepfuse op in the compiled graph
-    assert [p for p, _ in r.events("declined")] == declined
+    assert [p for p, _ in r.events("declined")] == declined, r.events("declined")
     assert all(w in reason for w, (_, reason) in zip(why, r.events("declined"))), r.events("declined")
     assert any("declined" in rec.getMessage() and why[0] in rec.getMessage() for rec in caplog.records)
     assert_unfused_close_to_eager(r)

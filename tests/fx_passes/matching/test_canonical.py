@@ -164,3 +164,60 @@ def test_a_read_of_part_of_a_scatter_stays():
     want, got, graph = run_both(half_overwritten, x, y)
     assert torch.equal(want, got)
     assert count(graph, aten.slice_scatter.default) == 1
+
+
+def test_an_unbind_item_is_a_select():
+    def write(kv_cache, rows, slots):
+        k_cache, v_cache = kv_cache.unbind(0)
+        k_cache[slots] = rows
+        v_cache[slots] = rows * 2
+
+    inputs = (torch.randn(2, 8, 3, 4), torch.randn(5, 3, 4), torch.tensor([1, 6, 0, 3, 7]))
+    want, got, graph = run_both(write, *inputs)
+    assert count(graph, aten.unbind.int) == 0 and count(graph, aten.select.int) >= 2
+    assert got is None and want is None
+
+
+def _written_buffer(write, *inputs):
+    """The buffer (first input) ``write`` leaves, eagerly and by its canonicalized graph."""
+    eager, canonical = [t.clone() for t in inputs], [t.clone() for t in inputs]
+    write(*eager)
+    gm = functional(write, *(torch.empty_like(t) for t in inputs))
+    counts = canonicalize(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    gm(*canonical)
+    return eager[0], canonical[0], counts, gm.graph
+
+
+def test_a_row_of_k_and_v_heads_is_two_writes_of_the_same_bytes():
+    def write(pool, k, v, slots):  # k heads then v heads, one row per token
+        pool[1][slots] = torch.cat((k, v), dim=1)
+
+    inputs = (torch.randn(2, 16, 6, 4), torch.randn(5, 2, 4), torch.randn(5, 4, 4), torch.tensor([3, 9, 0, 15, 3]))
+    want, got, counts, graph = _written_buffer(write, *inputs)
+    assert counts["written cats"] == 1 and count(graph, aten.cat.default) == 0
+    assert count(graph, aten.index_put.default) == 2
+    assert torch.equal(got, want)  # a repeated slot keeps the last token's row in both
+
+
+def test_rows_whose_heads_were_overwritten_in_place_are_written_piece_by_piece():
+    def write(pool, kv, k, slots):  # lightllm: kv rows, their k heads replaced, the whole row written
+        kv = kv.clone()
+        kv[:, :2] = k
+        pool[slots] = kv
+
+    inputs = (torch.randn(16, 6, 4), torch.randn(5, 6, 4), torch.randn(5, 2, 4), torch.tensor([3, 9, 0, 15, 7]))
+    want, got, counts, graph = _written_buffer(write, *inputs)
+    assert counts["written cats"] == 1 and count(graph, aten.index_put.default) == 2
+    assert torch.equal(got, want)
+
+
+def test_a_cat_of_a_rows_values_stays_one_write():
+    def write(cache, a, b, slots):  # RoPE's halves: the row's own values, not parts of the buffer
+        cache[slots] = torch.cat((a, b), dim=-1)
+
+    inputs = (torch.randn(16, 2, 8), torch.randn(5, 2, 4), torch.randn(5, 2, 4), torch.tensor([3, 9, 0, 15, 7]))
+    want, got, counts, graph = _written_buffer(write, *inputs)
+    assert counts["written cats"] == 0 and count(graph, aten.index_put.default) == 1
+    assert torch.equal(got, want)
