@@ -21,7 +21,8 @@ CONVERTS = (prims.convert_element_type.default, aten._to_copy.default)
 VIEW_OPS = (*RESHAPES, aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
             aten.squeeze.default, aten.squeeze.dims, aten.alias.default, aten.t.default)
 # views a write's functional form scatters back (``scatter_back``)
-WRITE_VIEWS = (*RESHAPES, aten.slice.Tensor, aten.as_strided.default, aten.select.int, aten.view.dtype)
+WRITE_VIEWS = (*RESHAPES, aten.slice.Tensor, aten.as_strided.default, aten.select.int, aten.view.dtype,
+               aten.unsqueeze.default)
 INT_MAX = 2**63 - 1
 
 __all__ = ["NoMatch", "expect", "is_op", "val", "shape", "same_size", "same_shape", "scalar", "concrete", "where",
@@ -135,7 +136,7 @@ def _same_value(a, b) -> bool:
 
 def scatter_back(written, chain: list[torch.fx.Node]) -> torch.fx.Node:
     """The root's new value after ``written`` replaced the view ``chain[-1]``: functionalization
-    undoes each view step, a reshape by a reshape back, ``slice`` by ``slice_scatter``,
+    undoes each view step, a reshape by a reshape back, ``unsqueeze`` by ``squeeze``, ``slice`` by ``slice_scatter``,
     ``select`` by ``select_scatter``, ``as_strided`` by ``as_strided_scatter``, a dtype view
     by a dtype view back. Raises NoMatch on anything else."""
     node = written
@@ -145,6 +146,8 @@ def scatter_back(written, chain: list[torch.fx.Node]) -> torch.fx.Node:
         (user,) = users
         if step.target in RESHAPES:
             ok = is_op(user, *RESHAPES) and user.args[0] is node and same_shape(user, step.args[0])
+        elif step.target is aten.unsqueeze.default:  # undone by squeezing the same dim
+            ok = is_op(user, aten.squeeze.dim) and user.args[0] is node and same_shape(user, step.args[0])
         elif step.target is aten.view.dtype:
             ok = is_op(user, aten.view.dtype) and user.args[0] is node and val(user).dtype == val(step.args[0]).dtype
         elif step.target is aten.slice.Tensor:

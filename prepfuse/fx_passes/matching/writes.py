@@ -77,7 +77,7 @@ def put_rows(put: torch.fx.Node) -> torch.fx.Node:
 
 
 _WRITES_BACK = (aten.slice_scatter.default, aten.select_scatter.default, aten.as_strided_scatter.default,
-                aten.index_put.default, *RESHAPES, aten.view.dtype)
+                aten.index_put.default, *RESHAPES, aten.view.dtype, aten.squeeze.dim)
 
 
 def _is_graph_buffer(root) -> bool:

@@ -4,7 +4,7 @@ Engines keep a layer's k and v in one tensor and take the parts in the model: vL
 ``[2, blocks, block, Hkv, D]`` by ``unbind(0)`` or ``kv_cache[0]``, Megatron's
 ``[2, layers, blocks, block, Hkv, D]`` by ``memory_buffer[0, layer]``, lightllm's token pool
 ``[layers, slots, 2 * Hkv, D]`` written ``kv_buffer[layer][slots] = cat((k, v), 1)`` (k heads,
-then v heads, one row). Each fuses into one call writing both parts, every byte of the buffer
+then v heads, one row), TensorRT-LLM's ``[requests, 2, S, Hkv, D]`` by ``[request, 0].unsqueeze(0)``. Each fuses into one call writing both parts, every byte of the buffer
 as eager leaves it (the math rotates in fp32, as the op does), and with k and v from one kv
 projection without q the three-source op reads that projection's column ranges.
 """
@@ -78,11 +78,22 @@ def kv_projection_in_place(qkv, w, table, positions, slots, kv_buffer):
     return q
 
 
+def request_of_block_tensor(qkv, w, table, positions, slots, kv_cache):
+    """TensorRT-LLM's vanilla backend: request 1's k and v of a ``[requests, 2, S, Hkv, D]``
+    tensor, taken ``[1, 0].unsqueeze(0)`` and written through an int16 view by position."""
+    q, k, v = prepared(*split_qkv(qkv), *w, table, positions)
+    for part, rows in ((0, k), (1, v)):
+        out = kv_cache[1, part].unsqueeze(0)
+        out.view(torch.int16).index_copy_(1, slots, rows.unsqueeze(0).view(torch.int16))
+    return q
+
+
 CASES = {  # the function, its buffer's shape, the pattern it fuses as
     "vllm-unbind": (vllm_unbind, (2, BLOCKS, BLOCK, HKV, D), "gqa_qknorm_rope_kv"),
     "vllm-index": (vllm_index, (2, BLOCKS, BLOCK, HKV, D), "gqa_qknorm_rope_kv"),
     "megatron-layer-of-buffer": (megatron_layer, (2, LAYERS, BLOCKS, BLOCK, HKV, D), "gqa_qknorm_rope_kv"),
     "pool-k-then-v-heads": (pool_of_k_then_v, (LAYERS, BLOCKS * BLOCK, 2 * HKV, D), "gqa_qknorm_rope_kv"),
+    "request-of-block-tensor": (request_of_block_tensor, (2, 2, BLOCKS * BLOCK, HKV, D), "gqa_qknorm_rope_kv"),
     "kv-projection-in-place": (kv_projection_in_place, (LAYERS, BLOCKS * BLOCK, 2 * HKV, D),
                                "gqa_qknorm_rope_kv+separate"),
 }
