@@ -385,7 +385,7 @@ def test_a_graph_returning_the_fused_q_warns_once_naming_the_option(output_buffe
             backend = PrepfuseBackend({"output_buffers": output_buffers})
             torch.compile(prep_returning_q, backend=backend, fullgraph=True)(*args)
             assert backend.reports.pattern_counts().get("dsv4_q+kv") == 1
-    said = [r.getMessage() for r in caplog.records if "a view of the scratch arena" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "returns views of the scratch arena" in r.getMessage()]
     assert len(said) == (1 if warned else 0)
     if warned:
         assert "dsv4_qnorm_rope_kv_insert.q_out.0" in said[0] and "'output_buffers': 'graph'" in said[0]

@@ -172,10 +172,10 @@ def _warn_if_returned(graph: torch.fx.Graph) -> None:
     names = returned_scratch(graph)
     if names:
         _warned_returned = True
-        log.warning("prepfuse: this graph returns %s, a view of the scratch arena (output_buffers='arena'): the "
-                    "next call of any compiled graph fusing the same op overwrites it. Use it before the next call, "
-                    "clone it, or compile with options={'output_buffers': 'graph'} (said once per process)",
-                    " and ".join(sorted(set(names))))
+        log.warning("prepfuse: this graph returns views of the scratch arena (%s; output_buffers='arena'): the "
+                    "next call of any compiled graph fusing the same op overwrites them. Use them before the next "
+                    "call, clone them, or compile with options={'output_buffers': 'graph'} (said once per process)",
+                    ", ".join(sorted(set(names))))
 
 
 def _graph_text(graph: torch.fx.Graph) -> str:
