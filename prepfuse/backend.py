@@ -74,6 +74,7 @@ from prepfuse.fx_passes.placement import PlacementPass, PlacementPolicy
 from prepfuse.fx_passes.matching.search import VALIDATE_MODES
 from prepfuse.fx_passes.registry import LAST_PASS, get_pass, placement_position, registered_passes
 from prepfuse.fx_passes.report import GraphReport, Reports
+from prepfuse.fx_passes.report_store import load_reports, report_key, store_reports
 from prepfuse.ops import NAMESPACE
 
 __all__ = [
@@ -325,9 +326,14 @@ class PrepfuseBackend:
         patches = inductor_mode_options(mode)
         patches.update(self.options.config_patches())
         patches["post_grad_custom_post_pass"] = manager
+        key = report_key(gm, example_inputs, manager.uuid(), mode)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
-        if not manager.reports:  # served from the FX graph / AOTAutograd cache: no pass ran
-            on_report(GraphReport(graph_id="cached", passes=manager.pass_names, cached=True))
+        if manager.reports:
+            store_reports(key, manager.reports)
+        else:  # served from the FX graph / AOTAutograd cache: no pass ran; the compile that wrote it reported
+            for report in load_reports(key) or [GraphReport(graph_id="cached", passes=manager.pass_names)]:
+                report.cached = True
+                on_report(report)
         return compiled
 
 

@@ -316,7 +316,24 @@ def test_cache_hit_is_reported():
         run_compiled(options={"passes": ("defunctionalize",)})
     first, second = reports()
     assert not first.cached and first.count("defunctionalize") == 1
-    assert second.cached and "served from Inductor's cache" in second.format()
+    # the warm compile ran no pass, and reports what the compile that wrote the cached code did
+    assert second.cached and second.count("defunctionalize") == 1
+    assert "served from Inductor's cache: the report of the compile that wrote it" in second.format()
+
+
+def test_a_cache_hit_without_a_kept_report_says_how_to_see_one(monkeypatch):
+    from prepfuse import backend as backend_module
+
+    with torch._inductor.config.patch(fx_graph_cache=True), fresh_inductor_cache():
+        run_compiled(options={"passes": ("defunctionalize",)})
+        torch._dynamo.reset()
+        monkeypatch.setattr(backend_module, "load_reports", lambda key: None)  # written by another prepfuse
+        run_compiled(options={"passes": ("defunctionalize",)})
+    second = reports()[1]
+    assert second.cached and second.count("defunctionalize") == 0
+    hint = "options={'inductor_config': {'fx_graph_cache': False}}"
+    assert hint in second.format()
+    PrepfuseOptions.from_mapping({"inductor_config": {"fx_graph_cache": False}})  # the hint is an accepted spelling
 
 
 # --------------------------------------------------------------------------------------
@@ -389,3 +406,28 @@ def test_a_graph_returning_the_fused_q_warns_once_naming_the_option(output_buffe
     assert len(said) == (1 if warned else 0)
     if warned:
         assert "dsv4_qnorm_rope_kv_insert.q_out.0" in said[0] and "'output_buffers': 'graph'" in said[0]
+
+
+def test_a_script_run_twice_reports_its_fused_calls_both_times(tmp_path):
+    """The second run of a script is served from Inductor's on-disk cache and runs no pass;
+    its report is the one the first run kept, so it does not read "0 fused"."""
+    script = tmp_path / "compile_twice.py"
+    script.write_text(
+        "import torch\n"
+        "from prepfuse.backend import last_reports\n"
+        "from prepfuse.testing import make_dsv4_inputs\n"
+        "from tests.test_backend import prep_returning_q\n"
+        "inputs = make_dsv4_inputs(7, 3, 8, 16, 'cpu', skip_fraction=0.0)\n"
+        "args = (inputs.q, inputs.kv, inputs.k_cache, inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache)\n"
+        "torch.compile(prep_returning_q, backend='prepfuse', fullgraph=True)(*args)\n"
+        "(report,) = last_reports()\n"
+        "print('RESULT', report.cached, report.count('dsv4_q+kv'))\n")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(PYPROJECT), os.environ.get("PYTHONPATH", "")]))
+    results = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600,
+                             cwd=os.path.dirname(PYPROJECT))
+        assert run.returncode == 0, run.stderr[-3000:]
+        results.append(next(line for line in run.stdout.splitlines() if line.startswith("RESULT")))
+    assert results == ["RESULT False 1", "RESULT True 1"]

@@ -91,6 +91,7 @@ class PrepfusePassManager(CustomGraphPass):
         self.placement = placement if placement is not None and placement.active else None
         self.graph_buffers = (placement or PlacementPolicy()).graph_buffers(output_buffers)
         self.reports: list[GraphReport] = []
+        self._uuid: str | None = None
 
     @property
     def pass_names(self) -> tuple[str, ...]:
@@ -141,6 +142,13 @@ class PrepfusePassManager(CustomGraphPass):
             raise_on_problems(report.placement, problems, report.format(verbose=True))
 
     def uuid(self) -> str:
+        """Computed once per manager (its passes and settings are fixed when it is made): the
+        backend keys the compile's kept report by it and Inductor its cache."""
+        if self._uuid is None:
+            self._uuid = self._compute_uuid()
+        return self._uuid
+
+    def _compute_uuid(self) -> str:
         digest = hashlib.sha256()
         digest.update(inspect.getsource(sys.modules[__name__]).encode())
         digest.update(inspect.getsource(sys.modules[canonicalize.__module__]).encode())

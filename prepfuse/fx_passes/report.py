@@ -11,7 +11,8 @@ them (``prepfuse.backend.reports()``, ``last_reports()``, or ``PrepfuseBackend.r
 ``format()`` prints a table of matches with their anchor node and, where the graph
 recorded one, the line of model code it came from; near misses (candidates a pass
 declined, with why) are added with ``verbose=True`` or when the ``prepfuse`` logger is at
-DEBUG. A graph served from Inductor's cache ran no pass and says so (``cached``).
+DEBUG. A graph served from Inductor's cache ran no pass: it carries the report of the compile
+that wrote the cached code (``report_store``) and says so (``cached``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class GraphReport:
     rewrites: list[Rewrite] = field(default_factory=list)
     ops_after: dict[str, int] = field(default_factory=dict)  # prepfuse op -> calls left in the graph
     functionalized_left: list[str] = field(default_factory=list)  # auto_functionalized calls left (defunctionalize's namespaces)
-    cached: bool = False  # served from Inductor's cache: no pass ran, nothing below is known
+    cached: bool = False  # served from Inductor's cache: no pass ran; what follows is the report of the compile
+    # that wrote the cached code (``report_store``), if one was kept
     graph: str | None = None  # normalized post-pass graph, when the backend records graphs
     placement: PartitionPlan | None = None  # partitions, when splitting_ops or cudagraphs are set
 
@@ -111,9 +113,11 @@ class GraphReport:
         if verbose is None:
             verbose = logging.getLogger("prepfuse").isEnabledFor(logging.DEBUG)
         head = f"prepfuse graph {self.graph_id}: passes {', '.join(self.passes) or '(none)'}"
-        if self.cached:
-            return head + "\n  served from Inductor's cache: no pass ran (compile with fx_graph_cache=False to see matches)"
-        lines = [head]
+        if self.cached and not self.matched_counts:
+            return head + ("\n  served from Inductor's cache, and no report of the compile that wrote it was kept: "
+                           "compile with options={'inductor_config': {'fx_graph_cache': False}} to run the passes")
+        lines = [head + (" (served from Inductor's cache: the report of the compile that wrote it)"
+                         if self.cached else "")]
         rows = [("pass", "pattern", "matched")]
         rows += [(p, pat, str(n)) for (p, pat), n in Counter((r.pass_name, r.pattern) for r in self.matches()).items()]
         for name in self.passes:
