@@ -149,3 +149,19 @@ def test_a_projection_produced_transposed_declines_and_compiles_as_written():
     inductor_out = torch.compile(prep, backend="inductor", fullgraph=True)(*inductor_args)
     assert torch.equal(out, inductor_out)
     assert all(torch.equal(a, b) for a, b in zip(compiled_args, inductor_args))
+
+
+def test_a_write_through_a_view_the_reader_does_not_follow_is_said():
+    """A cache written through its transposed view is no write the families take; it
+    declines by name instead of in silence."""
+    def write(k, cache, slots):
+        cache.transpose(1, 2)[slots] = k
+        return k * 2
+
+    backend = PrepfuseBackend({})
+    args = (torch.randn(5, 2, 64).to(torch.bfloat16), torch.zeros(16, 64, 2, dtype=torch.bfloat16),
+            torch.tensor([1, 2, 3, 4, 5]))
+    torch.compile(write, backend=backend, fullgraph=True)(*args)
+    whys = [r.why for r in backend.reports.near_misses()]
+    assert whys and all("`cache.transpose(1, 2)[slots] = k` writes into a view of the graph input" in w
+                        and "taken by permute" in w for w in whys), whys

@@ -16,13 +16,15 @@ buffer the graph made (a local scratch) is no cache write.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.nodes import (
-    RESHAPES, NoMatch, aten, expect, is_op, same_size, scatter_back, shape, slice_params, val, view_chain, where,
+    RESHAPES, VIEW_OPS, WRITE_VIEWS, NoMatch, aten, expect, is_op, same_size, scatter_back, shape, slice_params, val,
+    view_chain, where,
 )
 
 __all__ = ["Index", "RowsWrite", "rows_write", "rows_writes", "put_rows", "first_rows", "byte_rows", "ByteRows", "scale_partner",
@@ -157,6 +159,11 @@ def rows_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, RowsWrite | NoMatc
         if is_op(node, aten.index_put.default, aten.slice_scatter.default):
             root = view_chain(node.args[0])[0]
             if not _is_graph_buffer(root):
+                unfollowed = _unfollowed_view(root)
+                if unfollowed is not None:  # said, so that such code never declines in silence
+                    found[node] = NoMatch(f"write: {where(node)} writes into a view of the graph input "
+                                          f"{unfollowed[0].name} taken by {unfollowed[1]}, which the cache-write "
+                                          "reader does not follow")
                 continue
             src = node.args[1]
             if is_op(node, aten.slice_scatter.default) and is_op(src, *_WRITES_BACK) \
@@ -175,6 +182,23 @@ def rows_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, RowsWrite | NoMatc
                                   f"{'index' if is_op(node, aten.select_scatter.default) else 'strided window'} "
                                   f"of {view_chain(node.args[0])[0].name}, not rows at token indices")
     return found
+
+
+def _unfollowed_view(node) -> tuple[torch.fx.Node, str] | None:
+    """(the graph input, the first view op on the way) where ``node`` is a view of a graph
+    input through views other than those ``view_chain`` follows (a permute, a transpose ...);
+    None for anything else (a buffer the code made, a copy)."""
+    first = None
+    while is_op(node, *VIEW_OPS, *WRITE_VIEWS, aten.expand.default, aten.diagonal.default) or (
+            isinstance(node, torch.fx.Node) and node.target is operator.getitem
+            and is_op(node.args[0], aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default)):
+        if node.target is operator.getitem:
+            node = node.args[0]
+        first = node
+        node = node.args[0]
+    if first is None or not _is_graph_buffer(node):
+        return None
+    return node, str(first.target).replace("aten.", "")
 
 
 # --------------------------------------------------------------------------------------
