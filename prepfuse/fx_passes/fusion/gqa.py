@@ -367,14 +367,12 @@ def _norm_weights(emit, math: Math, q: Q, k: KvWrite) -> dict:
 
 def _as_2d(emit, source):
     """The op's ``[T, W]`` view of a source with leading token dims (a whole ``Start``: its
-    own token dims, the rest ``W``), dense along W."""
+    own token dims, the rest ``W``)."""
     width = source.width if isinstance(source, Start) else None
     source = source.source if isinstance(source, Start) else source
     if len(shape(source)) != 2:
         source = emit.node(aten.reshape.default, source, [-1, width or shape(source)[-1]])
-    if val(source).stride(-1) != 1:
-        source = emit.node(aten.clone.default, source, memory_format=torch.contiguous_format)
-    return source
+    return source  # a strided last dim gets its contiguous copy with the call's other operands (Emitter.dense_rows)
 
 
 def _tokens(node):
@@ -412,8 +410,8 @@ def _gptj_hint(k: KvWrite) -> bool:
 def _separate(k) -> bool:
     """Whether k's projection holds no q heads before it: k a projection of its own, or the
     first columns of a kv projection (k then v, lightllm's ``kv_proj``). The three-source op
-    reads q, k and v wherever they are."""
-    return _is_whole(k) or k.start.first == 0
+    reads q, k and v wherever they are (a whole projection starts at column 0 too)."""
+    return k.start.first == 0
 
 
 def _columns(emit, start: Start):

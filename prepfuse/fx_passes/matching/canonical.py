@@ -67,8 +67,8 @@ PURE_STEPS = (
 
 def canonicalize(graph: torch.fx.Graph) -> dict[str, int]:
     """Rewrite ``graph`` into its canonical form; returns how often each rule applied."""
-    counts = {"aliases": _no_aliases(graph), "selections": _one_selection(graph), "squares": _one_square(graph), "writes": _one_write_form(graph),
-              "written cats": _one_write_per_piece(graph),
+    counts = {"aliases": _no_aliases(graph), "selections": _one_selection(graph), "squares": _one_square(graph),
+              "writes": _one_write_form(graph), "written cats": _one_write_per_piece(graph),
               "bitcast writes": _bitcast_writes(graph), "copies": _plain_copies(graph),
               "reads through scatters": reads_through_scatters(graph)}
     counts["merged steps"] = merge_repeated_steps(graph)
@@ -153,8 +153,8 @@ def _one_write_form(graph) -> int:
 
 def _one_write_per_piece(graph) -> int:
     """``index_put(dst, [i0, .., in-1], cat(pieces, d))`` with ``n`` 1-d indices of the
-    leading dims and ``d`` a dim between the tokens and a row's values (heads): each piece written into its
-    slice of ``dst`` along dim ``n + d - 1``, as functionalization writes into a view: the
+    leading dims and ``d`` a dim between the tokens and a row's values (heads): each piece
+    written into its slice of ``dst`` along dim ``n + d - 1``, as functionalization writes into a view: the
     view chain from the buffer taken again from its latest value, ``slice``, ``index_put``,
     and each view scattered back (``nodes.scatter_back`` reads the same form)."""
     done = 0

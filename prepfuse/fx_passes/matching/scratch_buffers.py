@@ -194,14 +194,11 @@ def returned_scratch(graph: torch.fx.Graph) -> list[str]:
             if any(user.op == "output" for user in current.users):
                 names.append(node.args[0])
                 break
-            for user in current.users:
-                if user not in seen and (_aliases_input(user) or _latest_contents(current) is user):
+            following = [u for u in current.users if _aliases_input(u)] + [_latest_contents(current)]
+            for user in following:
+                if user not in seen:
                     seen.add(user)
                     stack.append(user)
-            written = _latest_contents(current)
-            if written is not current and written not in seen:
-                seen.add(written)
-                stack.append(written)
     return names
 
 
@@ -212,4 +209,4 @@ def _aliases_input(node: torch.fx.Node) -> bool:
     if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns or not target._schema.arguments:
         return False
     returned, first = target._schema.returns[0].alias_info, target._schema.arguments[0].alias_info
-    return returned is not None and first is not None and set(returned.before_set) & set(first.before_set) != set()
+    return returned is not None and first is not None and bool(set(returned.before_set) & set(first.before_set))
