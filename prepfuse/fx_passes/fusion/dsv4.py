@@ -139,7 +139,7 @@ class FuseDsv4PrepPass(PrepfusePass):
         found = []
         for start in projection_starts(graph, HEAD_DIM, (torch.bfloat16, torch.float16), avoid=kv_starts):
             cands = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=(torch.bfloat16, torch.float16))
-                     if per_token_operands(p.operands, weight_like) and len(shape(p.node)) >= 3
+                     if not p.tail and per_token_operands(p.operands, weight_like) and len(shape(p.node)) >= 3
                      and shape(p.node)[-1] == HEAD_DIM]
             if cands:
                 found.append(QSide(start, cands, cands[0].heads))

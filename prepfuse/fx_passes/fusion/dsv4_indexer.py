@@ -186,7 +186,8 @@ class _FuseDsv4IndexerPass(PrepfusePass):
             tokens = base_columns(start.source, HEAD_DIM)[0]
             outputs = {}
             for name, width, dtype in self.fmt.q_outputs:
-                cands = [p for p in prepared(start, HEAD_DIM, tokens, dtypes=(dtype,)) if shape(p.node)[-1] == width]
+                cands = [p for p in prepared(start, HEAD_DIM, tokens, dtypes=(dtype,))
+                         if not p.tail and shape(p.node)[-1] == width]
                 if cands:
                     outputs[name] = cands[0]
             if "q_out" not in outputs:

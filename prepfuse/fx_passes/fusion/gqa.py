@@ -86,6 +86,7 @@ class Q:
     layout: Layout
     heads: int
     weight: torch.fx.Node | None
+    tail: bool = False  # a view or scaling of it is what later steps read (``sources.prepared``)
 
 
 class FuseGqaPrepPass(PrepfusePass):
@@ -109,7 +110,7 @@ class FuseGqaPrepPass(PrepfusePass):
 
             def fuse(k=k):
                 v = self._v_of(k, vs, used)
-                self._fuse(graph, self._q_of(k, v, ks + vs), k, v)
+                self._fuse_any(graph, self._q_of(k, v, ks + vs), k, v)
                 done.append(v)
 
             if self.attempt(fuse, PATTERN, k.write.write):
@@ -198,11 +199,26 @@ class FuseGqaPrepPass(PrepfusePass):
             starts = [s for s in column_starts(k.start.source) if s.first == 0 and s.width == num_q * d]
         found = []
         for start in starts:
-            found += [Q(start, p.node, p.layout, p.heads, _weight(p.operands)) for p in prepared(start, d, start.tokens)]
+            found += [Q(start, p.node, p.layout, p.heads, _weight(p.operands), p.tail)
+                      for p in prepared(start, d, start.tokens)]
         expect(found, "q: no prepared q (rotated heads of the q projection read by a later step) goes with k")
         return found
 
     # ----------------------------------------------------------------------------------
+    def _fuse_any(self, graph, qs: list[Q], k: KvWrite, v: KvWrite) -> None:
+        """The q later steps read first; where none agrees, what those are views or number
+        scalings of (the model scales q after its RoPE: the scaling stays the model's)."""
+        read, tails = [q for q in qs if not q.tail], [q for q in qs if q.tail]
+        try:
+            self._fuse(graph, read or tails, k, v)
+        except NoMatch as first:
+            if not (read and tails):
+                raise
+            try:
+                self._fuse(graph, tails, k, v)
+            except NoMatch:
+                raise first from None
+
     def _fuse(self, graph, qs: list[Q], k: KvWrite, v: KvWrite) -> None:
         shared = _shared_root(k, v)
         # before the first reader of anything the call may replace (any q candidate)

@@ -349,31 +349,66 @@ class Prepared:
     layout: Layout
     heads: int
     operands: list  # what its math reads besides the source (``regions.operands``)
+    tail: bool = False  # only later steps of the q read it: a view, or a scaling by a number, of it is read
 
 
 def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.float32)) -> list[Prepared]:
     """Every node carried from ``start`` (heads of ``head_dim``) that a step outside the
     carried set reads (attention, a matmul, the graph's output), whole heads per token in
-    some layout, latest first: the candidates for "the prepared q"."""
+    some layout, latest first: the candidates for "the prepared q". After them, marked
+    ``tail``, what those are views or number scalings of (``q = rope(q).transpose(1, 2)``
+    then ``q.mul_(scaling)``): the op's q, with the model's scaling left after it."""
     base = start.layout(head_dim)
     if base is None:
         return []
     carried = carry(start.node, base, head_dim, lambda n: False)
-    found = []
-    for node, layout in carried.items():
-        if not isinstance(layout, Layout) or not isinstance(val(node), torch.Tensor):
-            continue
-        if val(node).dtype not in dtypes or all(u in carried for u in node.users):
-            continue
+
+    def as_prepared(node, tail=False) -> Prepared | None:
+        layout = carried.get(node)
+        if not isinstance(layout, Layout) or not isinstance(val(node), torch.Tensor) or val(node).dtype not in dtypes:
+            return None
         roles = dim_roles(layout, head_dim)
         heads = heads_of(layout, roles, head_dim) if roles else None
         if roles is None or heads is None or token_dims_order(layout, roles, tokens) is None:
-            continue
+            return None
         if "head" not in roles or heads[0] * head_dim != start.width:
-            continue
-        found.append(Prepared(node, layout, heads[0], operands(backward([node]), {start.node}, {})))
+            return None
+        return Prepared(node, layout, heads[0], operands(backward([node]), {start.node}, {}), tail)
+
     order = graph_order(start.node.graph)
-    return sorted(found, key=lambda p: -order[p.node])
+    outside = sorted((n for n in carried if not all(u in carried for u in n.users)), key=lambda n: -order[n])
+    read = [p for p in map(as_prepared, outside) if p]
+    tails = []
+    for node in outside:
+        node = _tail_input(node, carried)
+        while node is not None and node not in {t.node for t in read + tails}:
+            t = as_prepared(node, tail=True)
+            if t is not None:
+                tails.append(t)
+            node = _tail_input(node, carried)
+    return read + tails
+
+
+_TAIL_VIEWS = (*RESHAPES, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
+               aten.squeeze.dim, aten.clone.default)
+_TAIL_SCALINGS = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar)
+
+
+def _tail_input(node: torch.fx.Node, carried) -> torch.fx.Node | None:
+    """The carried input of ``node`` where ``node`` is a view of it or it times (or over) a
+    number, and nothing else reads it; else None."""
+    if is_op(node, *_TAIL_VIEWS):
+        source = node.args[0]
+    elif is_op(node, *_TAIL_SCALINGS):
+        tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        if len(tensors) != 1 or (is_op(node, aten.div.Tensor, aten.div.Scalar) and node.args[0] is not tensors[0]):
+            return None
+        source = tensors[0]
+    else:
+        return None
+    if not isinstance(source, torch.fx.Node) or source not in carried or len(source.users) != 1:
+        return None
+    return source
 
 
 def row_sources(rows: list[torch.fx.Node], head_dim: int, avoid=frozenset()) -> tuple[list[torch.fx.Node], list, list]:
