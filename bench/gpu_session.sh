@@ -20,22 +20,8 @@
 #             inductor (benchmarks_clients.md into $OUT); PREPFUSE_CLIENT_CASES=a,b limits the cases
 #             and PREPFUSE_CLIENT_SUFFIX names the JSON of such a partial run
 #             (all 14 fused cases at T = 1, 64, 4096 take longer than one 10-minute call)
-#   profile - Nsight Compute (SpeedOfLight, memory, occupancy, warp stalls) of each op's kernel on the
-#             benchmarks' inputs (bench/profile_kernels.py), ncu's text tarred into $OUT/ncu.tgz;
-#             PREPFUSE_PROFILE_RUNS="case:T case:T" picks the runs
 #   dupes - duplicated slots: torn rows with no dedupe, the scan and the row locks, and what each
 #           costs (bench/duplicate_slots.py; JSON and benchmarks_duplicate_slots.md into $OUT)
-#   floor - what a decode-sized launch costs: a ladder of tiny Triton kernels beside each op at T=1, its
-#           cut and reordered launches (bench/decode_floor.py; JSON into $OUT; PREPFUSE_FLOOR_RUNS=2 runs it
-#           twice, decode_floor_<device>_run<i>.json)
-#   skeleton - where a large GQA launch's time goes: skeletons of its grid (moves only, + lock,
-#           + position -> table chain, flat, merged kv) beside the op and a same-size copy
-#           (bench/gqa_skeleton.py; PREPFUSE_SKELETON_ARGS, e.g. --contiguous-qkv or --programs-per-sm 8,16)
-#   ab    - same-run A/B of the fused ops: each tree in .ab/<variant> (a baseline's prepfuse/, e.g.
-#           `git archive BASE prepfuse | tar -x -C .ab/base`, carried) and this one ("new"), alternating,
-#           PREPFUSE_AB_RUNS (2) runs of each: the GQA benchmark's fused rows (PREPFUSE_AB_ARGS, its
-#           arguments) and the decode floor (PREPFUSE_AB_NO_FLOOR=1 leaves it out); JSON named
-#           _<PREPFUSE_AB_TAG>_<variant>_<run>, tables by bench/ab_table.py
 #   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
 #   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
 #   demo  - the README's main command's python part
@@ -126,59 +112,9 @@ for what in "${steps[@]}"; do
         python3 bench/bench_clients.py --out-dir "$OUT" --docs "$OUT/benchmarks_clients.md" \
             ${PREPFUSE_CLIENT_CASES:+--cases "$PREPFUSE_CLIENT_CASES"} ${PREPFUSE_CLIENT_SUFFIX:+--name-suffix "$PREPFUSE_CLIENT_SUFFIX"} 2>&1 | tail -n 30 | tee -a "$log" || status=1
         ;;
-    profile)
-        step profile
-        mkdir -p /tmp/ncu
-        for run in ${PREPFUSE_PROFILE_RUNS:-gqa-qwen3-8b:16384 gqa-qwen3-8b-fp8:16384 gqa-llama3-8b:16384 indexer-fp8:16384 indexer-mxfp4:16384 dsv4-h16:16384 gqa-qwen3-8b:1 indexer-fp8:1}; do
-            case_name=${run%%:*} tokens=${run##*:}
-            ncu --clock-control none --launch-skip 1 --launch-count 1 -k "regex:^_(gqa|dsv4|skeleton)" \
-                --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-                --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-                python3 bench/profile_kernels.py --case "$case_name" --tokens "$tokens" >"/tmp/ncu/${case_name}_T${tokens}.txt" 2>&1 || status=1
-            echo "--- $run" | tee -a "$log"
-            grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|checked|outside" \
-                "/tmp/ncu/${case_name}_T${tokens}.txt" | tee -a "$log"
-        done
-        tar -C /tmp/ncu -czf "$OUT/ncu.tgz" .
-        ;;
     dupes)
         step dupes
         python3 bench/duplicate_slots.py --out-dir "$OUT" --docs "$OUT/benchmarks_duplicate_slots.md" ${PREPFUSE_DUPES_ARGS:-} 2>&1 | tail -n 80 | tee -a "$log" || status=1
-        ;;
-    floor)
-        step floor
-        runs=${PREPFUSE_FLOOR_RUNS:-1}
-        for ((run = 1; run <= runs; run++)); do
-            # several runs (PREPFUSE_FLOOR_RUNS) each keep their JSON: decode_floor_<device>_run<i>.json
-            suffix=""; [ "$runs" -gt 1 ] && suffix="_run$run"
-            python3 bench/decode_floor.py --out-dir "$OUT" --name-suffix "$suffix" 2>&1 | tail -n 60 | tee -a "$log" \
-                || status=1
-        done
-        ;;
-    skeleton)
-        step skeleton
-        python3 bench/gqa_skeleton.py --out-dir "$OUT" ${PREPFUSE_SKELETON_ARGS:-} 2>&1 | tail -n 14 | tee -a "$log" || status=1
-        ;;
-    ab)
-        step ab
-        tag=${PREPFUSE_AB_TAG:-ab}
-        variants=()
-        for dir in .ab/*/prepfuse; do [ -d "$dir" ] && variants+=("$(basename "$(dirname "$dir")")"); done
-        [ ${#variants[@]} -gt 0 ] || { echo "ab: no .ab/<variant>/prepfuse (carry .ab)" | tee -a "$log"; status=2; continue; }
-        for run in $(seq 1 "${PREPFUSE_AB_RUNS:-2}"); do
-            for variant in "${variants[@]}" new; do
-                root=$PWD; [ "$variant" = new ] || root=$PWD/.ab/$variant
-                suffix="_${tag}_${variant}_${run}"
-                # shellcheck disable=SC2086
-                PYTHONPATH="$root:$PYTHONPATH" python3 bench/bench_gqa_qknorm_rope_kv_insert.py --impls fused \
-                    ${PREPFUSE_AB_ARGS:-} --name-suffix "$suffix" --out-dir "$OUT" --docs "$OUT/ab_page$suffix.md" \
-                    2>&1 | tail -n 3 | tee -a "$log" || status=1
-                [ -n "${PREPFUSE_AB_NO_FLOOR:-}" ] || PYTHONPATH="$root:$PYTHONPATH" python3 bench/decode_floor.py \
-                    --name-suffix "$suffix" --out-dir "$OUT" 2>&1 | tail -n 1 | tee -a "$log" || status=1
-            done
-        done
-        python3 bench/ab_table.py "$OUT"/gqa_qknorm_rope_kv_insert_*"_${tag}"_*.json | tee -a "$log"
-        [ -n "${PREPFUSE_AB_NO_FLOOR:-}" ] || python3 bench/ab_table.py "$OUT"/decode_floor_*"_${tag}"_*.json | tee -a "$log"
         ;;
     micro)
         step micro

@@ -253,8 +253,7 @@ def decode_target_note(data: dict, key: str, names) -> str:
     floor."""
     if "tiny_graph" not in data:
         return (f"- **T=1 target** (within {DECODE_MARGIN_US} us of one tiny kernel in a graph, same run): not "
-                "judged, this run did not time the tiny kernel (its JSON predates it; `bench/decode_floor.py` "
-                "times both)")
+                "judged, this run did not time the tiny kernel (its JSON predates it)")
     floor = data["tiny_graph"]["us_median"]
     limit = floor + DECODE_MARGIN_US
     t1_us = {r[key]: r["us_median"] for r in data["rows"]
