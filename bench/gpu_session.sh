@@ -105,7 +105,7 @@ for what in "${steps[@]}"; do
         ;;
     indexer-sweep)
         step indexer-sweep
-        python3 bench/sweep_dsv4_indexer_launch.py --out-dir "$OUT" ${PREPFUSE_SWEEP_ARGS:-} 2>&1 | tail -n 20 | tee -a "$log" || status=1
+        python3 bench/tools/sweep_dsv4_indexer_launch.py --out-dir "$OUT" ${PREPFUSE_SWEEP_ARGS:-} 2>&1 | tail -n 20 | tee -a "$log" || status=1
         ;;
     clients)
         step clients

@@ -313,7 +313,7 @@ def device_info() -> dict:
 
 def same_size_copy(device_slug: str) -> tuple[dict, str]:
     """The SM copy kernel's GB/s at each op's own byte count, keyed ``(op, T)`` (ops named as
-    ``bench/copy_ceiling.py`` names them: ``"gqa <model>"``, ``"indexer <format>"``), and the
+    ``bench/tools/copy_ceiling.py`` names them: ``"gqa <model>"``, ``"indexer <format>"``), and the
     name of the file that holds them, the committed ``bench/results/copy_ceiling_<device>.json``;
     ``({}, "")`` where the device has none. A page divides its op's GB/s by this: the share of
     what a launch of that size reaches at all (a separate run, so a page names the file)."""
@@ -329,7 +329,7 @@ def same_size_note(ceiling_file: str) -> list[str]:
     if not ceiling_file:
         return []
     return [f"- **% same-size copy:** the fused op's GB/s over the copy kernel's at the row's own bytes "
-            f"(`bench/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
+            f"(`bench/tools/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
             "share of what a launch of that size reaches at all."]
 
 

@@ -202,7 +202,7 @@ if has_triton():
         ``q1 = RN(q0 + RN(x - s * q0) * r)`` (two FMAs), in place of a correctly rounded
         division per value (``div.rn``: a MUFU reciprocal, Newton steps and a slow-path
         check each). ``q1 == RN(x / s)`` was checked for every bf16 significand against
-        every fp32 significand of ``s`` (2^30 pairs, ``bench/e4m3_quotient_exhaustive.py``;
+        every fp32 significand of ``s`` (2^30 pairs, ``bench/tools/e4m3_quotient_exhaustive.py``;
         ``tests/ops/test_triton_helpers.py`` checks it on every bf16 value, in emulated
         FMAs and on the device). The check holds while no
         step under- or overflows, hence the magnitude window and a division per value

@@ -352,7 +352,7 @@ if has_triton():
 
 def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
     """(heads per program, warps per program), from the H200 sweep of the fp8 kernel
-    (``bench/sweep_dsv4_indexer_launch.py``, H = 64: ``bench/results/dsv4_indexer_launch_sweep_fp8_nvidia-h200.json``;
+    (``bench/tools/sweep_dsv4_indexer_launch.py``, H = 64: ``bench/results/dsv4_indexer_launch_sweep_fp8_nvidia-h200.json``;
     the mxfp4 sweep picks the same or is within 4%).
 
     One warp throughout: a head is 256 bytes in and 128 out, so one warp already moves

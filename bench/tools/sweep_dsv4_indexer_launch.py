@@ -2,7 +2,7 @@
 
 Run from the repository root on a CUDA machine::
 
-    PYTHONPATH=. python bench/sweep_dsv4_indexer_launch.py --out-dir $OUT
+    PYTHONPATH=. python bench/tools/sweep_dsv4_indexer_launch.py --out-dir $OUT
 
 Times ``launch_indexer_kernel`` alone at each (heads per program, warps per program),
 on the shapes, inputs, byte count and byte-for-byte gate of
@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness and the indexer benchmark
 
 import bench_dsv4_indexer_rope_quant_insert as ibench  # noqa: E402
 import harness  # noqa: E402
