@@ -11,9 +11,7 @@ with the timing method of ``bench_dsv4_qnorm_rope_kv_insert.py`` (graphs of back
 calls, median, L2 rotation over input copies for big calls). Prints the best
 configuration per shape beside ``_launch_config``'s choice and writes
 ``dsv4_indexer_launch_sweep_<formats>_<device>.json``; the op's ``_launch_config`` table
-is read off it (``bench/results/dsv4_indexer_launch_sweep_{fp8,mxfp4}_nvidia-h200.json``;
-the stored mxfp4 sweep also holds the e2m1-encoding comparison, rows ``"e2m1"``, made
-with a flag since removed: midpoint comparisons lost to rounding by 25%).
+is read off it.
 """
 
 from __future__ import annotations
