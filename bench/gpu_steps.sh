@@ -1,32 +1,28 @@
 #!/usr/bin/env bash
-# Everything one device-tool call does on the GPU machine, in order, logging under $OUT:
-#   env  - GPU, driver, torch and triton versions
-#   tests - the GPU-marked tests on CUDA, on PREPFUSE_GPU_TEST_WORKERS (8) xdist workers (632 in 4 min on
-#           an H200; the whole suite in one process did not finish in a 10-minute call: the CPU tests are CI's);
-#           PREPFUSE_TEST_MARK="" runs every test, PREPFUSE_TEST_PATHS picks files
-#   sanitize - compute-sanitizer memcheck and racecheck on small shapes of each op (bench/sanitize_*.py;
-#           PREPFUSE_SANITIZE_SCRIPTS names fewer, e.g. the changed op's and bench/sanitize_duplicate_slots.py)
-#   sweep - the launch-configuration sweep of the fused kernel
-#   bench - the benchmark (JSON, PNG, benchmarks.md into $OUT)
-#   e2e   - one layer's prep as model code: backend=prepfuse vs torch.compile default
-#   gqa   - the GQA op's benchmark, head dim 128 models (JSON, PNG, benchmarks_gqa.md into $OUT; ~200 s)
-#   gqa-operands - the operands real code needs (int32 and wrapped indices, one kv head, partial rotary, v_scale,
-#           uint8 caches), each beside the row it extends (..._operands.json, benchmarks_gqa_operands.md)
-#   gqa-head-dims - the same for the other head dims, 64 and 256 (..._head_dims.json, benchmarks_gqa_head_dims.md; ~120 s)
-#   gqa-sweep - the GQA kernel's launch-configuration sweep (PREPFUSE_GQA_SWEEP_ARGS replaces its shapes and configs)
-#   indexer - the DeepSeek-V4 indexer ops' benchmark (JSON, PNG, benchmarks_indexer.md into $OUT)
-#   indexer-sweep - the indexer kernel's launch-configuration sweep
-#   clients - the corpus (transformers' attention modules, engines' spellings), backend=prepfuse vs
-#             inductor (benchmarks_clients.md into $OUT); PREPFUSE_CLIENT_CASES=a,b limits the cases
-#             and PREPFUSE_CLIENT_SUFFIX names the JSON of such a partial run
-#             (all 14 fused cases at T = 1, 64, 4096 take longer than one 10-minute call)
-#   dupes - duplicated slots: torn rows with no dedupe, the scan and the row locks, and what each
-#           costs (bench/duplicate_slots.py; JSON and benchmarks_duplicate_slots.md into $OUT)
-#   micro - two micro-batches on two streams, each with its own scratch lane: overlap vs serial (JSON into $OUT)
-#   compile - the passes' compile-time cost, validation on and off (bench/compile_overhead.py)
-#   demo  - the README's main command's python part
-# Usage (from a checkout, on the GPU machine): bash bench/gpu_session.sh tests sanitize bench
-# No pip there: pure-python wheels carried in .whl/ are unpacked to /tmp/site.
+# The GPU runs as named steps, run in the order given (default: env tests sanitize bench), from
+# a checkout on a CUDA machine: bash bench/gpu_steps.sh tests sanitize bench
+# Each step's summary goes to $OUT/steps.log and its files into $OUT (default /tmp/prepfuse_out);
+# bench/README.md says what each script measures.
+#   env                     GPU, driver, torch and triton versions
+#   tests                   the GPU-marked tests on PREPFUSE_GPU_TEST_WORKERS (8) xdist workers;
+#                           PREPFUSE_TEST_MARK="" runs every test, PREPFUSE_TEST_PATHS picks files
+#   sanitize                compute-sanitizer memcheck and racecheck over bench/sanitize_*.py
+#                           (PREPFUSE_SANITIZE_SCRIPTS names fewer)
+#   sweep smoke bench       the DeepSeek-V4 op: launch sweep, a short run, docs/benchmarks.md's run
+#   e2e                     one layer's prep, backend="prepfuse" against torch.compile's default
+#   gqa gqa-operands gqa-head-dims gqa-sweep
+#                           the GQA op: its three pages' runs and its launch sweep
+#                           (PREPFUSE_GQA_SWEEP_ARGS replaces the sweep's shapes and configurations)
+#   indexer indexer-sweep   the DeepSeek-V4 indexer ops: the page's run and the launch sweep
+#   clients                 transformers' attention modules run engine-style; PREPFUSE_CLIENT_CASES=a,b
+#                           limits the cases, PREPFUSE_CLIENT_SUFFIX names such a partial run's JSON
+#   dupes                   duplicated slots: torn rows, and what the scan and the row locks cost
+#                           (PREPFUSE_DUPES_ARGS, its arguments)
+#   micro                   two micro-batches on two streams against serial
+#   compile                 the passes' compile time
+#   demo                    python -m prepfuse.demo
+# PREPFUSE_SWEEP_ARGS passes arguments to the sweep and indexer-sweep steps. Wheels in .whl/
+# are installed first without an index (a machine with no package index: bench/README.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/prepfuse_out}
 mkdir -p "$OUT"
@@ -35,7 +31,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-log="$OUT/session.log"
+log="$OUT/steps.log"
 status=0
 step() { echo "=== $1 ($(date +%T))" | tee -a "$log"; }
 steps=("$@")
@@ -49,7 +45,7 @@ for what in "${steps[@]}"; do
         ;;
     tests)
         step tests
-        # the whole log stays under $OUT; the reply shows the failures' names and the summary
+        # the whole log is $OUT/tests.log; steps.log gets the failures' names and the summary
         # shellcheck disable=SC2086
         python3 -m pytest -q -rfEs -p no:cacheprovider -n "${PREPFUSE_GPU_TEST_WORKERS:-8}" \
             ${PREPFUSE_TEST_MARK--m gpu} ${PREPFUSE_TEST_PATHS:-tests} >"$OUT/tests.log" 2>&1 || status=1
