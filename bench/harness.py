@@ -242,7 +242,7 @@ def measure_tiny_graph() -> dict:
     return stats
 
 
-DECODE_MARGIN_US = 0.5  # the performance issue's T=1 target: within this of one tiny kernel in a graph
+DECODE_MARGIN_US = 0.5  # the T=1 target: a decode-sized call within this of one tiny kernel in a graph
 
 
 def decode_target_note(data: dict, key: str, names) -> str:
