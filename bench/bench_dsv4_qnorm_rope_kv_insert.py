@@ -450,7 +450,7 @@ def run_benchmark(args) -> dict:
 
 def _count_all_launches(data: dict, impls: dict, gen, cos_sin) -> None:
     x = torch.ones(1, device=DEVICE)
-    count_launches(lambda: x.add_(1.0))  # a throwaway first session initialises CUPTI
+    count_launches(lambda: x.add_(1.0))  # a throwaway first profile initialises CUPTI
     for row in data["rows"]:
         if "error" in row:
             continue
@@ -500,7 +500,7 @@ def run_sweep(args) -> dict:
         datetime.timezone.utc).isoformat(timespec="seconds"), **info, "block_size": bs, "rows": [], "best": []}
     print(f"sweep of the fused kernel's launch config on {info['device']}, block_size={bs}", flush=True)
     spin_up_clocks()
-    # the first timing of a run is discarded (stop 32's sweeps each had their outlier in the first row timed)
+    # the first timing of a run is discarded (each H200 sweep's first row timed was its outlier)
     discard = True
 
     for h in args.heads:
@@ -836,7 +836,7 @@ def write_reports(data: dict, json_path: Path, png_path: Path, md_path: Path | N
 
 
 def print_summary(data: dict) -> None:
-    """A short table, last in the output (the part a remote run's reply carries)."""
+    """A short table, last in the output (what a log's tail shows)."""
     rows = _index_rows(data)
     print(f"\nsummary: median us (GB/s, % of {data['copy_bw']['GBps']:.0f} GB/s copy) per impl; block size "
           f"{min(r['block_size'] for r in data['rows']) if data['rows'] else '-'}")

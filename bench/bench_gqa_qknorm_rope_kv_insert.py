@@ -84,9 +84,9 @@ MODELS = {
     "gemma3-12b-fp8": (16, 8, 256, 256, True, True, FP8),
 }
 # a run's models unless --models names others: the head-dim-128 rows of docs/benchmarks_gqa.md;
-# the other head dims are their own run and page (gpu_session.sh gqa-head-dims), so that
+# the other head dims are their own run and page (gpu_steps.sh gqa-head-dims), so that
 # each fits one GPU call
-# the operand rows run as their own page beside the rows they extend (gpu_session.sh gqa-operands)
+# the operand rows run as their own page beside the rows they extend (gpu_steps.sh gqa-operands)
 OPERAND_FORMS = ("qwen3-8b-int32", "qwen3-8b-wrap", "qwen3-8b-one-kv-head", "qwen3-8b-partial",
                  "qwen3-8b-fp8-v-scale", "qwen3-8b-fp8-uint8")
 OPERAND_MODELS = ("qwen3-8b", "qwen3-8b-fp8", *OPERAND_FORMS)

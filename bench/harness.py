@@ -242,7 +242,7 @@ def measure_tiny_graph() -> dict:
     return stats
 
 
-DECODE_MARGIN_US = 0.5  # the performance issue's T=1 target: within this of one tiny kernel in a graph
+DECODE_MARGIN_US = 0.5  # the T=1 target: a decode-sized call within this of one tiny kernel in a graph
 
 
 def decode_target_note(data: dict, key: str, names) -> str:
@@ -253,8 +253,7 @@ def decode_target_note(data: dict, key: str, names) -> str:
     floor."""
     if "tiny_graph" not in data:
         return (f"- **T=1 target** (within {DECODE_MARGIN_US} us of one tiny kernel in a graph, same run): not "
-                "judged, this run did not time the tiny kernel (its JSON predates it; `bench/decode_floor.py` "
-                "times both)")
+                "judged, this run did not time the tiny kernel (its JSON predates it)")
     floor = data["tiny_graph"]["us_median"]
     limit = floor + DECODE_MARGIN_US
     t1_us = {r[key]: r["us_median"] for r in data["rows"]
@@ -314,7 +313,7 @@ def device_info() -> dict:
 
 def same_size_copy(device_slug: str) -> tuple[dict, str]:
     """The SM copy kernel's GB/s at each op's own byte count, keyed ``(op, T)`` (ops named as
-    ``bench/copy_ceiling.py`` names them: ``"gqa <model>"``, ``"indexer <format>"``), and the
+    ``bench/tools/copy_ceiling.py`` names them: ``"gqa <model>"``, ``"indexer <format>"``), and the
     name of the file that holds them, the committed ``bench/results/copy_ceiling_<device>.json``;
     ``({}, "")`` where the device has none. A page divides its op's GB/s by this: the share of
     what a launch of that size reaches at all (a separate run, so a page names the file)."""
@@ -330,7 +329,7 @@ def same_size_note(ceiling_file: str) -> list[str]:
     if not ceiling_file:
         return []
     return [f"- **% same-size copy:** the fused op's GB/s over the copy kernel's at the row's own bytes "
-            f"(`bench/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
+            f"(`bench/tools/copy_ceiling.py`, a separate run: `bench/results/{ceiling_file}`; T = 4096 and 16384): the "
             "share of what a launch of that size reaches at all."]
 
 

@@ -5,7 +5,7 @@
 
 Shapes cover one head and the production 64, fewer and more key rows than tokens, a slot
 mapping shorter than the key rows with skipped rows, and two block sizes, each launched by
-the op and again with the k programs first (``k_first``, the decode floor's probe); the byte
+the op and again with the k programs first (``k_first``, the launcher's other grid order); the byte
 comparison with the reference at the end makes a wrong result fail the run too.
 """
 

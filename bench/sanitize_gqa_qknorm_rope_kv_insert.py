@@ -10,7 +10,7 @@ W_FP32 path), cos/sin as two tensors (bf16 per token with positions=None, or fp3
 of a wider buffer), T large enough for the large-T launch (bf16 and fp8), and each shape
 again with a launch configuration of several tokens per program (a last program with
 tokens past T; with dedupe "off": a scan or the row locks take one token a program) and
-once more with each token's kv programs first (``kv_first``, the decode floor's probe), fp8
+once more with each token's kv programs first (``kv_first``, the launcher's other grid order), fp8
 codes into uint8 caches (vLLM's "fp8" cache) and with
 ``fp8_saturate=False`` (NaN past 464), int32 slots and positions, negative ones counted from
 the end (``wrap_indices``) and v's own fp8 scale; a wrong result fails the run too.

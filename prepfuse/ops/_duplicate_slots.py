@@ -21,13 +21,13 @@ in one of two ways (``dedupe_mode``):
   the slot holds the row of whichever writer took it last (any one of them on the GPU; the
   CPU interpreter runs programs in order: the last).
 
-What the locks cost (H200, ``bench/results/ab_stop30.md``): about 1% of the DSV4 and indexer
+What the locks cost (H200 A/B, 2026-12-03): about 1% of the DSV4 and indexer
 ops at T=4096 and 16384, whose locked rows are a few hundred bytes
 (``docs/benchmarks_duplicate_slots.md``), but 3-6% of the GQA op, whose locked program writes
 8 KB of k and v before it may release: the same launch without the lock (unsafe; a
 measurement) ran Qwen3-8B T=4096 29.7 -> 28.5 us and T=16384 106.9 -> 103.5. A release
 without its fence gave back about half, an unlock without the acquire nothing. A scheme
-without a release was built and timed (``bench/results/ab_stop31.md``) and was no faster:
+without a release was built and timed (H200, 2026-12-03) and was no faster:
 the first program to claim a slot (a compare-and-swap into a hash table of exact slot keys,
 one table per stream and scratch lane, an epoch per launch from one atomic add that the
 launch's programs together make exactly 2^24) writes it, the others skip it; Qwen3-8B

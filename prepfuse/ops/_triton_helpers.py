@@ -202,7 +202,7 @@ if has_triton():
         ``q1 = RN(q0 + RN(x - s * q0) * r)`` (two FMAs), in place of a correctly rounded
         division per value (``div.rn``: a MUFU reciprocal, Newton steps and a slow-path
         check each). ``q1 == RN(x / s)`` was checked for every bf16 significand against
-        every fp32 significand of ``s`` (2^30 pairs, ``bench/e4m3_quotient_exhaustive.py``;
+        every fp32 significand of ``s`` (2^30 pairs, ``bench/tools/e4m3_quotient_exhaustive.py``;
         ``tests/ops/test_triton_helpers.py`` checks it on every bf16 value, in emulated
         FMAs and on the device). The check holds while no
         step under- or overflows, hence the magnitude window and a division per value
@@ -309,7 +309,7 @@ if has_triton():
 
         History: counting the 7 midpoints below |v| cost 25% more time than the range
         mapping (T=16384 on the H200 177.6 us -> 132.3 us,
-        ``bench/results/dsv4_indexer_launch_sweep_mxfp4_nvidia-h200.json``); equal results
+        ``bench/tools/sweep_dsv4_indexer_launch.py``, 2026-11-30); equal results
         for every fp32 in [0, 6] (``tests/ops/test_triton_helpers.py``). Bit 3 is v's sign
         bit, so a negative value that rounds to zero keeps its sign (-0.0 is code 8), as
         IEEE rounding does.

@@ -154,7 +154,7 @@ if has_triton():
         took mxfp4 from 27.3 to 25.6 us at T=4096 and 95.7 to 93.8 at T=16384 (two runs alike);
         on the loads alone 26.8 and 96.1 us, on the stores alone 27.3 and 95.8, and on the
         fp8 path (loads and stores) 1% and 6% slower, so fp8 has no hint
-        (``bench/results/dsv4_indexer_rope_quant_insert_nvidia-h200_ab2_*.json``)."""
+        (same-run A/B, 2026-12-03)."""
         if WORDS:
             nope = tl.load(rows.to(tl.pointer_type(tl.uint32), bitcast=True) + tl.arange(0, 32)[None, :], mask=mask,
                            other=0, eviction_policy="evict_first")
@@ -352,7 +352,7 @@ if has_triton():
 
 def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
     """(heads per program, warps per program), from the H200 sweep of the fp8 kernel
-    (``bench/sweep_dsv4_indexer_launch.py``, H = 64: ``bench/results/dsv4_indexer_launch_sweep_fp8_nvidia-h200.json``;
+    (``bench/tools/sweep_dsv4_indexer_launch.py``, H = 64, 2026-11-30;
     the mxfp4 sweep picks the same or is within 4%).
 
     One warp throughout: a head is 256 bytes in and 128 out, so one warp already moves

@@ -239,12 +239,12 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
     warp reduces a head's 512 values (and the kv row's 64-value blocks) in registers,
     where two warps meet through shared memory and barriers (sm_90 SASS of the T=1 kernel: 12
     barriers and 24 shared-memory instructions against 2 barriers and none). H200, same
-    run (``bench/results/dsv4_qnorm_rope_kv_insert_sweep_nvidia-h200_stop32_warps.json``):
+    run (``--sweep-config``, 2026-12-04):
     H=64 T=1 1.56 us against 1.68 on two warps, T=2 1.68 / 1.80, T=4 1.71 / 1.84, T=8
     1.81 against 1.97 at the two heads on two warps used before; H=16 T=2-8 5-6% faster
-    alike; the decode floor's A/B (``..._ab32d_*.json``) H=64 T=1 1.66 -> 1.56-1.57. From
+    alike; the decode floor's A/B H=64 T=1 1.66 -> 1.56-1.57. From
     T=9 to 128 two heads on one warp, for the same reason
-    (``..._sweep_nvidia-h200_stop34_t8_128.json``, against two heads on two warps, the rule
+    (the sweep, 2026-12-04, against two heads on two warps, the rule
     before): faster at 10 of the 13 shapes from T=16 to 128 at H=16, 64 and 128, by up to
     8.8% (H=64 T=128 6.41 against 6.97 us, H=128 T=64 6.26 against 6.87, H=16 T=64 2.61
     against 2.69), slower at two (H=64 T=32 2.55 against 2.49, H=128 T=16 2.48 against

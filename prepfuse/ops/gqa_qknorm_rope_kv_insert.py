@@ -173,7 +173,7 @@ if has_triton():
         Loaded where the codes are made, after the norm's correctly rounded sqrt and division
         (whose slow-path branches the compiler does not hoist loads across; sm_90 SASS), it
         was a round trip to memory of its own at the end of every fp8 k program, and again
-        for the second half of a NeoX row. On the H200 (``bench/results/ab_stop31.md``) at
+        for the second half of a NeoX row. On the H200 (same-run A/B, 2026-12-03) at
         T=1, where nothing hides it: Qwen3-8B fp8 2.06-2.11 -> 1.91-1.93 us, Gemma-3-12B fp8
         2.21 -> 2.02; at T=4096 and 16384 within -1.4% (Gemma fp8) and +1.7% (Llama-3.2-1B
         fp8 T=4096)."""
@@ -483,7 +483,7 @@ if has_triton():
         rows only once the slot had arrived, and normed them only once the rows and cos/sin
         had: its norm followed a second round trip where a q program's overlaps it, and a v
         program made two round trips for one (sm_90 SASS). On the H200 (same-run A/B,
-        ``bench/results/ab_stop32.md``, two runs each) T=1: Qwen3-8B 1.78-1.80 -> 1.72-1.73
+        2026-12-04, two runs each) T=1: Qwen3-8B 1.78-1.80 -> 1.72-1.73
         us, fp8 1.97-2.04 -> 1.84, Llama-3-8B 1.74-1.76 -> 1.56-1.57, Gemma-3-12B fp8 2.02 ->
         1.88-1.92; T=8 to 512 1-11% faster."""
         if c < KV_COLS:
@@ -699,7 +699,7 @@ if has_triton():
                 # an int64 division here, after the loads (not _slot_block_row): with the 32-bit
                 # one ptxas moved this branch in front of the row loads and gave the whole
                 # kernel fewer registers, which issued the q programs' second cos/sin loads
-                # after their first products (sm_90 SASS; H200, bench/results/ab_stop32.md:
+                # after their first products (sm_90 SASS; H200 A/B, 2026-12-04:
                 # Llama-3-8B T=16384 107.0 -> 111.1 us, T=4096 28.9 -> 30.2)
                 k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr
                 v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr
@@ -738,9 +738,8 @@ if has_triton():
 def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True,
                    locked: bool = True, full_cos_sin: bool = False, cache_fp8: bool = False) -> tuple[int, ...]:
     """(q heads per program and token, warps per program, tokens per program[, register cap]),
-    from the H200 sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``, in
-    ``bench/results/gqa_qknorm_rope_kv_insert_sweep_nvidia-h200*.json``; k and v programs
-    take the kv heads up to that many, ``launch_gqa_kernel``).
+    from the H200 sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``; k and v
+    programs take the kv heads up to that many, ``launch_gqa_kernel``).
 
     From T = 5 on, about 2048 values a program. Without the row locks (T' <= 1024, k and v
     programs apart) 2048 // D heads on four warps: T=64 2.28 us Qwen3-8B bf16, 2.47 fp8,
@@ -777,7 +776,7 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: boo
     num_warps = max(1, block_h * head_dim // (1024 if has_norm else 512)) if locked else 4
     if locked and has_norm and not full_cos_sin and (head_dim == 128 or (head_dim == 256 and cache_fp8)):
         # 56 registers a thread where the compiler takes 61-72 with nothing spilled at 56: 18
-        # two-warp programs an SM instead of 14-16 (bench/results/ab_stop35.md: Qwen3-8B
+        # two-warp programs an SM instead of 14-16 (H200 A/B, 2026-12-04: Qwen3-8B
         # T=16384 106.4 -> 105.6 us, fp8 100.6 -> 98.9, Gemma-3-12B fp8 132.8 -> 125.3); the
         # full-width cos/sin forms spill 2-6 instructions at 56 (full table 107.8 -> 108.7)
         # and Gemma-3-12B's bf16 cache gains nothing, so they keep the compiler's count
@@ -801,12 +800,12 @@ def _row_eviction(has_norm: bool, locked: bool) -> tuple[str, str]:
     (more than 1024 rows) without the norm (``EVICTIONS["both"]``), the default otherwise
     (``"none"``). Each row is read once and each output written once, so marking them first
     to go keeps the lines read again (the cos/sin rows, norm weights, slot_mapping, row
-    locks) in L2. Same-run A/B on the H200 (``bench/results/ab_stop36.md``, two runs each,
+    locks) in L2. Same-run A/B on the H200 (2026-12-04, two runs each,
     us): without the norm Llama-3-8B T=4096 28.88 -> 28.40 and T=16384 106.9 -> 105.1,
     Llama-3.2-1B 16.00 -> 15.68 and 55.2 -> 53.7, its fp8 cache 15.9 -> 15.3 and 53.3 -> 51.3;
     with the norm faster at T=4096 (Qwen3-8B fp8 28.2 -> 27.7) but slower at T=16384 (Qwen3-8B
     106.2 -> 107.9, fp8 99.5 -> 101.0, Gemma-3-12B fp8 125.7 -> 128.5; loads or stores alone
-    slower at every T, ``..._sweep_nvidia-h200_stop37_normed_eviction.json``), so the normed
+    slower at every T, the sweep of 2026-12-04), so the normed
     launch keeps the default. The scanned launch (up to 1024 rows, where the whole working set
     fits in L2) keeps it too: with the hints the pages' T=512 rows ran 2-3% slower (Llama-3-8B
     3.87 -> 3.95 us, Llama-3.2-1B 2.95 -> 3.03, fp8 3.24 -> 3.34, ``docs/ops.md``) while the
@@ -855,8 +854,8 @@ def launch_gqa_kernel(
     without either does); ``eviction`` (a name in ``EVICTIONS``) overrides ``_row_eviction``'s
     hints, for a sweep; ``kv_first`` orders each token's programs kv columns first, q
     columns after (the grid otherwise follows qkv's order), for the decode floor's rows: at
-    T=1 the normed k programs hold the launch 0.17-0.27 us over its q programs
-    (``bench/decode_floor.py``'s cut rows), and the grid dispatches them last. Inputs are
+    T=1 the normed k programs hold the launch 0.17-0.27 us over its q programs (H200, a
+    launch cut to its first programs), and the grid dispatches them last. Inputs are
     not checked here."""
     num_tokens, num_q_heads, head_dim = q_out.shape
     num_kv_heads = k_cache.shape[2]

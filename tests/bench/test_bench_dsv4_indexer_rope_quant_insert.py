@@ -211,7 +211,7 @@ def test_render_from_synthetic_json(tmp_path):
         return next(line for line in section.splitlines() if line.startswith(f"| {t} |"))
 
     fp8_t1 = table_row(fp8_section, 1)
-    # "-": the fake device has no copy of the row's size (bench/copy_ceiling.py) to rate it against
+    # "-": the fake device has no copy of the row's size (bench/tools/copy_ceiling.py) to rate it against
     assert "| 2.00 | 13 | 0.3% | - | 80.00 | 15.00 | 2.50 | 7.5x | 1/1/1/1 | ok/ok/ok/ok | 1 |" in fp8_t1, fp8_t1
     assert "FAIL/ok/ok/ok" in table_row(fp8_section, 4096) and "| cached |" in table_row(fp8_section, 4096)
     mx_t1 = table_row(mxfp4_section, 1)

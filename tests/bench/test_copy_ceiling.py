@@ -1,4 +1,4 @@
-"""``bench/copy_ceiling.py`` without a GPU: the byte counts it times a copy at are the
+"""``bench/tools/copy_ceiling.py`` without a GPU: the byte counts it times a copy at are the
 benchmarks' own (a renamed or changed count there must not leave it timing other sizes)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path[:0] = [str(BENCH), str(BENCH / "tools")]
 
 import bench_dsv4_indexer_rope_quant_insert as idx  # noqa: E402
 import bench_dsv4_qnorm_rope_kv_insert as dsv4  # noqa: E402

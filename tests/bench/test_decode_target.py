@@ -1,6 +1,6 @@
 """The pages' T=1 target line (``harness.decode_target_note``): each op's T=1 median against
-one tiny kernel in a graph timed in the same run, plus 0.5 us (the performance issue's
-target), and no verdict where the run did not time that kernel."""
+one tiny kernel in a graph timed in the same run, plus 0.5 us, and no verdict where the run
+did not time that kernel."""
 
 from __future__ import annotations
 

@@ -777,7 +777,7 @@ def test_launch_table():
 @needs_triton
 def test_row_eviction_rule():
     """Rows and outputs marked first to leave L2 on the locked launch without the norm only:
-    the H200 A/B (bench/results/ab_stop36.md) found that faster at T=4096 and 16384 without
+    the H200 A/B (2026-12-04) found that faster at T=4096 and 16384 without
     the norm and slower at T=16384 with it; the pages found it slower at T=512 (scanned)."""
     from prepfuse.ops.gqa_qknorm_rope_kv_insert import EVICTIONS, _row_eviction
 

@@ -108,7 +108,7 @@ SCALES = [3.0 / 448.0, 1.0, 0.5, 1.0 / 3.0, 0.0123, 1.9999999, 7.1e-5, 2.0**60, 
 
 def test_one_correction_step_divides_every_bf16_value_exactly():
     """The claim ``_e4m3_quotient`` rests on, in plain arithmetic, for every bf16 value and
-    random scales (``bench/e4m3_quotient_exhaustive.py`` checks every fp32 significand of s).
+    random scales (``bench/tools/e4m3_quotient_exhaustive.py`` checks every fp32 significand of s).
     Fails for the product alone: RN(x * RN(1/s)) is one ULP off for 27% of significand pairs."""
     x = every_bf16().float()
     x = x[torch.isfinite(x) & (x != 0)]

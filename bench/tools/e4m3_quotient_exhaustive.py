@@ -7,7 +7,7 @@ with fp32 FMAs emulated exactly (``tests/ops/test_triton_helpers.fma32``). Signi
 suffice: without under- or overflow (the helper's window) every step scales exactly with
 powers of two of x and s, and both signs round alike. 128 x significands by 2^23 s ones,
 on the CPU in float64, a few minutes; writes its verdict to stdout (and the result file
-given as the first argument). Run: ``.venv/bin/python bench/e4m3_quotient_exhaustive.py``.
+given as the first argument). Run: ``.venv/bin/python bench/tools/e4m3_quotient_exhaustive.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "ops"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "ops"))
 from test_triton_helpers import fma32  # noqa: E402
 
 

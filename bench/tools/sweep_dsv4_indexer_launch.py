@@ -2,7 +2,7 @@
 
 Run from the repository root on a CUDA machine::
 
-    PYTHONPATH=. python bench/sweep_dsv4_indexer_launch.py --out-dir $OUT
+    PYTHONPATH=. python bench/tools/sweep_dsv4_indexer_launch.py --out-dir $OUT
 
 Times ``launch_indexer_kernel`` alone at each (heads per program, warps per program),
 on the shapes, inputs, byte count and byte-for-byte gate of
@@ -11,9 +11,7 @@ with the timing method of ``bench_dsv4_qnorm_rope_kv_insert.py`` (graphs of back
 calls, median, L2 rotation over input copies for big calls). Prints the best
 configuration per shape beside ``_launch_config``'s choice and writes
 ``dsv4_indexer_launch_sweep_<formats>_<device>.json``; the op's ``_launch_config`` table
-is read off it (``bench/results/dsv4_indexer_launch_sweep_{fp8,mxfp4}_nvidia-h200.json``;
-the stored mxfp4 sweep also holds the e2m1-encoding comparison, rows ``"e2m1"``, made
-with a flag since removed: midpoint comparisons lost to rounding by 25%).
+is read off it.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the harness and the indexer benchmark
 
 import bench_dsv4_indexer_rope_quant_insert as ibench  # noqa: E402
 import harness  # noqa: E402

@@ -9,19 +9,21 @@ call, inputs rotated so that large sizes find L2 cold), at the read + write byte
 at the given token counts, and reports each as a share of the 4 GiB copy: how close to the
 ceiling of its own size a fused op's "% of copy bandwidth" already is.
 
-    python bench/copy_ceiling.py --tokens 4096,16384 --out-dir bench/results
+    PYTHONPATH=. python bench/tools/copy_ceiling.py --tokens 4096,16384 --out-dir bench/results
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import harness
-import torch
+BENCH = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))  # the harness and the benchmarks whose byte counts it times
 
-HERE = Path(__file__).resolve().parent
+import harness  # noqa: E402
+import torch  # noqa: E402
 
 
 def op_bytes(tokens: int) -> dict[str, int]:
@@ -50,7 +52,7 @@ def time_copy(nbytes: int, l2_bytes: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=harness.parse_int_list, default=[4096, 16384])
-    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--out-dir", default=str(BENCH / "results"))
     args = p.parse_args()
     info = harness.device_info()
     harness.spin_up_clocks()
