@@ -12,13 +12,14 @@ from prepfuse.backend import PrepfuseBackend
 from prepfuse.testing import graph_replay_us
 
 
-def compile_with_prepfuse(fn) -> tuple[Callable, PrepfuseBackend]:
-    """``fn`` compiled with ``backend="prepfuse"``, and the backend holding its reports.
+def compile_with_prepfuse(fn, **options) -> tuple[Callable, PrepfuseBackend]:
+    """``fn`` compiled with ``backend="prepfuse"`` and ``options``, and the backend holding
+    its reports.
 
     Inductor's FX graph cache would serve a graph compiled by an earlier run without running
     the passes, and so without a report: the demo asks for a fresh compile."""
     torch._dynamo.reset()
-    backend = PrepfuseBackend({"inductor_config": {"fx_graph_cache": False}})
+    backend = PrepfuseBackend({"inductor_config": {"fx_graph_cache": False}, **options})
     return torch.compile(fn, backend=backend, fullgraph=True), backend
 
 

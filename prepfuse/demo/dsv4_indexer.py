@@ -46,7 +46,10 @@ def run_indexer_demo(device: torch.device, num_layers: int = 3) -> bool:
     caches = [indexer_fp8_cache(inputs.k_cache.shape[0], block_size, device) for _ in range(num_layers)]
     eager_caches = [c.clone() for c in caches]
     rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
-    compiled, backend = compile_with_prepfuse(step)
+    # The step returns each layer's prepared q codes and weights, which the demo keeps past
+    # the call to compare with eager's: fresh graph buffers, not the scratch arena's views
+    # that the next call of a graph fusing the same op would overwrite.
+    compiled, backend = compile_with_prepfuse(step, output_buffers="graph")
     per_layer = ([x.q for x in layers], [x.weights for x in layers], [x.k for x in layers])
     out = compiled(*per_layer, caches, *rest)
     ref = step(*per_layer, eager_caches, *rest)
