@@ -1,5 +1,5 @@
 """The README's main command: run every available implementation of each fused op on
-fresh random data and print how they compare (and, on a GPU, how fast they are); then
+seeded random data and print how they compare (and, on a GPU, how fast they are); then
 compile the example models (DeepSeek-V4-style, Qwen3-style, Llama-style, and the
 DeepSeek-V4 indexer preparation) with
 ``backend="prepfuse"``, show what was fused and where, and check each against eager
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="T (default: 7 on CPU, 4096 on GPU)")
     parser.add_argument("--heads", type=int, default=None, help="H (default: 3 on CPU, 64 on GPU)")
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="seed of every random input")
     args = parser.parse_args(argv)
 
     on_gpu = torch.cuda.is_available()
@@ -37,14 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     from prepfuse.demo.dsv4_indexer import run_indexer_demo
     from prepfuse.demo.gqa import run_gqa_models_demo
 
+    torch.manual_seed(args.seed)  # anything not drawn from the sections' own generators
     device = torch.device("cuda" if on_gpu else "cpu")
-    print(f"prepfuse demo: torch {torch.__version__}, device {device}, triton {'yes' if has_triton() else 'no'}")
+    print(f"prepfuse demo: torch {torch.__version__}, device {device}, triton {'yes' if has_triton() else 'no'}, "
+          f"seed {args.seed}")
     tokens = args.tokens or (4096 if on_gpu else 7)
     heads = args.heads or (64 if on_gpu else 3)
-    ok = run_dsv4_demo(device, tokens, heads, args.block_size)
-    ok &= run_dsv4_block_demo(device)
-    ok &= run_gqa_models_demo(device)
-    ok &= run_indexer_demo(device)
+    ok = run_dsv4_demo(device, tokens, heads, args.block_size, seed=args.seed)
+    ok &= run_dsv4_block_demo(device, seed=args.seed)
+    ok &= run_gqa_models_demo(device, seed=args.seed)
+    ok &= run_indexer_demo(device, seed=args.seed)
     print("\ndemo:", "all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

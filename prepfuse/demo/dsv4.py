@@ -1,5 +1,5 @@
 """Demo sections for DeepSeek-V4: ``prepfuse::dsv4_qnorm_rope_kv_insert``'s implementations on
-the same fresh inputs, compared with the plain-PyTorch reference and timed on a GPU; and an
+the same seeded inputs, compared with the plain-PyTorch reference and timed on a GPU; and an
 example attention block compiled with ``backend="prepfuse"``."""
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ def _padded_heads(num_heads: int) -> int:
     return 64 if num_heads <= 64 else 128
 
 
-def run_dsv4_demo(device: torch.device, num_tokens: int, num_heads: int, block_size: int) -> bool:
+def run_dsv4_demo(device: torch.device, num_tokens: int, num_heads: int, block_size: int, seed: int = 0) -> bool:
+    generator = torch.Generator().manual_seed(seed)
     padded = _padded_heads(num_heads)
-    base = make_dsv4_inputs(num_tokens, num_heads, padded, block_size, device)
+    base = make_dsv4_inputs(num_tokens, num_heads, padded, block_size, device, generator=generator)
     print(
         f"\n== prepfuse::dsv4_qnorm_rope_kv_insert  T={num_tokens} H={num_heads} HP={padded} "
         f"block_size={block_size} inserted={int((base.slot_mapping >= 0).sum())}/{num_tokens}"
@@ -60,7 +61,8 @@ def run_dsv4_demo(device: torch.device, num_tokens: int, num_heads: int, block_s
         # the unfused sequence the op replaces, in eager PyTorch; it cannot skip
         # negative slots without a host sync, so it gets an all-valid slot mapping
         unfused = base.fresh_outputs()
-        unfused.slot_mapping = torch.randperm(unfused.k_cache.shape[0] * block_size, device=device)[:num_tokens]
+        slots = torch.randperm(unfused.k_cache.shape[0] * block_size, generator=generator)[:num_tokens]
+        unfused.slot_mapping = slots.to(device)
         rows = {"unfused PyTorch eager": (dsv4_prep_unfused, unfused)}
         rows.update({name: (fn, base.fresh_outputs()) for name, fn in impls.items()})
         for name, (fn, run) in rows.items():
@@ -80,20 +82,22 @@ def _dequantized_rows(cache: torch.Tensor, slots: torch.Tensor, block_size: int)
     return torch.cat((nope.flatten(-2), rope), dim=-1)
 
 
-def run_dsv4_block_demo(device: torch.device, num_layers: int = 3) -> bool:
+def run_dsv4_block_demo(device: torch.device, num_layers: int = 3, seed: int = 0) -> bool:
     """A DeepSeek-V4-style attention block (``prepfuse.models.dsv4.Dsv4AttentionBlock``: q/kv
     projections, q head RMSNorm + GPT-J RoPE + head padding, kv RoPE + UE8M0 FP8 quant +
     paged insert, an attention-like consumer) compiled with ``backend="prepfuse"``: the
     report, the fraction of layers' prep sequences fused, and the comparison with eager."""
+    generator = torch.Generator().manual_seed(seed)
     on_gpu = device.type == "cuda"
     tokens, heads, padded, block_size, dim = (512, 64, 64, 64, 1024) if on_gpu else (7, 3, 8, 16, 64)
     print(
         f"\n== example model: {num_layers}-layer DeepSeek-V4-style attention block, T={tokens} H={heads} "
         f"HP={padded} block_size={block_size}, compiled with backend=\"prepfuse\""
     )
-    block = Dsv4AttentionBlock(num_layers, dim, heads, padded, block_size=block_size, spelling=DSV4_SPELLINGS[0]).to(device)
-    inputs = make_dsv4_inputs(tokens, heads, padded, block_size, device, skip_fraction=0.0)
-    x = torch.randn(tokens, dim, device=device).to(torch.bfloat16)
+    block = Dsv4AttentionBlock(num_layers, dim, heads, padded, block_size=block_size, spelling=DSV4_SPELLINGS[0],
+                               seed=seed).to(device)
+    inputs = make_dsv4_inputs(tokens, heads, padded, block_size, device, generator=generator, skip_fraction=0.0)
+    x = torch.randn(tokens, dim, generator=generator).to(torch.bfloat16).to(device)
     num_blocks = inputs.k_cache.shape[0]
     args = (x, inputs.positions, inputs.slot_mapping, inputs.cos_sin_cache)
 

@@ -34,11 +34,12 @@ def indexer_layers(num_layers: int, weights_scale: float, block_size: int):
     return step
 
 
-def run_indexer_demo(device: torch.device, num_layers: int = 3) -> bool:
+def run_indexer_demo(device: torch.device, num_layers: int = 3, seed: int = 0) -> bool:
+    generator = torch.Generator().manual_seed(seed)
     on_gpu = device.type == "cuda"
     tokens, heads, block_size = (512, 64, 64) if on_gpu else (7, 4, 16)
     layers = [make_dsv4_indexer_inputs("fp8", tokens, heads, block_size, device, num_k=max(1, tokens // 4),
-                                       skip_fraction=0.0) for _ in range(num_layers)]
+                                       generator=generator, skip_fraction=0.0) for _ in range(num_layers)]
     inputs = layers[0]  # slots, positions and the table are shared by the layers
     print(f"\n== example model: {num_layers} DeepSeek-V4 indexer preparations, T={tokens} H={heads} "
           f"Tk={inputs.k.shape[0]} block_size={block_size}, compiled with backend=\"prepfuse\"")

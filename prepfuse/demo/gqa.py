@@ -20,7 +20,7 @@ def _written_rows(cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Tens
     return rows * kv_scale if kv_scale is not None else rows
 
 
-def run_gqa_models_demo(device: torch.device, num_layers: int = 3) -> bool:
+def run_gqa_models_demo(device: torch.device, num_layers: int = 3, seed: int = 0) -> bool:
     """Each GQA example model (``prepfuse.models.gqa.EXAMPLE_MODELS``: Qwen3-style with a
     fused qkv and with separate projections, Llama-style) compiled with ``backend="prepfuse"``: the report, the fraction of prep
     sequences fused, and the comparison with eager."""
@@ -31,10 +31,11 @@ def run_gqa_models_demo(device: torch.device, num_layers: int = 3) -> bool:
     for title, spelling in EXAMPLE_MODELS.items():
         print(f"\n== example model: {num_layers}-layer {title}, T={tokens} Hq={hq} Hkv={hkv} D={head_dim} "
               f"block_size={block_size}, compiled with backend=\"prepfuse\"")
-        block = GqaAttentionBlock(num_layers, dim, hq, hkv, head_dim, spelling=spelling).to(device)
+        generator = torch.Generator().manual_seed(seed)
+        block = GqaAttentionBlock(num_layers, dim, hq, hkv, head_dim, spelling=spelling, seed=seed).to(device)
         inputs = make_gqa_inputs(tokens, hq, hkv, head_dim, block_size, device, cache_dtype=spelling.cache_dtype,
-                                 skip_fraction=0.0)
-        x = (torch.randn(tokens, dim) * 0.5).to(torch.bfloat16).to(device)
+                                 generator=generator, skip_fraction=0.0)
+        x = (torch.randn(tokens, dim, generator=generator) * 0.5).to(torch.bfloat16).to(device)
         args = (x, inputs.positions, inputs.slot_mapping, inputs.cos_sin_cache)
         num_blocks = inputs.k_cache.shape[0]
         caches = [tuple(kv_cache(num_blocks, block_size, hkv, head_dim, spelling, device) for _ in range(2))
