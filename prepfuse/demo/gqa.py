@@ -5,9 +5,12 @@ the time beside ``torch.compile``'s default backend."""
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
-from prepfuse.demo.compiled import compile_with_prepfuse, print_fused, time_beside_default
+from prepfuse.demo.compiled import compile_with_prepfuse, show_report, time_beside_default
+from prepfuse.demo.rows import Bound, Row
 from prepfuse.models.gqa import EXAMPLE_MODELS, GqaAttentionBlock, kv_cache
 from prepfuse.testing import make_gqa_inputs
 
@@ -20,17 +23,14 @@ def _written_rows(cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Tens
     return rows * kv_scale if kv_scale is not None else rows
 
 
-def run_gqa_models_demo(device: torch.device, num_layers: int = 3, seed: int = 0) -> bool:
-    """Each GQA example model (``prepfuse.models.gqa.EXAMPLE_MODELS``: Qwen3-style with a
-    fused qkv and with separate projections, Llama-style) compiled with ``backend="prepfuse"``: the report, the fraction of prep
-    sequences fused, and the comparison with eager."""
+def run_gqa_models(device: torch.device, num_layers: int = 3, *, seed: int = 0,
+                   verbose: bool = False) -> Iterator[Row]:
+    """Each GQA example model compiled with ``backend="prepfuse"``: a row each, as it is made,
+    with the layers' prep sequences fused and the output and written cache rows against eager."""
     on_gpu = device.type == "cuda"
     # (tokens, q heads, kv heads, head size, block size, model dim)
     tokens, hq, hkv, head_dim, block_size, dim = (512, 32, 8, 128, 16, 4096) if on_gpu else (7, 4, 2, 64, 16, 64)
-    ok = True
     for title, spelling in EXAMPLE_MODELS.items():
-        print(f"\n== example model: {num_layers}-layer {title}, T={tokens} Hq={hq} Hkv={hkv} D={head_dim} "
-              f"block_size={block_size}, compiled with backend=\"prepfuse\"")
         generator = torch.Generator().manual_seed(seed)
         block = GqaAttentionBlock(num_layers, dim, hq, hkv, head_dim, spelling=spelling, seed=seed).to(device)
         inputs = make_gqa_inputs(tokens, hq, hkv, head_dim, block_size, device, cache_dtype=spelling.cache_dtype,
@@ -46,23 +46,27 @@ def run_gqa_models_demo(device: torch.device, num_layers: int = 3, seed: int = 0
         ref = block(*args, eager_caches, inputs.kv_scale)
 
         matched = sum(r.matched_counts.get("fuse_gqa_prep", 0) for r in backend.reports)
-        print_fused(backend, matched, num_layers)
         out_err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         cache_err = max(
             ((_written_rows(c, inputs.slot_mapping, inputs.kv_scale) - _written_rows(r, inputs.slot_mapping, inputs.kv_scale))
              .abs().max() / _written_rows(r, inputs.slot_mapping, inputs.kv_scale).abs().max()).item()
             for pair, ref_pair in zip(caches, eager_caches) for c, r in zip(pair, ref_pair))
-        print(f"output vs eager: max |diff| / max |eager| = {out_err:.2e}")
-        print(f"cache vs eager: inserted rows max |diff| / max |eager| = {cache_err:.2e}")
+        if verbose:
+            print(f"\n== example model: {num_layers}-layer {title}, T={tokens} Hq={hq} Hkv={hkv} D={head_dim} "
+                  f"block_size={block_size}, compiled with backend=\"prepfuse\"")
+            show_report(backend, matched, num_layers)
+            print(f"output vs eager: max |diff| / max |eager| = {out_err:.2e}")
+            print(f"cache vs eager: inserted rows max |diff| / max |eager| = {cache_err:.2e}")
         # The fused op rotates in fp32 where HF rounds cos/sin and each step to bf16
         # (<= 2^-7 * (|a| + |b|) per value, docs/ops.md), and Inductor computes the
         # projections and attention upstream of later layers in its own order: a few
         # bf16 ULPs of the largest value; an fp8 cache adds one e4m3 step (1/8 of a value).
         cache_tol = 1 / 7 if spelling.cache_dtype == torch.float8_e4m3fn else 5e-2
-        ok &= matched == num_layers and out_err < 5e-2 and cache_err <= cache_tol
-
+        bounds = (Bound("out err", out_err, 5e-2), Bound("cache err", cache_err, cache_tol))
+        timing = ""
         if on_gpu:
             default_caches = [tuple(c.clone() for c in pair) for pair in caches]
-            time_beside_default(block, compiled, (*args, caches, inputs.kv_scale),
-                                (*args, default_caches, inputs.kv_scale), "whole block")
-    return ok
+            timing = time_beside_default(block, compiled, (*args, caches, inputs.kv_scale),
+                                         (*args, default_caches, inputs.kv_scale))
+        name = title.split(" (")[0]  # "Qwen3-style (q/k RMSNorm, ...)": the part before the details
+        yield Row(name, bounds, fused=(matched, num_layers), timing=timing)
