@@ -15,7 +15,7 @@ from prepfuse.fx_passes import pass_manager
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the demo's CPU run")
 
 MODELS = ("DeepSeek-V4 block", "Qwen3-style", "Qwen3 HF-style", "Llama-style", "DeepSeek-V4 indexer")
-OPS = ("dsv4_qnorm_rope_kv_insert",)
+OPS = ("dsv4_qnorm_rope_kv_insert", "gqa_qknorm_rope_kv_insert")
 
 
 def rows_of(lines: list[str], name: str) -> list[str]:
@@ -58,6 +58,7 @@ def test_verbose_adds_the_tables(capsys, monkeypatch):
 
 def test_a_failing_check_says_fail_on_its_line_and_exits_nonzero(capsys, monkeypatch):
     monkeypatch.setattr(dsv4, "run_dsv4_op", lambda *args, **kwargs: [])
+    monkeypatch.setattr(gqa, "run_gqa_op", lambda *args, **kwargs: [])
     monkeypatch.setattr(dsv4, "run_dsv4_block", lambda *args, **kwargs: Row(
         "DeepSeek-V4 block", (Bound("out err", 0.2, 5e-2),), fused=(3, 3)))
     monkeypatch.setattr(gqa, "run_gqa_models", lambda *args, **kwargs: iter([Row("Qwen3-style", fused=(2, 3))]))

@@ -1,5 +1,5 @@
-"""The README's main command: run every available implementation of the DeepSeek-V4 fused op
-beside its plain-PyTorch reference on seeded random data; then compile
+"""The README's main command: run every available implementation of each fused op
+(DeepSeek-V4 and GQA) beside its plain-PyTorch reference on seeded random data; then compile
 the example models (DeepSeek-V4-style, Qwen3-style, Llama-style, and the DeepSeek-V4 indexer
 preparation) with ``backend="prepfuse"`` and check each against eager. One line per check:
 calls fused of calls expected, the numbers against their bounds, ok or FAIL, and on a GPU
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "prepfuse.demo", *(argv if argv is not None else sys.argv[1:])])
     from prepfuse.demo.dsv4 import run_dsv4_block, run_dsv4_op
     from prepfuse.demo.dsv4_indexer import run_dsv4_indexer
-    from prepfuse.demo.gqa import run_gqa_models
+    from prepfuse.demo.gqa import run_gqa_models, run_gqa_op
 
     torch.manual_seed(args.seed)  # anything not drawn from the sections' own generators
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"fused ops beside their reference, T={tokens}{'' if on_gpu else ', triton under its CPU interpreter'} "
          f"(the bounds: docs/ops.md)", [
             lambda: run_dsv4_op(device, tokens, heads, args.block_size, **common),
+            lambda: run_gqa_op(device, tokens, args.block_size, **common),
         ]),
         (f"example models, {args.layers} layers each, compiled with backend=\"prepfuse\" beside eager "
          f"(err: max |diff| / max |eager|)", [

@@ -1,18 +1,77 @@
-"""Demo section: each GQA example model (``prepfuse.models.gqa.EXAMPLE_MODELS``: Qwen3-style with
-a fused qkv and with separate projections, Llama-style with an fp8 cache) compiled with
-``backend="prepfuse"``: what was fused and where, the comparison with eager, and on a GPU
-the time beside ``torch.compile``'s default backend."""
+"""Demo sections for GQA: ``prepfuse::gqa_qknorm_rope_kv_insert``'s implementations on the same
+seeded inputs, compared with the plain-PyTorch reference and timed on a GPU; and each example
+model (``prepfuse.models.gqa.EXAMPLE_MODELS``: Qwen3-style with a fused qkv and with separate
+projections, Llama-style with an fp8 cache) compiled with ``backend="prepfuse"``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 
 from prepfuse.demo.compiled import compile_with_prepfuse, show_report, time_beside_default
+from prepfuse.demo.op_impls import run_beside_reference
 from prepfuse.demo.rows import Bound, Row
-from prepfuse.models.gqa import EXAMPLE_MODELS, GqaAttentionBlock, kv_cache
-from prepfuse.testing import make_gqa_inputs
+from prepfuse.models.gqa import EXAMPLE_MODELS, GqaAttentionBlock, gqa_prep_unfused, kv_cache
+from prepfuse.ops import (
+    GQA_QKNORM_ROPE_KV_INSERT,
+    gqa_qknorm_rope_kv_insert_reference,
+    gqa_qknorm_rope_kv_insert_triton,
+)
+from prepfuse.testing import GqaInputs, compare_gqa, make_gqa_inputs, normed_pair_sum
+
+OP = "gqa_qknorm_rope_kv_insert"
+
+
+def _normed_ulp_error(reference: GqaInputs, run: GqaInputs) -> tuple[float, int]:
+    """(the largest ``|run - reference|`` of a q value or an inserted k value over ``|a| + |b|``
+    of its normed RoPE pair, the count of other cache elements that differ: v, and k outside
+    the inserted rows). bf16 caches."""
+    slots = reference.slot_mapping
+    tokens = torch.nonzero(slots >= 0).flatten()
+    block, row = slots[tokens] // reference.k_cache.shape[1], slots[tokens] % reference.k_cache.shape[1]
+    errors = []
+    for got, want, pair in ((run.q_out, reference.q_out, normed_pair_sum(reference, "q")),
+                            (run.k_cache[block, row], reference.k_cache[block, row],
+                             normed_pair_sum(reference, "k")[tokens])):
+        diff = (got.float() - want.float()).abs()
+        errors.append(float(torch.where(diff == 0, 0.0, diff / pair).max()) if diff.numel() else 0.0)
+    k_elsewhere = run.k_cache.clone()
+    k_elsewhere[block, row] = reference.k_cache[block, row]
+    others = compare_gqa(reference, replace(run, k_cache=k_elsewhere)).cache_mismatches
+    return max(errors), others
+
+
+def run_gqa_op(device: torch.device, num_tokens: int, block_size: int, *, seed: int = 0,
+               verbose: bool = False) -> list[Row]:
+    """Each implementation of the op beside the reference on the same Qwen3-like inputs (q/k
+    norm, NeoX RoPE, bf16 cache): a row each, within the op's bound (docs/ops.md): q and the
+    written k within one normed bf16 ULP carried through RoPE, ``2^-6 (|a| + |b|)`` per
+    value (the summation order of ``mean(x^2)``), every other byte identical."""
+    generator = torch.Generator().manual_seed(seed)
+    hq, hkv, head_dim = (32, 8, 128) if device.type == "cuda" else (4, 2, 128)  # Qwen3-8B's heads on a GPU
+    base = make_gqa_inputs(num_tokens, hq, hkv, head_dim, block_size, device, generator=generator)
+    reference, runs = run_beside_reference(base, gqa_qknorm_rope_kv_insert_reference, GQA_QKNORM_ROPE_KV_INSERT,
+                                           gqa_qknorm_rope_kv_insert_triton, gqa_prep_unfused, block_size, generator)
+    if verbose:
+        print(f"\n== prepfuse::{OP}  T={num_tokens} Hq={hq} Hkv={hkv} D={head_dim} block_size={block_size} "
+              f"inserted={int((base.slot_mapping >= 0).sum())}/{num_tokens}")
+        print(f"{'implementation':40s} {'q_out != ref':>14s} {'max ULP':>8s} {'cache != ref':>13s} {'max ULP':>8s} "
+              f"{'q/k err':>8s}  ok")
+
+    rows = []
+    for name, run, timing in runs:
+        error, others = _normed_ulp_error(reference, run)
+        bounds = (Bound("q/k |diff| / (|a|+|b|)", error, 2**-6), Bound("other cache values differing", others, 0))
+        row = Row(OP, bounds, impl=name, timing=timing)
+        rows.append(row)
+        if verbose:
+            cmp = compare_gqa(reference, run)
+            print(f"{name:40s} {cmp.q_mismatches:>7d}/{cmp.q_elements:<7d}{cmp.q_max_ulp:>7d} "
+                  f"{cmp.cache_mismatches:>6d}/{cmp.cache_elements:<7d}{cmp.cache_max_diff:>7d} {error:>8.1e}  "
+                  f"{'yes' if row.ok else 'NO'}")
+    return rows
 
 
 def _written_rows(cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
