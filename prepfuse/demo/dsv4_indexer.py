@@ -1,7 +1,7 @@
 """Demo section: the DeepSeek-V4 lightning-indexer preparation of a few layers, as plain
 PyTorch (``prepfuse.models.dsv4_indexer``), compiled with ``backend="prepfuse"``: the
-report, the fraction of indexer prep sequences fused, the bytes against eager, and on a
-GPU the time beside ``torch.compile``'s default backend.
+indexer prep sequences fused, the bytes against eager, and on a GPU the time beside
+``torch.compile``'s default backend.
 
 Each layer's q RoPE + FP8 quantisation with the scale folded into the head weights, and
 its compressed-key RoPE + FP8 quantisation + paged insert, is one fusable sequence
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from prepfuse.demo.compiled import compile_with_prepfuse, print_fused, time_beside_default
+from prepfuse.demo.compiled import compile_with_prepfuse, show_report, time_beside_default
+from prepfuse.demo.rows import Bound, Row
 from prepfuse.models.dsv4_indexer import INDEXER_SPELLINGS, indexer_fp8_cache, indexer_k_insert, indexer_q_prep
 from prepfuse.testing import e4m3_code_diff, make_dsv4_indexer_inputs
 
@@ -34,35 +35,41 @@ def indexer_layers(num_layers: int, weights_scale: float, block_size: int):
     return step
 
 
-def run_indexer_demo(device: torch.device, num_layers: int = 3) -> bool:
+def run_dsv4_indexer(device: torch.device, num_layers: int = 3, *, seed: int = 0, verbose: bool = False) -> Row:
+    generator = torch.Generator().manual_seed(seed)
     on_gpu = device.type == "cuda"
     tokens, heads, block_size = (512, 64, 64) if on_gpu else (7, 4, 16)
     layers = [make_dsv4_indexer_inputs("fp8", tokens, heads, block_size, device, num_k=max(1, tokens // 4),
-                                       skip_fraction=0.0) for _ in range(num_layers)]
+                                       generator=generator, skip_fraction=0.0) for _ in range(num_layers)]
     inputs = layers[0]  # slots, positions and the table are shared by the layers
-    print(f"\n== example model: {num_layers} DeepSeek-V4 indexer preparations, T={tokens} H={heads} "
-          f"Tk={inputs.k.shape[0]} block_size={block_size}, compiled with backend=\"prepfuse\"")
     step = indexer_layers(num_layers, inputs.weights_scale, block_size)
     caches = [indexer_fp8_cache(inputs.k_cache.shape[0], block_size, device) for _ in range(num_layers)]
     eager_caches = [c.clone() for c in caches]
     rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
-    compiled, backend = compile_with_prepfuse(step)
+    # The step returns each layer's prepared q codes and weights, which the demo keeps past
+    # the call to compare with eager's: fresh graph buffers, not the scratch arena's views
+    # that the next call of a graph fusing the same op would overwrite.
+    compiled, backend = compile_with_prepfuse(step, output_buffers="graph")
     per_layer = ([x.q for x in layers], [x.weights for x in layers], [x.k for x in layers])
     out = compiled(*per_layer, caches, *rest)
     ref = step(*per_layer, eager_caches, *rest)
 
     matched = len(backend.reports.matches("dsv4_indexer_q+k"))
-    print_fused(backend, matched, num_layers)
     # the op computes the model's math step for step: the same bytes, up to an e4m3 code
     # where a device's eager kernels round an intermediate differently
     code_diff = max(int(e4m3_code_diff(q.view(torch.uint8), rq.view(torch.uint8)).max()) for (q, _), (rq, _) in zip(out, ref))
-    weights_same = all(torch.equal(w, rw) for (_, w), (_, rw) in zip(out, ref))
+    weights_differing = sum(int((w != rw).sum()) for (_, w), (_, rw) in zip(out, ref))
     cache_bytes_differing = sum(int((c != rc).sum()) for c, rc in zip(caches, eager_caches))
-    print(f"q codes vs eager: max {code_diff} e4m3 codes apart; weights identical: {weights_same}; "
-          f"cache bytes differing: {cache_bytes_differing}")
-    ok = matched == num_layers and code_diff <= 1 and cache_bytes_differing == 0 and weights_same
-
+    if verbose:
+        print(f"\n== example model: {num_layers} DeepSeek-V4 indexer preparations, T={tokens} H={heads} "
+              f"Tk={inputs.k.shape[0]} block_size={block_size}, compiled with backend=\"prepfuse\"")
+        show_report(backend, matched, num_layers)
+        print(f"q codes vs eager: max {code_diff} e4m3 codes apart; weights identical: {weights_differing == 0}; "
+              f"cache bytes differing: {cache_bytes_differing}")
+    bounds = (Bound("q codes apart", code_diff, 1), Bound("weights differing", weights_differing, 0),
+              Bound("cache bytes differing", cache_bytes_differing, 0))
+    timing = ""
     if on_gpu:
         args = (*per_layer, caches, *rest)
-        time_beside_default(step, compiled, args, args, f"{num_layers} layers")
-    return ok
+        timing = time_beside_default(step, compiled, args, args)
+    return Row("DeepSeek-V4 indexer", bounds, fused=(matched, num_layers), timing=timing)

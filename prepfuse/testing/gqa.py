@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_CACHE_DTYPES
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_CACHE_DTYPES, rms_norm_reference
 from prepfuse.testing.common import (
     Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
     seeded_generator,
@@ -15,7 +15,7 @@ from prepfuse.testing.common import (
 
 __all__ = ["GqaInputs", "make_gqa_inputs", "CACHE_LAYOUTS", "with_cache_layout", "with_fp32_norm_weights",
            "with_full_cos_sin", "with_cos_sin_operands", "exact_sum_qkv", "seeded_gqa_inputs", "GqaComparison", "compare_gqa",
-           "bf16_rope_pair_bound", "assert_fused_write_close"]
+           "normed_pair_sum", "bf16_rope_pair_bound", "assert_fused_write_close"]
 
 
 @dataclass
@@ -303,6 +303,21 @@ def compare_gqa(a: GqaInputs, b: GqaInputs) -> GqaComparison:
         cache_max_diff=int(cache.max()) if cache.numel() else 0,
     )
 
+
+def normed_pair_sum(inputs: GqaInputs, which: str) -> torch.Tensor:
+    """``|a| + |b|`` per value of q (``which="q"``, [T, Hq, D]) or k ([T, Hkv, D]): ``a`` the
+    value normed as the reference normalises it, ``b`` its RoPE partner (a pass-through dim
+    is its own). A one-ULP move of the normed input, carried through RoPE, moves a result by
+    at most ``2^-6`` of it (docs/ops.md, the GQA op's agreement)."""
+    hq, hkv = inputs.num_q_heads, inputs.num_kv_heads
+    heads = inputs.qkv.unflatten(1, (hq + 2 * hkv, -1))
+    x, w = (heads[:, :hq], inputs.q_norm_weight) if which == "q" else (heads[:, hq : hq + hkv], inputs.k_norm_weight)
+    normed = (rms_norm_reference(x, w, inputs.eps) if w is not None else x).float().abs()
+    head_dim, rot = normed.shape[-1], inputs.cos_sin_cache.shape[1]
+    d = torch.arange(head_dim)
+    partner = torch.where(d < rot // 2, d + rot // 2, d - rot // 2) if inputs.is_neox else d ^ 1
+    partner = torch.where(d < rot, partner, d).to(normed.device)
+    return normed + normed[..., partner]
 
 
 def bf16_rope_pair_bound(x: torch.Tensor, rotary_dim: int, is_neox: bool, factor: float = 1.25 * 2**-7) -> torch.Tensor:

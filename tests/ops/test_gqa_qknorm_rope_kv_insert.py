@@ -34,10 +34,10 @@ from prepfuse.ops import (
     gqa_qknorm_rope_kv_insert_triton,
 )
 from prepfuse.ops import _duplicate_slots
-from prepfuse.ops.gqa_qknorm_rope_kv_insert import rms_norm_reference, split_qkv_columns, stride_unit
+from prepfuse.ops.gqa_qknorm_rope_kv_insert import split_qkv_columns, stride_unit
 from tests.ops.bad_inputs import assert_rejected, changed
 from prepfuse.testing import (
-    CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, make_gqa_inputs, seeded_generator,
+    CACHE_POISON, GqaInputs, call_with_fake_tensors, compare_gqa, make_gqa_inputs, normed_pair_sum, seeded_generator,
     seeded_gqa_inputs,
 )
 
@@ -100,15 +100,7 @@ def one_normed_ulp_bound(inputs: GqaInputs, which: str) -> torch.Tensor:
     atol/rtol is wrong here: where a*cos and b*sin cancel, the result is tiny and the
     move is not (one GPU run failed a fixed 2^-5 atol on 1 of 72 parametrizations).
     """
-    hq, hkv = inputs.num_q_heads, inputs.num_kv_heads
-    heads = inputs.qkv.unflatten(1, (hq + 2 * hkv, -1))
-    x, w = (heads[:, :hq], inputs.q_norm_weight) if which == "q" else (heads[:, hq : hq + hkv], inputs.k_norm_weight)
-    normed = (rms_norm_reference(x, w, inputs.eps) if w is not None else x).float().abs()
-    head_dim, rot = normed.shape[-1], inputs.cos_sin_cache.shape[1]
-    d = torch.arange(head_dim)
-    partner = torch.where(d < rot // 2, d + rot // 2, d - rot // 2) if inputs.is_neox else d ^ 1
-    partner = torch.where(d < rot, partner, d).to(normed.device)
-    return 2**-6 * (normed + normed[..., partner])
+    return 2**-6 * normed_pair_sum(inputs, which)
 
 
 def assert_within_normed_ulp(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str) -> None:
