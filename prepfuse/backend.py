@@ -1,60 +1,37 @@
 """``torch.compile(model, backend="prepfuse", options={...})``: Inductor plus prepfuse's passes.
 
 The backend is Inductor's ``compile_fx`` with a ``PrepfusePassManager`` installed as
-``post_grad_custom_post_pass`` through ``config_patches``, i.e. for this compile only;
-no global compiler setting is touched. It is registered under the name ``prepfuse``
-when prepfuse is imported, and declared as a ``torch_dynamo_backends`` entry point so
-that ``backend="prepfuse"`` works in a process that never imported prepfuse.
+``post_grad_custom_post_pass`` through ``config_patches``, i.e. for this compile only; no global
+compiler setting is touched. It is registered under the name ``prepfuse`` when prepfuse is
+imported, and declared as a ``torch_dynamo_backends`` entry point so that ``backend="prepfuse"``
+works in a process that never imported prepfuse.
 
-Options (``PrepfuseOptions``; unknown keys are an error)::
+Options (``PrepfuseOptions``, validated when made; an unknown key is an error; each one's full
+contract is docs/passes.md's options table)::
 
-    passes                  names of the passes to run, in order (default: every
-                            registered pass: the fusion passes, then "defunctionalize")
-    debug_dir               write each graph before/after every pass, and its report,
-                            under this folder (turns the FX graph cache off)
+    passes                  the passes to run, in order (default: every registered fusion pass,
+                            then "defunctionalize"); () runs none
+    debug_dir               write each graph before/after every pass and its report there
     auto_functionalized_v2  None: torch's default; True/False: force v2 / v1
     inductor_config         more Inductor config patches for this compile
-    strict                  fail the compile if a prepfuse op is still
-                            auto_functionalized after the passes
-    record_graphs           keep the normalized post-pass graph in each report (turns
-                            the FX graph cache off)
-    splitting_ops           ops that run eagerly between CUDA graphs (an attention op):
-                            "ns::name", "ns::name.overload" or the op objects. Given,
-                            the "placement" pass moves prepfuse ops that do not depend
-                            on one ahead of it, and the report gives each prepfuse op's
-                            partition. Empty (default): no placement pass at all
-    output_buffers          "arena" (default): the fused ops' output buffers (padded q,
-                            indexer codes and weights) are views of the scratch arena,
-                            reserved once; a returned one is valid until the next
-                            run of any graph fusing the same op (this model's or
-                            another's: reservations are shared by name).
-                            "graph": ordinary graph buffers (fresh per call, or the
-                            cudagraph trees' pool), for callers that keep returned
-                            outputs. cudagraphs="piecewise" always uses graph buffers
-    cudagraphs              "none" (default): no capture, no checks; "piecewise":
-                            Inductor's graph partition cuts at splitting_ops and
-                            cudagraph trees capture each partition; "full": the engine
-                            captures the whole forward itself (no cut; splitting_ops
-                            not allowed). "piecewise" and "full" fail the compile when a
-                            prepfuse op would run eagerly or a node a CUDA graph cannot
-                            hold (.item(), a CPU scalar ...) sits in a captured region
-    namespaces              op namespaces whose auto_functionalized calls the
-                            "defunctionalize" pass turns back into in-place calls
-                            (default ("prepfuse",)): add an engine's own, e.g.
-                            ("prepfuse", "vllm"), for the same zero-copy treatment
-    validate                "probe" (default): each rewrite runs on probe inputs beside
-                            the code it replaces before it is made, and is declined with
-                            the first differing value if they disagree (docs/passes.md,
-                            "How a rewrite is found and decided"); "quick": the unit-scale
-                            probe alone (half the cost, no edge values)
+    strict                  fail the compile if a prepfuse op is still auto_functionalized
+    record_graphs           keep the normalized post-pass graph in each report
+    splitting_ops           ops run eagerly between CUDA graphs; given, the "placement" pass moves
+                            prepfuse ops that do not depend on one ahead of it
+    output_buffers          "arena" (default): output buffers are views of the scratch arena, a
+                            returned one valid until the next run of any graph fusing the same op;
+                            "graph": fresh graph buffers, for callers that keep outputs
+    cudagraphs              "none", "piecewise" (cut at splitting_ops, cudagraph trees) or "full"
+                            (the engine captures the forward); the last two fail the compile where
+                            capture would be defeated
+    namespaces              op namespaces "defunctionalize" reinplaces (default ("prepfuse",))
+    validate                "probe" (default): each rewrite runs on two probes beside the code it
+                            replaces and is declined with the first differing value (docs/passes.md,
+                            "How a rewrite is found and decided"); "quick": the unit-scale probe alone
 
-Output buffers of the fused ops come from the scratch arena (``prepfuse.scratch``): a buffer
-the compiled code returns is valid until the next run of any compiled graph that takes the
-same reservation: its own next call, or another compiled model's (``docs/cudagraphs.md``).
-
-What was fused, and where: ``last_reports()`` (the graphs of the latest compile),
-``reports()`` (every graph since ``clear_reports()``), both ``Reports`` with ``format()``;
-or build a ``PrepfuseBackend(options)`` and read its own ``.reports``.
+What was fused, and where: ``last_reports()`` (the latest compile's graphs), ``reports()`` (every
+graph since ``clear_reports()``), both ``Reports`` with ``format()``; or build a
+``PrepfuseBackend(options)`` and read its own ``.reports``.
 """
 
 from __future__ import annotations

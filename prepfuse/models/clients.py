@@ -1,6 +1,6 @@
 """Other people's code: Hugging Face transformers' own attention modules, run the way engines
 run them, as cases the passes are measured on (``tests/corpus/``, ``bench/compile_overhead.py``,
-``docs/passes.md``'s corpus table).
+``docs/passes.md``'s corpus).
 
 An engine runs HF modeling code with an attention function of its own registered through
 transformers' ``AttentionInterface`` (``ENGINE_ATTENTION``): the module projects, norms and

@@ -1,8 +1,8 @@
 """DeepSeek-V4 attention-input preparation, unfused, as model authors write it.
 
-The math is the op's (``prepfuse/ops/dsv4_qnorm_rope_kv_insert.py``), written out in
-plain PyTorch the way it appears in model files. The same math has several
-spellings; a spelling is a row of a table (:class:`Dsv4Spelling`), not a copied class:
+The math is the op's (``prepfuse/ops/dsv4_qnorm_rope_kv_insert.py``), written out in plain
+PyTorch the way it appears in model files. A spelling is a row of a table
+(:class:`Dsv4Spelling`), not a copied class:
 
 ==========  ============================================================================
 axis        choices
@@ -14,30 +14,21 @@ norm        ``pow_mean``: ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ep
             ``div_sqrt``: ``x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)``
 split       ``slice``: ``x[..., :448]``, ``x[..., 448:]``; ``split``: ``x.split([448, 64], -1)``
 rope        ``strided``: ``x[..., ::2]``, ``x[..., 1::2]`` then ``torch.stack(.., -1).flatten(-2)``
-            ``complex``: ``torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))`` times
-            ``torch.complex(cos, sin)``, back through ``torch.view_as_real(..).flatten(-2)``
-pad         ``pad``: ``F.pad(q, (0, 0, 0, HP - H))``; ``new_zeros``: ``q.new_zeros(T, HP, 512)``
+            ``complex``: ``view_as_complex(x.float().unflatten(-1, (-1, 2))) * complex(cos, sin)``
+pad         ``pad``: ``F.pad(q, (0, 0, 0, HP - H))``; ``new_zeros``: ``q.new_zeros(T, HP, 512)``,
             then ``out[:, :H] = q``
 exp2        ``exp2``: ``torch.exp2(-e)``; ``pow``: ``torch.pow(2.0, -e)``
 write       ``view``: ``cache[:, :bs*576].view(NB, bs, 576)[s // bs, s % bs] = rows``
             ``columns``: ``cache[(s // bs)[:, None], (s % bs)[:, None] * 576 + arange(576)] = rows``
 ==========  ============================================================================
 
-Every spelling in :data:`DSV4_SPELLINGS` computes, on valid inputs, the op's reference
-(``q_prep_reference``, ``kv_cache_rows_reference``, ``insert_rows_reference``): fp32
-math, one rounding to bf16. The cache bytes are identical. q is identical but for about
-one value per million, one bf16 ULP off: the reference's ``1 / sqrt`` is correctly
-rounded (its sqrt goes through fp64), while ``torch.rsqrt`` and the vectorised fp32
-``torch.sqrt`` on the CPU are sometimes one fp32 ULP off it (the DeepSeek-V4 bound (docs/design.md)).
-
-:data:`DSV4_LOOKALIKES` are code that looks the same but computes something else (eps
-after the sqrt, a missing rsqrt, NeoX rotate-half RoPE, 128-wide quant blocks, a cache
-row placed at another pitch, fp16 tensors). The pass must leave them alone, naming why.
-``cache_row_offset_by_one`` (each row one row further into its block) stays in the list as
-code a reader of slot indices could misread; its rows are computable, and it fuses.
-
-Negative slots. Eager index assignment writes a negative slot through Python's wraparound
-(slot -1 is the last row of the last block); the fused call does the same (the pass emits
+Every spelling in :data:`DSV4_SPELLINGS` computes, on valid inputs, the op's reference: the cache
+bytes identically, q but for about one value per million one bf16 ULP off (the reference's
+``1 / sqrt`` is correctly rounded, ``torch.rsqrt`` and the CPU's fp32 ``torch.sqrt`` sometimes one
+fp32 ULP off it: the DeepSeek-V4 bound, docs/design.md). :data:`DSV4_LOOKALIKES` look the same but
+compute something else (eps after the sqrt, a missing rsqrt, NeoX RoPE, 128-wide quant blocks, a
+row at another pitch, fp16); ``cache_row_offset_by_one`` stays among them as code a reader of slot
+indices could misread, though it fuses. A negative slot wraps as in eager indexing (the pass emits
 ``wrap_indices=True``), so a rewrite equals the code for every slot the code accepts.
 """
 

@@ -1,7 +1,7 @@
 """Other people's code, part two: attention-input preparation as serving engines and
 reference projects spell it, written here after reading theirs (vLLM's ``forward_native``
 layers, SGLang's token pool, gpt-fast's Llama, nano-vllm's in-place norm), as cases the passes
-are measured on (``tests/corpus/test_engines.py``, ``docs/passes.md``'s corpus table).
+are measured on (``tests/corpus/test_engines.py``, ``docs/passes.md``'s corpus).
 
 Each case is one attention layer's preparation in the engine's own spelling, then its cache
 write, then SDPA over the step's tokens (so the prepared values have a real reader). The

@@ -1,54 +1,38 @@
 """GQA (Qwen3 / Llama style) attention-input preparation, unfused, as model authors write it.
 
-The math is the op's (``prepfuse/ops/gqa_qknorm_rope_kv_insert.py``) in plain PyTorch,
-the Hugging Face way: split the fused qkv projection, a weighted per-head RMSNorm module
-on q and k (Qwen3; Llama has none), RoPE with cos/sin gathered by position from a vLLM
-``[P, R]`` table (``R/2`` cos then ``R/2`` sin), and the paged-cache write as index
-assignment ``cache[slot // bs, slot % bs] = rows`` into ``[num_blocks, bs, Hkv, D]``.
-A spelling is a row of a table (:class:`GqaSpelling`), not a copied class:
+The math is the op's (``prepfuse/ops/gqa_qknorm_rope_kv_insert.py``) in plain PyTorch, the Hugging
+Face way: split the fused qkv projection, a weighted per-head RMSNorm module on q and k (Qwen3;
+Llama has none), RoPE with cos/sin gathered by position from a vLLM ``[P, R]`` table, and the paged
+write ``cache[slot // bs, slot % bs] = rows`` into ``[num_blocks, bs, Hkv, D]``. A spelling is a row
+of a table (:class:`GqaSpelling`), not a copied class:
 
 ==========  ============================================================================
 axis        choices
 ==========  ============================================================================
-norm        ``hf``: ``Qwen3RMSNorm`` (``weight * (x.float() * rsqrt(x.float().pow(2).mean(
-            -1, keepdim=True) + eps)).to(bf16)``); ``none``: Llama, no q/k norm;
-            ``gemma``: ``Gemma3RMSNorm``, ``(normed * (1.0 + weight.float())).to(bf16)``;
-            ``weight_in_fp32``: ``(weight.float() * normed).to(bf16)`` (both: the op's
-            fp32-weight form, one rounding after the weight)
+norm        ``hf``: ``Qwen3RMSNorm``; ``none`` (Llama); ``gemma``: ``Gemma3RMSNorm``,
+            ``(normed * (1.0 + weight.float())).to(bf16)``; ``weight_in_fp32``:
+            ``(weight.float() * normed).to(bf16)`` (both: the op's fp32-weight form)
 split       ``split``: ``qkv.split([Hq*D, Hkv*D, Hkv*D], -1)``; ``slice``: ``qkv[:, :Hq*D]`` ..;
-            ``separate``: no fused qkv, three projections (HF's ``q_proj``, ``k_proj``,
-            ``v_proj``): ``qkv`` is the tuple ``(q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*D])``
-rope        ``hf_bf16``: HF ``q * cos + rotate_half(q) * sin`` with cos/sin cast to bf16
-            (``cat((c, c), -1).to(q.dtype)``), all in bf16;
-            ``hf_fp32``: the same formula on ``q.float()`` with the fp32 table, one rounding;
-            ``halves``: vLLM's ``x1, x2 = chunk(x, 2); cat((x1*c - x2*s, x2*c + x1*s))`` in fp32;
-            ``gptj``: interleaved pairs ``x[..., ::2]``, ``x[..., 1::2]``,
-            ``stack(.., -1).flatten(-2)``, in fp32
+            ``separate``: three projections, ``qkv`` the tuple ``(q, k, v)``
+rope        ``hf_bf16``: ``q * cos + rotate_half(q) * sin`` with ``cat((c, c), -1).to(q.dtype)``,
+            all in bf16; ``hf_fp32``: the same on ``q.float()`` with the fp32 table;
+            ``halves``: vLLM's ``cat((x1*c - x2*s, x2*c + x1*s))`` in fp32; ``gptj``:
+            ``x[..., ::2]``, ``x[..., 1::2]``, ``stack(.., -1).flatten(-2)`` in fp32
 rotary_dim  ``None`` (all of D) or ``R < D``: rotate ``x[..., :R]``, ``cat`` the rest back
-cache       bf16, or fp8 e4m3 ``(x.float() / kv_scale).clamp(-448, 448).to(e4m3)``
-            with ``kv_scale`` a device fp32 tensor ``[1]``
-layout      ``slots_heads`` (the paged ``[NB, bs, Hkv, D]`` above); ``heads_slots``
-            ``[NB, Hkv, bs, D]``; ``flat``: a token pool ``[N, Hkv, D]``, ``cache[slot]``;
-            ``slot_view``: the paged cache through its flat view,
-            ``cache.view(-1, Hkv, D)[slot]`` (nano-vllm's ``store_kvcache`` addressing);
+cache       bf16, or fp8 ``(x.float() / kv_scale).clamp(-448, 448).to(e4m3)``, ``kv_scale [1]``
+layout      ``slots_heads`` (paged); ``heads_slots`` ``[NB, Hkv, bs, D]``; ``flat`` token pool
+            ``[N, Hkv, D]``; ``slot_view`` ``cache.view(-1, Hkv, D)[slot]`` (nano-vllm);
             ``sequence`` / ``sequence_index_copy``: one sequence's ``[1, Hkv, S, D]``
 ==========  ============================================================================
 
-Against the op. Norm: the ``hf`` norm is the op's, step for step (same bits on the CPU:
-``torch.rsqrt`` there is the correctly rounded ``1/sqrt`` the op computes, see the op's
-docstring). RoPE: ``hf_fp32``, ``halves`` and ``gptj`` equal the op bit for bit. ``hf_bf16``
-rounds cos/sin to bf16 and each product and the sum in bf16; the op rounds once from fp32:
-they differ on about 40% of the rotated values, by at most about ``2^-7 * (|a| + |b|)``
-(``|a|``, ``|b|`` the pair's inputs). Fusing ``hf_bf16`` code changes its numerics by that
-much (the op is the more accurate). fp8: identical to the op's quantisation of the bf16 rows.
-
-:data:`GQA_LOOKALIKES` look the same and compute something else (eps differing between q
-and k norm, a rotation by minus the angle, each row written one row further into its
-block, a multiply by ``1/kv_scale``, fp16); the pass must leave them alone.
-
-Negative slots. Eager index assignment writes a negative slot through Python's wraparound
-(slot -1 becomes the last row of the last block); the fused call does the same (the pass
-emits ``wrap_indices=True``).
+Against the op: the ``hf`` norm is the op's step for step (same bits on the CPU); ``hf_fp32``,
+``halves`` and ``gptj`` RoPE equal it bit for bit; ``hf_bf16`` rounds in bf16 three times and
+differs on about 40% of the rotated values by at most about ``2^-7 * (|a| + |b|)`` (the op is the
+more accurate); fp8 rows are the op's quantisation of the bf16 rows. :data:`GQA_LOOKALIKES` look
+the same and compute something else (eps differing between q and k norm, a rotation by minus the
+angle, fp16), or the same math another way (each row one row further into its block, a multiply by
+``1/kv_scale``). Eager index assignment writes a negative slot through Python's wraparound; the
+fused call does the same (the pass emits ``wrap_indices=True``).
 """
 
 from __future__ import annotations

@@ -1,61 +1,37 @@
-"""Other people's code, part three: attention-input preparation as thirteen more projects
-spell it (reference models, training frameworks, serving engines), transcribed into plain PyTorch
-as test cases (``tests/corpus/test_references.py``). Each case runs the source's own
-preparation, its own cache write, then SDPA over the step's tokens (so the prepared q, k and
-v have real readers) and an output projection with a residual; the layers themselves are in
-``prepfuse.models.references`` (a module per source). The spellings, by source:
+"""Other people's code, part three: attention-input preparation as thirteen more projects spell
+it, transcribed into plain PyTorch as test cases (``tests/corpus/test_references.py``). Each case
+runs the source's own preparation and cache write, then SDPA over the step's tokens and an output
+projection with a residual; the layers are in ``prepfuse.models.references`` (one module a
+source). What each spells its own way:
 
-- **meta-llama/llama** (``llama/model.py``): separate ``wq/wk/wv``, ``[B, S, H, D]``; a complex64
-  ``torch.polar`` table sliced ``[start_pos : start_pos + seqlen]`` by a Python int; GPT-J pairs
-  through ``view_as_complex(x.float().reshape(..., -1, 2))``, ``view_as_real(...).flatten(3)``,
-  ``type_as``; ``cache_k = cache_k.to(xq)``, then ``cache_k[:bsz, start_pos : start_pos + seqlen] = xk``.
-- **meta-llama/llama-models** Llama 4 (``models/llama4/model.py``): the same, then a weightless
-  fp32 ``rmsnorm`` of q and k *after* RoPE (``_norm(x.float()).type_as(x)``, eps 1e-5).
-- **karpathy/llama2.c** (``model.py``): Meta's rotation in real arithmetic, fp32 ``freqs_cos`` /
-  ``freqs_sin`` ``[S, D/2]``, ``reshape(..., -1, 2).unbind(-1)``, ``stack(...).flatten(3)``.
-- **mistralai/mistral-inference** (``rope.py``, ``cache.py``): packed ``[T, H, D]``; the complex
-  table gathered ``freqs_cis[positions]``, ``[:, None, :]``; the rolling buffer written
-  ``cache.view(-1, Hkv, D).index_copy_(0, positions % W + batch_idx * W, xk[to_cache_mask])``.
-- **pytorch/torchtitan** Qwen3 (``models/common/{attention,rope}.py``): one ``wqkv`` grouped per kv
-  head ``[T, n_kv, hpk + 2, D]``, ``split`` on dim -2, ``reshape(...).contiguous()``;
-  ``nn.RMSNorm``; one fp32 ``[L, 2D]`` ``cat(cos, sin)`` table gathered by positions, the
-  rotation on ``query.float()``, ``type_as``.
-- **Lightning-AI/litgpt** (``litgpt/model.py``): one ``qkv`` ``[q | k | v]``, ``transpose(1, 2)``
-  before the norm (on ``[B, H, T, D]``), the weight multiplied in fp32 (``* weight.float()``);
-  fp32 cos/sin by ``index_select`` and type promotion, ``.to(x.dtype)``;
-  ``k_cache[:bs, ...].index_copy_(-2, input_pos, k)``. OLMo-2's variant norms over all heads.
-- **google/gemma_pytorch** Gemma 3 (``gemma/model.py``): ``(1 + w.float())`` in fp32; complex RoPE
-  with NeoX pairs built by ``stack(chunk(x.transpose(1, 2).float(), 2), -1)``, a local (10k) and
-  a global (1M) table; ``k_cache.index_copy_(1, input_positions, xk)``; ``q.mul_(scaling)``.
-- **InternLM/lmdeploy** (``pytorch/backends/default``, ``fill_kv_cache``): ``split`` + ``unflatten``
-  views of the packed qkv rotated *in place* (``mul_``, ``add_``, ``rotate_half`` by
-  ``empty_like`` and slice assignment), bf16 cos/sin recomputed from ``position_ids``; the fill
-  through block offsets (the project's own PyTorch ground truth), fp8 with separate k and v
-  scales, ``clamp(k.float() / k_scale)``.
-- **huggingface/text-generation-inference** (``flash_llama_modeling.py``, ``kv_cache.py``):
-  ``kv.view(-1, 2, Hkv, D)``, K and V strided views of the projection, rotated in place by
-  flash-attention's float kernel on bf16 half-width cos/sin; ``(k.float() * scale.reciprocal())
-  .clamp(...)``, the fp8 cache and k viewed as uint8, ``cache.view(-1, Hkv, D)[slots] = k``.
-  Gemma 3: the norm on a 2-d ``reshape(-1, D).contiguous()``, an fp32 ``w + 1`` weight.
-- **Dao-AILab/flash-attention** (``layers/rotary.py``, ``modules/mha.py``): half-width bf16 tables
-  tiled as einops' ``"... d -> ... 1 (2 d)"``, partial rotary, K and V in one
-  ``[B, S, 2, Hkv, D]`` cache written by slice assignment at a Python-int offset.
-- **NVIDIA/Megatron-LM** (``transformer/attention.py``, ``rope_utils.py``, ``dynamic_context.py``):
-  sequence-first ``[S, B, H, D]``, qkv grouped per kv head split on dim 3, cos/sin cast to
-  bf16 at every call. Static batching caches *un-rotated* keys and rotates the prefix after;
-  dynamic batching rotates ``key[:n]`` in place and writes
-  ``memory_buffer[0, layer, block_idx, local_idx] = key[:n]`` into one ``[2, L, NB, BS, Hkv, D]``.
-- **NVIDIA/TensorRT-LLM** (``_torch/modules``, ``attention_backend/vanilla.py``): 2-d ``[T, H*D]``
-  q and k, the norm on ``reshape(-1, head_dim)`` (``weight * x.to(dtype)``), RoPE through a
-  ``transpose`` round trip, the cache written by ``index_copy_`` through an int16 (bf16) or int8
-  (fp8, a bare ``.to(e4m3)``) view of one request's block.
-- **ModelTC/lightllm** (Qwen3 ``_get_qkv``, Triton kernels' math): k and v projected by
-  ``mm(out=)`` into one ``[T, Hk + Hv, D]`` buffer, q normed in place, k normed and slice-assigned
-  back, RoPE in place in bf16 on half-width tables, the buffer copied to a token pool
-  ``kv_buffer[layer][mem_index]`` holding K and V heads on one axis.
+- **meta-llama/llama**: separate ``wq/wk/wv``; a complex64 ``torch.polar`` table sliced by a Python
+  int; GPT-J pairs through ``view_as_complex``; ``cache_k[:bsz, start_pos : start_pos + seqlen] = xk``.
+- **llama-models** Llama 4: the same, then a weightless fp32 ``rmsnorm`` of q and k after RoPE.
+- **llama2.c**: Meta's rotation in real arithmetic on fp32 ``freqs_cos``/``freqs_sin`` ``[S, D/2]``.
+- **mistral-inference**: packed ``[T, H, D]``, the complex table gathered by positions, a rolling
+  buffer written ``cache.view(-1, Hkv, D).index_copy_(0, positions % W + batch_idx * W, ..)``.
+- **torchtitan** Qwen3: one ``wqkv`` grouped per kv head ``[T, n_kv, hpk + 2, D]``, ``nn.RMSNorm``,
+  one fp32 ``cat(cos, sin)`` table gathered by positions.
+- **litgpt**: one ``qkv``, the norm on ``[B, H, T, D]`` with the weight in fp32, fp32 cos/sin by
+  ``index_select``, ``k_cache[:bs, ...].index_copy_(-2, input_pos, k)``; OLMo-2 norms over all heads.
+- **gemma_pytorch** Gemma 3: ``(1 + w.float())``, complex NeoX RoPE, a local and a global table,
+  ``k_cache.index_copy_(1, input_positions, xk)``, ``q.mul_(scaling)``.
+- **lmdeploy**: views of the packed qkv rotated in place (``mul_``, ``add_``), bf16 cos/sin from
+  ``position_ids``, the fill through block offsets, fp8 with separate k and v scales.
+- **text-generation-inference**: K and V strided views of the projection rotated in place by
+  flash-attention's kernel, ``(k.float() * scale.reciprocal()).clamp(...)`` into a uint8 view,
+  ``cache.view(-1, Hkv, D)[slots] = k``; Gemma 3's norm on a 2-d ``reshape(-1, D)``.
+- **flash-attention**: half-width bf16 tables tiled ``"... d -> ... 1 (2 d)"``, partial rotary, K and
+  V in one ``[B, S, 2, Hkv, D]`` cache written by slice assignment.
+- **Megatron-LM**: sequence-first ``[S, B, H, D]``, qkv grouped per kv head, bf16 cos/sin; dynamic
+  batching writes ``memory_buffer[0, layer, block_idx, local_idx] = key[:n]``.
+- **TensorRT-LLM**: 2-d ``[T, H*D]`` q and k, the norm on ``reshape(-1, head_dim)``, RoPE through a
+  ``transpose``, ``index_copy_`` through an int16 or int8 view of one request's block.
+- **lightllm** Qwen3: k and v projected by ``mm(out=)`` into one ``[T, Hk + Hv, D]`` buffer, norms
+  in place, RoPE in bf16, copied to a token pool ``kv_buffer[layer][mem_index]``.
 
-Each case says how many fused calls a GQA prep op could make of a layer (``expected_fused``,
-a judgement, not what the passes do today) and what is distinctive (``note``).
+Each case says how many fused calls a GQA prep op could make of a layer (``expected_fused``: what
+the math allows, not what the passes do) and what is distinctive (``note``).
 """
 
 from __future__ import annotations

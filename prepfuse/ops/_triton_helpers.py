@@ -307,10 +307,8 @@ if has_triton():
         sum's bit pattern. No float-to-int conversion: sm_90 issues those at a quarter of
         the rate of the rest, in an op that is instruction-bound.
 
-        History: counting the 7 midpoints below |v| cost 25% more time than the range
-        mapping (T=16384 on the H200 177.6 us -> 132.3 us,
-        ``bench/tools/sweep_dsv4_indexer_launch.py``, 2026-11-30); equal results
-        for every fp32 in [0, 6] (``tests/ops/test_triton_helpers.py``). Bit 3 is v's sign
+        Counting the 7 midpoints below |v| gives equal results for every fp32 in [0, 6]
+        (``tests/ops/test_triton_helpers.py``) but took longer (docs/decisions.md). Bit 3 is v's sign
         bit, so a negative value that rounds to zero keeps its sign (-0.0 is code 8), as
         IEEE rounding does.
         """

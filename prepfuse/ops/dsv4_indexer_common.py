@@ -1,63 +1,38 @@
 """What the two DeepSeek-V4 indexer ops share: the math, one kernel, one launcher, the checks.
 
 The ops (``dsv4_indexer_rope_fp8_insert``, ``dsv4_indexer_rope_mxfp4_insert``) prepare the
-lightning indexer of DeepSeek-V4's compress-ratio-4 layers in one launch: the indexer
-queries are rotated and quantised for the MQA-logits kernel (DeepGEMM
-``fp8_fp4_mqa_logits``), their head weights are scaled, and the compressed indexer keys
-are rotated, quantised and inserted into the paged indexer cache. They differ only in
-the format; this module holds everything else, so the two stay one design.
+lightning indexer of DeepSeek-V4's compress-ratio-4 layers in one launch: the indexer queries are
+rotated and quantised for the MQA-logits kernel (DeepGEMM ``fp8_fp4_mqa_logits``), their head
+weights scaled, and the compressed indexer keys rotated, quantised and inserted into the paged
+indexer cache. They differ only in the format; this module holds the rest, so they stay one
+design. Arguments, layouts, errors and the sources of each choice: ``docs/ops.md#dsv4_indexer_rope_fp8_insert``.
 
 Shapes (``T`` tokens, ``H`` indexer heads, 64 in DeepSeek-V4; ``Tk`` compressed key rows)::
 
     q              [T, H, 128]   bf16   indexer queries (wq_b output), last dim dense
     weights        [T, H]        bf16 or fp32   per-head logit weights (weights_proj)
     k              [Tk, 128]     bf16   compressed, RMS-normed indexer keys, last dim dense
-    slot_mapping   [Tk']         int64  Tk' <= Tk; row r of k goes to slot slot_mapping[r];
-                                        a negative slot skips the row
-    positions      [T]           int64  RoPE position of each query token
-    k_positions    [Tk]          int64  RoPE position of each key row (the compressor's
-                                        position: (p // 4) * 4 in vLLM)
+    slot_mapping   [Tk']         int64  Tk' <= Tk; row r of k goes to slot slot_mapping[r]; negative skips
+    positions      [T], k_positions [Tk]   RoPE positions (vLLM's compressor: (p // 4) * 4)
     cos_sin_cache  [P, 64]       fp32   per position: 32 cos, then 32 sin
 
 Math, per query head and per key row (x: 128 values, fp32)::
 
-    GPT-J (interleaved) RoPE on the LAST 64 dims: for pair p in 0..31,
-        e, o = x[64+2p], x[65+2p]
-        x[64+2p], x[65+2p] = e*cos[p] - o*sin[p], e*sin[p] + o*cos[p]
-    (dims 0..63 pass through), then every value is rounded to bf16.
-
+    GPT-J RoPE on the LAST 64 dims: pair p in 0..31, e, o = x[64+2p], x[65+2p]
+        -> e*cos[p] - o*sin[p], e*sin[p] + o*cos[p]; dims 0..63 pass through; all rounded to bf16
     fp8 (per row of 128): amax = max(max|x|, 1e-4); e = ceil(log2(amax / 448))
-        code = e4m3(clamp(x * 2^-e, -448, 448))  (round to nearest even); scale = 2^e
-    mxfp4 (per block of 32): amax = max(max|x|, 6 * 2^-126);
-        e = clamp(ceil(log2(amax / 6)), -127, 127)
-        nibble = e2m1(x * 2^-e)  (round to nearest even, saturating at +-6; bit 3 the sign)
-        byte j of a block = nibble(x[2j]) | nibble(x[2j+1]) << 4  (even element low)
-        scale byte = e + 127 (UE8M0: value = nibble * 2^(byte - 127))
-    a row (fp8) or block (mxfp4) holding a NaN or an infinity has no scale: fp8 scale
-    NaN (so the head's weight is NaN) and codes 0x7F; mxfp4 scale byte 0xFF, nibbles 0
+        code = e4m3(clamp(x * 2^-e, -448, 448)) (round to nearest even); scale = 2^e
+    mxfp4 (per block of 32): amax = max(max|x|, 6 * 2^-126); e = clamp(ceil(log2(amax / 6)), -127, 127)
+        nibble = e2m1(x * 2^-e) (nearest even, saturating at +-6, bit 3 the sign)
+        byte j = nibble(x[2j]) | nibble(x[2j+1]) << 4; scale byte = e + 127 (UE8M0)
+    a row (fp8) or block (mxfp4) holding a NaN or an infinity has no scale: fp8 scale NaN (so the
+    head's weight is NaN) and codes 0x7F; mxfp4 scale byte 0xFF, nibbles 0
 
-Choices and sources (vLLM is the production reference; see docs/ops.md):
-
-- RoPE: last 64 dims, interleaved, as vLLM's DeepSeek-V4 ``fused_indexer_q.py`` and
-  ``fused_compress_quant_cache.py`` (and DeepSeek-V4's main attention). DeepSeek-V3.2's
-  indexer differs (non-interleaved, first 64 dims).
-- The rotated values are rounded to bf16 before the amax and the quantisation, as both
-  vLLM kernels do (the reference model computes RoPE in bf16).
-- No Hadamard rotation. DeepSeek's reference model applies ``rotate_activation`` to the
-  indexer q and k after RoPE; vLLM's fused kernels do not (vLLM PR #55459, open, adds it).
-  The rotation is orthogonal, so q.k is unchanged in exact arithmetic; it only spreads
-  outliers before quantisation. The ops follow vLLM's kernels; the rotation would sit
-  between RoPE and quantisation, so a caller cannot apply it outside the op: it would
-  be a flag changing every output byte, with its own oracle.
-- Paged cache, per block of ``block_size`` slots (vLLM's indexer layout, V3.2 and V4):
-  fp8: ``block_size * 128`` code bytes (slot-major), then ``block_size`` fp32 scales
-  (little-endian), 132 bytes per slot; mxfp4: ``block_size * 64`` packed bytes, then
-  ``block_size * 4`` UE8M0 bytes, 68 bytes per slot. ``k_cache`` is ``[NB, S]`` uint8 with
-  ``S = stride(0) >= block_size * slot bytes``; bytes of other slots, of skipped rows
-  and past ``block_size * slot bytes`` are never written.
-- Scale rules: fp8 ``2^ceil(log2(max(amax, 1e-4) / 448))`` per token and head (vLLM's
-  ``use_ue8m0``); mxfp4 ``2^ceil(log2(max(amax, 6 * 2^-126) / 6))`` per 32 values (the
-  floor from DeepSeek-V4's ``inference/kernel.py``, as vLLM cites it).
+Cache, per block of ``block_size`` slots (vLLM's indexer layout): fp8 ``block_size * 128`` code
+bytes, then ``block_size`` fp32 scales (132 bytes a slot); mxfp4 ``block_size * 64`` packed bytes,
+then ``block_size * 4`` UE8M0 bytes (68 bytes a slot). No byte of other slots, skipped rows or
+padding is written. Why vLLM's math (RoPE on the last dims, the bf16 round trip before the amax, no
+Hadamard rotation): vLLM is the production reference these ops replace.
 """
 
 from __future__ import annotations
@@ -150,11 +125,9 @@ if has_triton():
         half is loaded as words as it lies; else as bf16 values, widened and packed again.
 
         The rows are read once: loaded ``evict_first`` (as mxfp4's q bytes are stored), so
-        that L2 gives them up before the lines still to be written back. On the H200 that
-        took mxfp4 from 27.3 to 25.6 us at T=4096 and 95.7 to 93.8 at T=16384 (two runs alike);
-        on the loads alone 26.8 and 96.1 us, on the stores alone 27.3 and 95.8, and on the
-        fp8 path (loads and stores) 1% and 6% slower, so fp8 has no hint
-        (same-run A/B, 2026-12-03)."""
+        that L2 gives them up before the lines still to be written back; the fp8 path was
+        slower with the hint and has none (docs/decisions.md, Indexer kernel: evict_first on
+        MXFP4)."""
         if WORDS:
             nope = tl.load(rows.to(tl.pointer_type(tl.uint32), bitcast=True) + tl.arange(0, 32)[None, :], mask=mask,
                            other=0, eviction_policy="evict_first")
@@ -274,9 +247,9 @@ if has_triton():
             heads = (pid % N_QCOLS) * BLOCK_H + tl.arange(0, BLOCK_H)
             in_h = heads < H
             # The position is loaded first; the compiler waits on it (for the clamp) and then
-            # issues the rows with the cos/sin loads: two round trips to memory either way.
-            # (The rows first and the position behind a barrier, as the DSV4 kernel now
-            # loads, was slower here: H200 T=4096 mxfp4 27.2 -> 28.7 us, fp8 28.5 -> 29.4.)
+            # issues the rows with the cos/sin loads: two round trips to memory either way
+            # (the rows first and the position behind a barrier, as the DSV4 kernel loads, was
+            # slower here: docs/decisions.md).
             pos = _table_position(pos_ptr + t, max_pos, WRAP)
             rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
             cs_row = cos_sin_ptr + pos * stride_cs
@@ -352,14 +325,12 @@ if has_triton():
 
 def _launch_config(num_tokens: int, num_heads: int) -> tuple[int, int]:
     """(heads per program, warps per program), from the H200 sweep of the fp8 kernel
-    (``bench/tools/sweep_dsv4_indexer_launch.py``, H = 64, 2026-11-30;
-    the mxfp4 sweep picks the same or is within 4%).
+    (``bench/tools/sweep_dsv4_indexer_launch.py``; the mxfp4 sweep agrees within 4%).
 
-    One warp throughout: a head is 256 bytes in and 128 out, so one warp already moves
-    16-byte vectors, and more warps only split a program's few rows thinner (T=16384:
-    16 heads x 1 warp 106 us, x 2 115 us, x 4 120 us). Sixteen heads per program at
-    large T (4 heads: 164 us, one head: 635 us); one at T <= 4, where latency rules
-    (1.63 us against 2.22 with 2 warps).
+    One warp throughout: a head is 256 bytes in and 128 out, so one warp already moves 16-byte
+    vectors, and more warps only split a program's few rows thinner. Sixteen heads per program
+    at large T, eight up to T=128, one at T <= 4, where latency rules. The timings:
+    docs/decisions.md (Indexer kernel: contiguous halves, launch table, e2m1 by ranges).
     """
     if num_tokens <= 4:
         block_h = 1
@@ -387,8 +358,8 @@ def launch_indexer_kernel(
     ``dedupe`` overrides ``_duplicate_slots.dedupe_mode`` (the benchmark and a GPU test use it);
     ``launch_config`` ``(heads per program, warps[, register cap])`` overrides
     ``_launch_config`` (the sweep's); ``k_first`` puts the k programs at the front of the
-    grid (which otherwise holds every q program first), for the decode floor's rows: at T=1
-    the one k program is the grid's last, and whether that holds the launch is unmeasured.
+    grid (which otherwise holds every q program first), for measuring
+    whether the one k program, last in a T=1 grid, holds the launch (docs/decisions.md).
 
     ``q_out`` and ``q_scale`` are passed as byte views; ``q_scale`` is ignored for fp8.
     Traffic per token: reads 256*H (q) + 2-4*H (weights) + 256 (cos/sin) bytes, writes

@@ -1,45 +1,35 @@
 """DeepSeek-V4 attention-input preparation as one fused, mutating out-variant op.
 
-Schema (the contract; ``tests/golden/schemas.txt`` holds it verbatim)::
-
-    prepfuse::dsv4_qnorm_rope_kv_insert(Tensor q, Tensor kv, Tensor(a!) q_out,
-        Tensor(b!) k_cache, Tensor slot_mapping, Tensor positions,
-        Tensor cos_sin_cache, float eps, int block_size) -> ()
-
-Inputs (``T`` tokens, ``H`` local query heads, ``HP >= H`` padded heads)::
+``prepfuse::dsv4_qnorm_rope_kv_insert`` (``SCHEMA``, held verbatim by ``tests/golden/schemas.txt``;
+every argument, layout and error: ``docs/ops.md#dsv4_qnorm_rope_kv_insert``). ``T`` tokens, ``H``
+local query heads, ``HP >= H`` padded heads::
 
     q              [T, H, 512]   bf16   rows dense (stride 1 on the last dim)
     kv             [T, 512]      bf16   one latent head, already RMS-normed upstream
     q_out          [T, HP, 512]  bf16   written: heads < H as below, heads >= H zero
     k_cache        [NB, S]       uint8  written: fp8_ds_mla layout, S >= block_size*584
-    slot_mapping   [T']          int64  T' <= T; row t goes to slot slot_mapping[t];
-                                        a negative slot skips the row
-    positions      [T]           int64  row of cos_sin_cache for each token
+    slot_mapping   [T']          T' <= T; row t goes to slot slot_mapping[t]; negative skips
+    positions      [T]           row of cos_sin_cache for each token
     cos_sin_cache  [P, 64]       fp32   per position: 32 cos, then 32 sin
 
-Q path, per token and head, all in fp32 with one rounding to bf16 at the store::
+Q, per token and head, in fp32 with one rounding to bf16 at the store::
 
-    y = x * 1/sqrt(mean(x^2) + eps)                         (RMSNorm over 512, no weight)
-    for p in 0..31 (GPT-J, interleaved, dims 448..511):
-        e, o = y[448+2p], y[449+2p]
-        y[448+2p], y[449+2p] = e*cos[p] - o*sin[p], e*sin[p] + o*cos[p]
+    y = x * 1/sqrt(mean(x^2) + eps)                    (RMSNorm over 512, no weight)
+    GPT-J RoPE on dims 448..511: pair p, e, o = y[448+2p], y[449+2p]
+        -> e*cos[p] - o*sin[p], e*sin[p] + o*cos[p]
 
-KV path, per inserted row::
+KV, per inserted row: RoPE on dims 448..511 as above (no norm), rounded to bf16; the 448 NoPE values
+in 7 blocks of 64: amax = max(max|x|, 1e-4), e = ceil(log2(amax/448)), fp8 = e4m3(clamp(x * 2^-e,
+-448, 448)) (round to nearest even), scale byte e + 127 (UE8M0); a block holding a NaN or an
+infinity: scale byte 0xFF, codes 0x7F.
 
-    rope dims 448..511 as above (no norm), rounded to bf16
-    7 blocks of 64 NoPE values: amax = max(max|x|, 1e-4); e = ceil(log2(amax/448))
-        fp8 = e4m3(clamp(x * 2^-e, -448, 448))  (round to nearest even)
-        scale byte = e + 127                     (UE8M0: value = fp8 * 2^(byte-127))
-    a block holding a NaN or an infinity: scale byte 0xFF (UE8M0's NaN), codes 0x7F
+Cache layout ``fp8_ds_mla``: slot s is block b = s // block_size, row i = s % block_size; bytes
+[b*S + i*576, +448) hold the fp8 NoPE values, [+448, +576) the 64 roped values as little-endian
+bf16; bytes [b*S + block_size*576 + i*8, +8) the 7 scale bytes and one zero byte. No other byte is
+written.
 
-Cache layout ``fp8_ds_mla``: slot s is block b = s // block_size, row i = s % block_size;
-bytes [b*S + i*576, +448) hold the fp8 NoPE values, [+448, +576) the 64 roped values
-as little-endian bf16; bytes [b*S + block_size*576 + i*8, +8) hold the 7 scale bytes
-and one zero byte. Bytes of other slots, and of skipped rows, are never written.
-
-Traffic per token: reads 1024*H + 1024 + 256 bytes (q, kv, cos/sin row), writes
-1024*HP + 584 bytes (q_out, cache row and scales). The op is bandwidth bound for
-every T >= a few hundred, latency bound below.
+Traffic per token: reads 1024*H + 1024 + 256 bytes (q, kv, cos/sin row), writes 1024*HP + 584
+bytes (q_out, cache row and scales): bandwidth bound from a few hundred tokens, latency bound below.
 """
 
 from __future__ import annotations
@@ -200,9 +190,8 @@ if has_triton():
                     _unlock_row(locks_ptr, slot)
         elif (col - 1) * BLOCK_H >= H:
             # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
-            # none of the norm and RoPE work on zeros that the masked path below would do.
-            # (Zeroing 8 or 16 heads a program instead, fewer and longer programs, was
-            # slower: H=16 T=16384 on the H200 343.2 us against 346.0 and 347.0.)
+            # none of the norm and RoPE work on zeros that the masked path below would do
+            # (zeroing more heads a program was slower: docs/decisions.md).
             heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
             d = tl.arange(0, 512)
             out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
@@ -235,24 +224,11 @@ if has_triton():
 def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
     """(heads per program, warps per program), from the H200 sweep (bench/README.md).
 
-    Up to T=8 one head on one warp: at these T a program's latency is the time, and one
-    warp reduces a head's 512 values (and the kv row's 64-value blocks) in registers,
-    where two warps meet through shared memory and barriers (sm_90 SASS of the T=1 kernel: 12
-    barriers and 24 shared-memory instructions against 2 barriers and none). H200, same
-    run (``--sweep-config``, 2026-12-04):
-    H=64 T=1 1.56 us against 1.68 on two warps, T=2 1.68 / 1.80, T=4 1.71 / 1.84, T=8
-    1.81 against 1.97 at the two heads on two warps used before; H=16 T=2-8 5-6% faster
-    alike; the decode floor's A/B H=64 T=1 1.66 -> 1.56-1.57. From
-    T=9 to 128 two heads on one warp, for the same reason
-    (the sweep, 2026-12-04, against two heads on two warps, the rule
-    before): faster at 10 of the 13 shapes from T=16 to 128 at H=16, 64 and 128, by up to
-    8.8% (H=64 T=128 6.41 against 6.97 us, H=128 T=64 6.26 against 6.87, H=16 T=64 2.61
-    against 2.69), slower at two (H=64 T=32 2.55 against 2.49, H=128 T=16 2.48 against
-    2.45). Above, two warps: each thread then moves several 16-byte vectors, so more bytes
-    are in flight per thread (at T=4096, H=16: 125 us with 4 heads x 2 warps against 144 us
-    with 4 x 4). Few heads per program at small T spread one token over more programs
-    (latency bound); four at large T (bandwidth bound). T from 129 to 511 on one warp is
-    unmeasured.
+    Up to T=8 one head on one warp: at these T a program's latency is the time, and one warp
+    reduces a head's 512 values (and the kv row's 64-value blocks) in registers, where two warps
+    meet through shared memory and barriers. From T=9 to 128 two heads on one warp, for the same
+    reason. Above, four heads on two warps: each thread then moves several 16-byte vectors, more
+    bytes in flight. The timings: docs/decisions.md (DeepSeek-V4 kernel: heads and warps a program).
     """
     if num_tokens <= 8:
         return 1, 1

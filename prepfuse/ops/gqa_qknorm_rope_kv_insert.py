@@ -1,96 +1,40 @@
 """GQA (Qwen3 / Llama style) attention-input preparation as one fused, mutating out-variant op.
 
-Schema (the contract; ``tests/golden/schemas.txt`` holds it verbatim)::
+``prepfuse::gqa_qknorm_rope_kv_insert`` (``SCHEMA``, held verbatim by ``tests/golden/schemas.txt``;
+every argument, layout and error: ``docs/ops.md#gqa_qknorm_rope_kv_insert``). ``T`` tokens, ``Hq``
+and ``Hkv`` heads, head size ``D`` in {64, 128, 256}, rotary dim ``R``::
 
-    prepfuse::gqa_qknorm_rope_kv_insert(Tensor qkv, Tensor? q_norm_weight,
-        Tensor? k_norm_weight, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache,
-        Tensor slot_mapping, Tensor? positions, Tensor? cos_sin_cache, Tensor? kv_scale,
-        int num_q_heads, int num_kv_heads, bool is_neox, float eps,
-        bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None,
-        bool fp8_saturate=True) -> ()
+    qkv            [T, (Hq+2*Hkv)*D]  bf16   q heads, k heads, v heads; last dim dense
+    q/k_norm_weight [D] or None       bf16 (Qwen3) or fp32 (Gemma-3's 1 + w); both or neither
+    q_out          [T, Hq, D]         bf16   written: normed and roped q
+    k/v_cache      [NB, BS, Hkv, D]   bf16, float8_e4m3fn or uint8 e4m3fn codes; written at slots
+    slot_mapping   [T']               T' <= T; slot s is block s // BS, row s % BS; negative skips
+    positions      [T] or None        row of the cos/sin tables (None: token t reads row t)
+    cos_sin_cache  [P, R] fp32        R/2 cos then R/2 sin ([P, 2R] with full_cos_sin), or cos, sin
+    kv_scale, v_scale                 fp32 device scalars, given iff the caches hold fp8 codes
 
-Inputs (``T`` tokens, ``Hq`` query heads, ``Hkv`` kv heads, head size ``D`` in {64, 128,
-256} = ``qkv.size(1) // (Hq + 2*Hkv)``, rotary dim ``R = cos_sin_cache.size(1)`` or
-``2 * cos.size(1)``, or half of that with ``full_cos_sin``)::
+Q and K, per token and head (x: the head's D values in fp32)::
 
-    qkv            [T, (Hq+2*Hkv)*D]    bf16   q heads, then k heads, then v heads; any
-                                               token stride, last dim dense
-    q_norm_weight  [D] or None          bf16   per-head RMSNorm weight of q (Qwen3), or fp32
-                                               (a weight applied in fp32: Gemma-3's 1 + w);
-    k_norm_weight  [D] or None          same   both None (Llama: no norm) or both given
-    q_out          [T, Hq, D]           bf16   written: normed and roped q
-    k_cache        [NB, BS, Hkv, D]     bf16, float8_e4m3fn, or uint8 holding e4m3fn codes
-                                               (vLLM's "fp8" cache); written at inserted slots
-    v_cache        [NB, BS, Hkv, D]     same shape and dtype as k_cache
-    slot_mapping   [T']                 int64  T' <= T; row t goes to slot slot_mapping[t]
-                                               (block s // BS, row s % BS); negative skips
-    positions      [T] or None          int64  row of the cos/sin tables for each token;
-                                               None: token t reads row t (per-token
-                                               cos/sin, P >= T)
-    cos_sin_cache  [P, R] or None       fp32   per position: R/2 cos, then R/2 sin (vLLM)
-                   [P, 2R]                     with full_cos_sin: R cos, then R sin, one
-                                               per rotated dim (Hugging Face's full-width
-                                               cos/sin, whose halves need not be equal)
-    cos, sin       [P, R/2] each        fp32 or bf16 (both alike)   instead of
-                   ([P, R] with                cos_sin_cache (exactly one of the two forms):
-                   full_cos_sin)               the cos and the sin table as two tensors,
-                                               any row stride (views of one table, or the
-                                               values a model computes, as they lie)
-    kv_scale       [1] or [] or None    fp32   per-tensor cache scale, read on the device;
-                                               given iff the caches hold fp8 codes
-    fp8_saturate   bool (default True)         fp8 caches: True saturates at +-448 (the
-                                               clamp vLLM's scaled_convert applies); False
-                                               stores NaN where a value rounds past 448
-                                               (|x| > 464: torch's non-saturating cast, a
-                                               bare ``.to(float8_e4m3fn)`` on torch 2.11 CUDA)
+    bf16 weight:   x = bf16(w * bf16(x * rstd)),  rstd = 1/sqrt(mean(x^2) + eps) correctly rounded
+    fp32 weight:   x = bf16((x * rstd) * w)
+    RoPE on [0, R): NeoX pairs (i, i + R/2), GPT-J (2i, 2i + 1); dims [R, D) pass through
+        a' = a*cos - b*sin,  b' = b*cos + a*sin     (each product rounded: no FMA; one bf16 rounding)
+        full_cos_sin: dim j rotated by entry j, x*cos + rotate_half(x)*sin as written
 
-Q and K path, per token and head (x: one head's D values, as fp32)::
+V as is. Cache rows: bf16, or e4m3(clamp(fp32(bf16 value) / kv_scale, -448, 448)), round to nearest
+even (a true division, vLLM's scaled_convert); fp8_saturate=False stores NaN with the value's sign
+where |x| > 464, as c10's cast. No byte of other slots, skipped rows or rows t >= T' is written.
 
-    if bf16 weights given (Hugging Face Qwen3RMSNorm, step for step):
-        n = bf16(x * rstd),  rstd = 1/sqrt(mean(x^2) + eps) in fp32
-        x = bf16(w * n)                     (one rounding: a bf16 product is exact in fp32)
-    if fp32 weights given (Gemma3RMSNorm, with w = 1 + its weight, made by the caller):
-        x = bf16((x * rstd) * w)            (both products in fp32, one rounding)
-    RoPE on dims [0, R) (partial when R < D; dims [R, D) pass through), in fp32:
-        is_neox: pairs (i, i + R/2)     GPT-J: pairs (2i, 2i + 1)     i in [0, R/2)
-        a' = a*cos[i] - b*sin[i],  b' = b*cos[i] + a*sin[i]     (each product rounded)
-        full_cos_sin: dim j is rotated by entry j of the R-wide cos and sin, for pair
-        (ja, jb): a' = a*cos[ja] - b*sin[ja], b' = b*cos[jb] + a*sin[jb], which is
-        ``x*cos + rotate_half(x)*sin`` (NeoX) or its interleaved form (GPT-J) as written
-    q_out = bf16(x);  k = bf16(x)
+Why these roundings: the norm is Hugging Face's Qwen3RMSNorm step for step (bf16 before the weight
+multiply; bit for bit on the CPU), and RoPE in fp32 with one rounding equals HF's formula on
+``q.float()`` bit for bit, the more accurate of the two against HF's all-bf16 evaluation (at most
+about 2^-7 * (|a| + |b|) apart; docs/decisions.md).
 
-V path: v as is. Cache store of k and v rows at inserted slots: bf16 as is, or fp8
-``e4m3(clamp(fp32(bf16 value) / kv_scale, -448, 448))``, round to nearest even (vLLM's
-``scaled_convert``: a true division, saturating); with ``fp8_saturate=False`` the NaN code
-(0x7F, 0xFF below zero) where ``|x| > 464``, as c10's ``fp8e4m3fn_from_fp32_value`` rounds.
-Bytes of other slots, skipped rows and rows t >= T' are never written.
-
-Rounding, against the Hugging Face code a pattern pass will replace:
-
-- RMSNorm follows ``Qwen3RMSNorm`` exactly: normalise in fp32, round to bf16, *then*
-  multiply by the bf16 weight (``self.weight * hidden_states.to(input_dtype)``), rounding
-  again. ``rstd`` is two correctly rounded fp32 steps, sqrt then reciprocal: HF's
-  ``torch.rsqrt`` gives the same bits on CPU (identical on 10M random inputs, and the
-  tests compare with HF bit for bit); on CUDA rsqrt may be an fp32 ULP off, which
-  changes a bf16 result with probability about 2^-16.
-- RoPE: HF casts cos/sin to the activation dtype and rounds three times in bf16
-  (``q*cos``, ``rotate_half(q)*sin``, their sum). This op takes an fp32 table (vLLM's
-  layout) and rounds once, at the store: it equals HF's formula evaluated in fp32 on the
-  bf16 normed q, ``(q.float()*cos + rotate_half(q.float())*sin).bfloat16()``, bit for
-  bit. Against HF's all-bf16 evaluation it differs on about 40% of the rotated values, by
-  at most about 2^-7 * (|a| + |b|) (measured: 0.0081; one bf16 ULP of the inputs; many ULPs of the result
-  where the two products cancel): it is the more accurate of the two, and a pass that
-  replaces bf16 HF RoPE with this op changes numerics by that much. The products are
-  never contracted into an FMA (``_mul_rn``).
-- The fp8 cache values are quantised from the bf16-rounded k and v, as an unfused engine
-  that stores bf16 k/v through its cache-insert kernel would.
-
-Traffic per token: reads (Hq + 2*Hkv)*D*2 bytes of qkv and the 4R-byte cos/sin row (8R
-with full_cos_sin, half of either with bf16 cos and sin; re-read by every q and k program, from L1/L2; the 2*D*2 weight bytes
-likewise); writes
-Hq*D*2 bytes of q_out and 2*Hkv*D*c bytes of cache (c = 2 for bf16, 1 for fp8), only for
-inserted rows. Qwen3-8B (Hq 32, Hkv 8, D 128, R 128), bf16 cache: 12288 B read + 12288 B
-written per token. Bandwidth bound for T above a few hundred, latency bound below.
+Traffic per token: reads (Hq + 2*Hkv)*D*2 bytes of qkv and a 4R-byte cos/sin row (re-read from L1/L2
+by every q and k program, as are the 2*D*2 weight bytes); writes Hq*D*2 bytes of q_out and
+2*Hkv*D*c bytes of cache (c = 2 for bf16, 1 for fp8) for inserted rows. Qwen3-8B (Hq 32, Hkv 8,
+D 128), bf16 cache: 12288 B read and 12288 B written per token; bandwidth bound above a few hundred
+tokens, latency bound below.
 """
 
 from __future__ import annotations
@@ -169,14 +113,10 @@ if has_triton():
 
     @triton.jit
     def _kv_scale(scale_ptr, QUANT_FP8: tl.constexpr):
-        """kv_scale (fp32; 1.0 unread without QUANT_FP8), for a program to load beside its rows.
-        Loaded where the codes are made, after the norm's correctly rounded sqrt and division
-        (whose slow-path branches the compiler does not hoist loads across; sm_90 SASS), it
-        was a round trip to memory of its own at the end of every fp8 k program, and again
-        for the second half of a NeoX row. On the H200 (same-run A/B, 2026-12-03) at
-        T=1, where nothing hides it: Qwen3-8B fp8 2.06-2.11 -> 1.91-1.93 us, Gemma-3-12B fp8
-        2.21 -> 2.02; at T=4096 and 16384 within -1.4% (Gemma fp8) and +1.7% (Llama-3.2-1B
-        fp8 T=4096)."""
+        """kv_scale (fp32; 1.0 unread without QUANT_FP8), for a program to load beside its rows:
+        loaded where the codes are made, after the norm's correctly rounded sqrt and division
+        (slow-path branches no load is hoisted across), it was a round trip of its own
+        (docs/decisions.md, GQA kernel: loads before the slot, the norm and the lock)."""
         if QUANT_FP8 != 0:
             return tl.load(scale_ptr)
         else:
@@ -285,11 +225,8 @@ if has_triton():
         then (partial rotary) the normed dims [R, D) as they are.
 
         A NeoX pair's two values are loaded and stored where they lie (the rotated dims'
-        two halves), not split off a loaded row with a permute. That form was no slower
-        and no faster on the H200 (Qwen3-8B T=16384: 121.1 us against 120.8; ncu saw L1/TEX
-        88-90% busy with bf16 caches and 96-97% with fp8 in both, so the permute is not
-        what loads L1); it is kept as the simpler code. Stores take ``store_ok`` so that a
-        k program need not branch on its slot before loading."""
+        two halves), not split off a loaded row with a permute: as fast, and simpler. Stores
+        take ``store_ok`` so that a k program need not branch on its slot before loading."""
         HALF: tl.constexpr = ROT_DIM // 2
         d = tl.arange(0, HEAD_DIM)[None, :]
         head_mask = head_mask[:, None]
@@ -478,14 +415,9 @@ if has_triton():
         copied or quantised (the kernel's separate k and v programs, T' <= 1024).
 
         Each program issues its rows' loads first and only then works on the slot
-        (``_slot_destination``). The slot's compares and its int64 division (a branch, see
-        ``_slot_block_row``) stood in front of the k/v branch, so a k program issued its
-        rows only once the slot had arrived, and normed them only once the rows and cos/sin
-        had: its norm followed a second round trip where a q program's overlaps it, and a v
-        program made two round trips for one (sm_90 SASS). On the H200 (same-run A/B,
-        2026-12-04, two runs each) T=1: Qwen3-8B 1.78-1.80 -> 1.72-1.73
-        us, fp8 1.97-2.04 -> 1.84, Llama-3-8B 1.74-1.76 -> 1.56-1.57, Gemma-3-12B fp8 2.02 ->
-        1.88-1.92; T=8 to 512 1-11% faster."""
+        (``_slot_destination``): the slot's compares and int64 division (a branch, see
+        ``_slot_block_row``) in front of them cost a k or v program a second round trip to
+        memory (docs/decisions.md, GQA kernel: loads before the slot, the norm and the lock)."""
         if c < KV_COLS:
             heads = c * HEADS + hb
             real = heads < Hkv
@@ -550,10 +482,8 @@ if has_triton():
         the column, whether the token exists, and its token's cos and sin table rows. With one
         token a program, t, the position and the table rows are scalars ([1]-shaped pointers,
         broadcast over the heads): one load each, not one per row. A [HEADS, R/2] tile of
-        equal addresses (one pointer a row, as TOKENS > 1 needs) keeps the products in the
-        row loads' register layout but costs registers: on the H200 it was no faster with a
-        bf16 cache (Qwen3-8B T=16384: 118.3 us either way) and slower with fp8 (123.0
-        against 116.6 us)."""
+        equal addresses (one pointer a row, as TOKENS > 1 needs) costs registers and was no
+        faster (docs/decisions.md, GQA kernel: vector row loads and per-token cos/sin)."""
         r = tl.arange(0, TOKENS * HEADS)
         hb = r % HEADS
         if TOKENS == 1:
@@ -697,10 +627,9 @@ if has_triton():
             v_scale = _kv_scale(v_scale_ptr, CACHE_FP8)
             if (slot >= 0) & (slot < n_slots):
                 # an int64 division here, after the loads (not _slot_block_row): with the 32-bit
-                # one ptxas moved this branch in front of the row loads and gave the whole
-                # kernel fewer registers, which issued the q programs' second cos/sin loads
-                # after their first products (sm_90 SASS; H200 A/B, 2026-12-04:
-                # Llama-3-8B T=16384 107.0 -> 111.1 us, T=4096 28.9 -> 30.2)
+                # one ptxas moved this branch in front of the row loads and the q programs'
+                # second cos/sin loads after their first products, a slower kernel (sm_90 SASS;
+                # docs/decisions.md, GQA kernel: loads before the slot, the norm and the lock)
                 k_dst = k_cache_ptr + (slot // block_size) * stride_kb + (slot % block_size) * stride_kr
                 v_dst = v_cache_ptr + (slot // block_size) * stride_vb + (slot % block_size) * stride_vr
                 _lock_row(locks_ptr, slot)
@@ -738,34 +667,17 @@ if has_triton():
 def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: bool = True,
                    locked: bool = True, full_cos_sin: bool = False, cache_fp8: bool = False) -> tuple[int, ...]:
     """(q heads per program and token, warps per program, tokens per program[, register cap]),
-    from the H200 sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``; k and v
-    programs take the kv heads up to that many, ``launch_gqa_kernel``).
+    from the H200 sweeps (``bench/bench_gqa_qknorm_rope_kv_insert.py --sweep-config``); k and v
+    programs take the kv heads up to that many (``launch_gqa_kernel``).
 
-    From T = 5 on, about 2048 values a program. Without the row locks (T' <= 1024, k and v
-    programs apart) 2048 // D heads on four warps: T=64 2.28 us Qwen3-8B bf16, 2.47 fp8,
-    2.04 Llama-3-8B against 2.49, 2.71, 2.31 at 2 heads on one warp (the rule before);
-    T=512 4.61, 5.24, 4.00 (``..._small_kvtile.json``); Llama-3.2-1B (D 64) T=512 3.04 us at
-    32 heads against 3.80 at 16 (two runs: ``gqa_qknorm_rope_kv_insert_nvidia-h200.json``
-    before its cut, ``..._head_dims.json``). At T=8 two heads on one warp was still 7%
-    faster for Qwen3-8B bf16 (1.93 against 2.07 us; fp8 and Llama equal): not taken, T
-    between 8 and 64 is unmeasured. Under the row locks (``locked``: more than 1024
-    inserted rows, whose one kv program per token works KV_BLOCK heads a step; bandwidth
-    bound) at most 16 heads, a warp per 1024 values with the norm and per 512 without it,
-    whose lighter programs want more of them in flight. Qwen3-8B T=16384: bf16 cache
-    106.8 us, fp8 102.6 on two warps, against 112.2 and 111.4 on four and 112.7 and 108.9 at
-    8 heads on two (``..._kvtile.json``); Llama-3-8B 107.0 us on four against 111.7 on two
-    (``..._rowvec.json``, the kernel before); Llama-3.2-1B (D 64, no norm) 54.3 us at 16
-    heads on two against 55.6 at 32 on two and 58.4 at 32 on four (``..._d64.json``);
-    Gemma-3-12B (D 256) 140.1 us at 8 heads on two against 146.3 at 4 and 153.9 on four
-    (``..._d256.json``). At T <= 4 one head per program on one warp spreads a token over
-    the most programs (latency bound: T=1 2.02 us against 2.0-2.4 on every other mix of
-    1-4 heads and 1-4 warps; rerun with the k/v rows loaded ahead of the slot,
-    ``..._stop32.json``, Qwen3-8B 1.50 us against 1.62-1.9 at 1-8 heads on 1-4 warps, fp8
-    and Llama-3-8B within 1% of that run's best; its grid left out the rule's 16 heads at
-    T=8 and 64, where 4-8 heads on two or four warps were the best it timed). Several
-    tokens per program (one tile of tokens x heads) was no faster anywhere it was measured
-    (T=16384: 126.9 us at 8 heads x 2 tokens on four warps, 132.5 at 4 x 2 on one), so one
-    token per program it is.
+    At T <= 4 one head on one warp: the most programs for a latency-bound launch. From T = 5
+    about 2048 values a program: without the row locks (T' <= 1024) ``2048 // D`` heads on four
+    warps; under them (one kv program per token, bandwidth bound) at most 16 heads, a warp per
+    1024 values with the norm and per 512 without, and a 56-register cap where the compiler would
+    take 61-72 on the normed launch (at D 128 unless cos/sin are full-width, at D 256 with an fp8
+    cache: 18 two-warp programs an SM instead of 16). One token a program: tiles of several were
+    no faster. The timings behind each choice: docs/decisions.md (GQA kernel: launch table; a
+    56-register cap).
     """
     if num_tokens <= 4:
         return 1, 1, 1
@@ -775,11 +687,9 @@ def _launch_config(num_tokens: int, head_dim: int, max_heads: int, has_norm: boo
     block_h = min(block_h, max(1, triton.next_power_of_2(max_heads)))
     num_warps = max(1, block_h * head_dim // (1024 if has_norm else 512)) if locked else 4
     if locked and has_norm and not full_cos_sin and (head_dim == 128 or (head_dim == 256 and cache_fp8)):
-        # 56 registers a thread where the compiler takes 61-72 with nothing spilled at 56: 18
-        # two-warp programs an SM instead of 14-16 (H200 A/B, 2026-12-04: Qwen3-8B
-        # T=16384 106.4 -> 105.6 us, fp8 100.6 -> 98.9, Gemma-3-12B fp8 132.8 -> 125.3); the
-        # full-width cos/sin forms spill 2-6 instructions at 56 (full table 107.8 -> 108.7)
-        # and Gemma-3-12B's bf16 cache gains nothing, so they keep the compiler's count
+        # 56 registers a thread, nothing spilled: 18 two-warp programs an SM instead of 14-16;
+        # the full-width cos/sin forms would spill at 56 and Gemma-3-12B's bf16 cache gains
+        # nothing, so they keep the compiler's count
         return block_h, num_warps, 1, 56
     return block_h, num_warps, 1
 
@@ -800,16 +710,9 @@ def _row_eviction(has_norm: bool, locked: bool) -> tuple[str, str]:
     (more than 1024 rows) without the norm (``EVICTIONS["both"]``), the default otherwise
     (``"none"``). Each row is read once and each output written once, so marking them first
     to go keeps the lines read again (the cos/sin rows, norm weights, slot_mapping, row
-    locks) in L2. Same-run A/B on the H200 (2026-12-04, two runs each,
-    us): without the norm Llama-3-8B T=4096 28.88 -> 28.40 and T=16384 106.9 -> 105.1,
-    Llama-3.2-1B 16.00 -> 15.68 and 55.2 -> 53.7, its fp8 cache 15.9 -> 15.3 and 53.3 -> 51.3;
-    with the norm faster at T=4096 (Qwen3-8B fp8 28.2 -> 27.7) but slower at T=16384 (Qwen3-8B
-    106.2 -> 107.9, fp8 99.5 -> 101.0, Gemma-3-12B fp8 125.7 -> 128.5; loads or stores alone
-    slower at every T, the sweep of 2026-12-04), so the normed
-    launch keeps the default. The scanned launch (up to 1024 rows, where the whole working set
-    fits in L2) keeps it too: with the hints the pages' T=512 rows ran 2-3% slower (Llama-3-8B
-    3.87 -> 3.95 us, Llama-3.2-1B 2.95 -> 3.03, fp8 3.24 -> 3.34, ``docs/ops.md``) while the
-    normed rows, without them, moved under 0.3%."""
+    locks) in L2. The normed launch was slower with them at large T, and the scanned launch
+    (up to 1024 rows, its working set in L2) at T=512 (docs/decisions.md, GQA kernel: L2
+    eviction hints)."""
     return EVICTIONS["both" if locked and not has_norm else "none"]
 
 
@@ -853,9 +756,8 @@ def launch_gqa_kernel(
     ``_duplicate_slots.dedupe_mode`` (the benchmark measures each, a GPU test what a write
     without either does); ``eviction`` (a name in ``EVICTIONS``) overrides ``_row_eviction``'s
     hints, for a sweep; ``kv_first`` orders each token's programs kv columns first, q
-    columns after (the grid otherwise follows qkv's order), for the decode floor's rows: at
-    T=1 the normed k programs hold the launch 0.17-0.27 us over its q programs (H200, a
-    launch cut to its first programs), and the grid dispatches them last. Inputs are
+    columns after (the grid otherwise follows qkv's order), for measuring
+    what holds a T=1 launch (docs/decisions.md, GQA kernel: the T=1 floor). Inputs are
     not checked here."""
     num_tokens, num_q_heads, head_dim = q_out.shape
     num_kv_heads = k_cache.shape[2]

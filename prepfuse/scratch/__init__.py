@@ -1,4 +1,4 @@
-"""Reserved scratch memory for fused ops' outputs (issue #4): the arena, and which one is current.
+"""Reserved scratch memory for fused ops' outputs: the arena, and which one is current.
 
 ``ScratchArena`` (``arena.py``) holds named reservations and hands out views;
 ``micro_batch`` gives a micro-batch (and every thread) storage of its own;

@@ -1,51 +1,38 @@
 """A scratch arena: named, persistent buffers that fused ops write instead of allocating.
 
-Why it exists (docs/design.md, lessons 1 and 2). An op that allocates its padded q on
-every call allocates *after* the engine has sized its KV cache from the memory left
-over, and OOMs under long context. The fix is to reserve that scratch during the
-profiling run, so the caching allocator already holds it (``memory_reserved`` counts
-it) when the KV cache is sized, and to hand out views of it on every forward. Sharing
-scratch is what broke the model-wide pool before: views of the same bytes were live at
-once on two streams. So the arena keeps three rules:
+Why (docs/design.md, lessons 1 and 2): an op that allocates its padded q on every call allocates
+*after* the engine has sized its KV cache from the memory left, and OOMs under long context; so
+the scratch is reserved during the profiling run (``memory_reserved`` counts it when the KV cache is
+sized) and views of it are handed out on every forward. Sharing scratch broke the model-wide pool
+before (views of the same bytes live at once on two streams), so the arena keeps three rules:
 
-- **Names never overlap.** Each (name, device) has its own storage; two names are two
-  allocations, so scratch that can be live at the same time (different names) can
-  never share a byte. A name's handout is live from one ``take`` to the next ``take``
-  of the same name: the caller (or the pass that emits the ``take``) gives two
-  handouts that must be live together two names.
-- **Reuse across streams is ordered.** ``take`` on stream S of a name whose previous
-  handout was used on stream U != S makes S wait for an event recorded on U at that
-  moment, i.e. for everything the host had queued on U by then, its reads of the old
-  handout included. ``record_stream`` adds a stream that reads a handout without having
-  taken it (a consumer on a side stream), as the caching allocator's ``record_stream``
-  does for its blocks.
-- **Frozen means fixed.** Before ``freeze()`` a ``take`` larger than the reservation grows
-  it (the profiling run, with the largest token count, sizes each name). After
-  ``freeze()`` nothing is allocated again: a view of at most the reserved bytes is handed
-  out, at the same address every time (CUDA-graph replays rely on it), and a larger
-  request is a ``RuntimeError`` naming the name and both sizes, never a silent
-  allocation.
+- **Names never overlap.** Each (name, device) has its own storage, so scratch that can be live at
+  once (different names) never shares a byte. A name's handout is live from one ``take`` to the
+  next ``take`` of the name: two handouts that must be live together take two names.
+- **Reuse across streams is ordered.** ``take`` on stream S of a name last used on stream U != S
+  makes S wait for an event recorded on U then (everything queued on U by then, its reads of the
+  old handout included). ``record_stream`` adds a stream that reads a handout without taking it,
+  as the caching allocator's ``record_stream`` does.
+- **Frozen means fixed.** Before ``freeze()`` a ``take`` larger than the reservation grows it (the
+  profiling run, at the largest token count, sizes each name). After it nothing is allocated: a view
+  of at most the reserved bytes, at the same address every time (CUDA-graph replays rely on it), and
+  a larger request is a ``RuntimeError`` naming the name and both sizes.
 
-Capture. A ``take`` inside a CUDA-graph capture must fit the reservation (growing
-would allocate inside the capture): warm up, or ``reserve``, first. The captured graph
-writes that storage on every replay, so the arena keeps it: a later growth (before
-``freeze()``) gives the name new storage and retires the captured one, never freeing
-it, and only a frozen arena guarantees that every graph shares one address. Inside a
-capture only streams taking part in that capture are ordered with events; work queued
-before the capture began is finished by then (``torch.cuda.graph`` synchronizes the
-device when it starts), and a capture cannot wait for work outside it.
-Replays are invisible to the arena: eager work on another stream that takes a name a
-graph replays on must be ordered by the engine, or ``record_stream`` the replay stream.
+Capture: a ``take`` inside a CUDA-graph capture must fit the reservation (warm up, or ``reserve``,
+first); the arena keeps a captured storage (a later growth before ``freeze()`` gives the name new
+storage and retires, never frees, the old), and only a frozen arena guarantees one address for
+every graph. Inside a capture only streams of that capture are ordered with events (work queued
+before it began is finished: ``torch.cuda.graph`` synchronizes when it starts). Replays are
+invisible to the arena: eager work on another stream taking a name a graph replays on must be
+ordered by the engine, or ``record_stream`` the replay stream.
 
-Lanes. A name's storage is per *lane* too: every thread has its own (two threads calling
-one compiled model never write one reservation; the main thread's lane is the plain
-name, the other threads' ``<name>@thread<k>``, ``k`` numbering the threads alive at once:
-a thread that starts after another ended takes its lane), and ``micro_batch(i)`` gives micro-batch
-``i >= 1`` its own (``<name>@mb<i>``), so two micro-batches of a dual-batch-overlap
-forward run on two streams at once instead of being ordered one after the other by the
-rule above. The profiling run reserves every lane it will use (run each micro-batch once,
-or ``reserve`` under ``micro_batch(i)``), and from as many threads at once as will call;
-after ``freeze()`` a lane nobody reserved is the usual ``RuntimeError`` naming it, every time.
+Lanes: a name's storage is per lane too. Every thread has its own (the main thread's lane is the
+plain name, others ``<name>@thread<k>``, ``k`` numbering the threads alive at once, so a thread
+starting after another ended takes its lane), and ``micro_batch(i)`` gives micro-batch ``i >= 1``
+its own (``<name>@mb<i>``), so two micro-batches of a dual-batch-overlap forward run on two streams
+at once. The profiling run reserves every lane it will use (each micro-batch once, or ``reserve``
+under ``micro_batch(i)``, from as many threads at once as will call); after ``freeze()`` a lane
+nobody reserved is the usual ``RuntimeError`` naming it, every time.
 """
 
 from __future__ import annotations
