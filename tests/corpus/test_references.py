@@ -36,7 +36,7 @@ PARAMS = [pytest.param(n, marks=TWO_FP8_WRITES) if n == "trtllm-llama-fp8" else 
 # written together, a write through an unsqueezed bitcast view of one request's cache)
 FUSES_EVERY_LAYER = {"llama-ref-complex", "llama4-norm-after-rope", "llama2c-real-gptj", "litgpt-qwen3",
                      "tgi-llama-fp8", "tgi-gemma3", "torchtitan-qwen3", "lightllm-qwen3",
-                     "trtllm-qwen3", "gemma-pytorch-gemma3"}
+                     "trtllm-qwen3", "gemma-pytorch-gemma3", "megatron-dynamic-paged"}
 
 
 def run(case, backend, seed):

@@ -32,7 +32,7 @@ import torch.fx
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_calls
 from prepfuse.fx_passes.fusion.gqa_calls import CacheView, Math, cache_view, emit_slots, math_candidates
-from prepfuse.fx_passes.matching import MATCHING_MODULES
+from prepfuse.fx_passes.matching import MATCHING_MODULES, head_copies
 from prepfuse.fx_passes.matching.compare import Checked
 from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, viewed_call
 from prepfuse.fx_passes.matching.layouts import Layout
@@ -102,6 +102,20 @@ class FuseGqaPrepPass(PrepfusePass):
                 str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
+        copies = self._head_copies(graph)
+        try:
+            return self._run(graph)
+        finally:
+            head_copies.undo(copies)
+
+    def _head_copies(self, graph) -> list:
+        """Copies of heads laid out strided apart in a projection (GPT-NeoX's per-head q|k|v),
+        for each head dim a cache write takes (``head_copies``)."""
+        dims = {shape(w.values)[-1] for w in rows_writes(graph).values() if not isinstance(w, NoMatch)}
+        sources = _float_sources(graph)
+        return [c for d in sorted(dims) if d in HEAD_DIMS for c in head_copies.copy_strided_heads(graph, sources, d)]
+
+    def _run(self, graph: torch.fx.Graph) -> int:
         writes = self._kv_writes(graph)
         ks, vs = [w for w in writes if w.rotated], [w for w in writes if not w.rotated]
         matched, used = 0, set()

@@ -26,7 +26,8 @@ from prepfuse.fx_passes.matching.nodes import (
 from prepfuse.fx_passes.matching.regions import PREP_STEPS, backward, is_leaf, leaves, operands
 
 __all__ = ["Start", "Traced", "Prepared", "column_starts", "projection_starts", "trace", "dim_roles", "token_dims_order", "heads_of",
-           "prepared", "projection_input", "weight_like", "first_tokens_of", "unpadded_rows", "is_copy", "copy_start"]
+           "prepared", "projection_input", "weight_like", "first_tokens_of", "unpadded_rows", "is_copy", "copy_start",
+           "replayed_views", "COLUMN_VIEWS", "TOKEN_DIMS"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,12 @@ def column_starts(source: torch.fx.Node, head_dim=None, views: bool = False) -> 
     per token (``_viewed_column_ranges``: dearer, so the last resort of ``trace``)."""
     sizes = shape(source)
     heads_given = head_dim is not None and len(sizes) == 3 and sizes[-1] == head_dim  # [T, H, D]: T tokens
-    found = [Start(source, source, 0, base_columns(source, head_dim)[1], token_dims=1 if heads_given else None)]
+    token_dims = source.meta.get(TOKEN_DIMS, 1 if heads_given else None)
+    width = 1
+    for size in sizes[token_dims:] if token_dims is not None else ():
+        width = width * size
+    found = [Start(source, source, 0, width if token_dims is not None else base_columns(source, head_dim)[1],
+                   token_dims=token_dims)]
     width = shape(source)[-1]
     stack = [source]
     while stack:
@@ -99,7 +105,8 @@ def column_starts(source: torch.fx.Node, head_dim=None, views: bool = False) -> 
     return found + [s for s in _viewed_column_ranges(source) if s.node not in seen]
 
 
-_COLUMN_VIEWS = (*RESHAPES, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
+TOKEN_DIMS = "prepfuse_token_dims"  # node meta: how many leading dims of a copy hold its tokens (``head_copies``)
+COLUMN_VIEWS = (*RESHAPES, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
                  aten.unsqueeze.default, aten.squeeze.dim, operator.getitem)
 MAX_COLUMN_VIEWS = 64
 
@@ -107,18 +114,34 @@ MAX_COLUMN_VIEWS = 64
 def _viewed_column_ranges(source: torch.fx.Node) -> list[Start]:
     """Views of a 2-d ``source`` that keep its tokens as their first dim and hold one range
     of its columns per token in order, however the views are spelled
-    (``qkv.view(T, 2, H, D)[:, 0]``: columns ``[W_q, W_q + H * D)``): found by replaying
-    the views on a meta tensor and reading the offset and strides they give. Concrete
-    sizes only (a symbolic one is left to ``column_starts``'s own cases)."""
+    (``qkv.view(T, 2, H, D)[:, 0]``: columns ``[W_q, W_q + H * D)``), read off the offset and
+    strides ``replayed_views`` gives them. Concrete sizes only (a symbolic one is left to
+    ``column_starts``'s own cases)."""
     sizes = shape(source)
     if len(sizes) != 2 or not all(isinstance(x, int) for x in sizes):
         return []
     tokens, width = sizes
     found = []
-    frontier = [(u, source, torch.empty(sizes, device="meta")) for u in source.users]
-    while frontier and len(found) < MAX_COLUMN_VIEWS:
+    for node, out, _ in replayed_views(source):
+        first = out.storage_offset()
+        if out.dim() >= 2 and out.shape[0] == tokens and out.stride(0) == width and first + out[0].numel() <= width \
+                and out[0].is_contiguous():
+            found.append(Start(source, node, first, out[0].numel(), token_dims=1))
+        if len(found) >= MAX_COLUMN_VIEWS:
+            break
+    return found
+
+
+def replayed_views(source: torch.fx.Node, views=COLUMN_VIEWS):
+    """Every view of a 2-d ``source`` (concrete sizes) reached through ``views``, breadth first,
+    as ``(node, its meta tensor over source's, descend)``: the views replayed on a meta tensor
+    give each one's offset and strides, whatever the spelling. ``descend(False)`` before the
+    next item skips the node's own views."""
+    frontier = [(u, source, torch.empty(shape(source), device="meta")) for u in source.users]
+    seen = 0
+    while frontier and seen < 4 * MAX_COLUMN_VIEWS:
         node, parent_node, parent = frontier.pop(0)
-        if not is_op(node, *_COLUMN_VIEWS) or node.args[0] is not parent_node:
+        if not is_op(node, *views) or node.args[0] is not parent_node:
             continue
         try:
             target = aten.view.default if node.target in RESHAPES else node.target
@@ -130,12 +153,11 @@ def _viewed_column_ranges(source: torch.fx.Node) -> list[Start]:
             continue
         if node.target is not operator.getitem and node.target not in RESHAPES and not out._is_view():
             continue
-        first = out.storage_offset()
-        if out.dim() >= 2 and out.shape[0] == tokens and out.stride(0) == width and first + out[0].numel() <= width \
-                and out[0].is_contiguous():
-            found.append(Start(source, node, first, out[0].numel(), token_dims=1))
-        frontier += [(u, node, out) for u in node.users]
-    return found
+        seen += 1
+        follow = [True]
+        yield node, out, lambda flag: follow.__setitem__(0, flag)
+        if follow[0]:
+            frontier += [(u, node, out) for u in node.users]
 
 
 def projection_starts(graph: torch.fx.Graph, head_dim: int, dtypes, avoid=frozenset()) -> list[Start]:
