@@ -7,7 +7,10 @@ writes) with vLLM's config patches, under vLLM's pass context (``compile_context
 CPU platform (``VLLM_TARGET_DEVICE=cpu``: there is no GPU, and vLLM's config needs a
 platform). The same graph holds a second attention's q and k rotated by vLLM's own
 ``_C.rotary_embedding`` op, so that vLLM's ``fix_functionalization`` has its op to rewrite
-while prepfuse's ``defunctionalize`` rewrites prepfuse's.
+while prepfuse's ``defunctionalize`` rewrites prepfuse's; given ``_C``, prepfuse's pass
+rewrites vLLM's call first, or declines it (q and k split from one projection, under the
+``auto_functionalized`` v1 vLLM sets) and leaves it to vLLM's. k and v caches of one buffer
+are the v1 case prepfuse declines for its own op.
 
 What cannot run on a CPU-only machine, and stands in here:
 
@@ -16,7 +19,10 @@ What cannot run on a CPU-only machine, and stands in here:
   names ``torch.ops._C.rotary_embedding`` on every call, so this module defines that one op
   when it is missing: the schema vLLM's library registers (the string its binary holds) and
   vLLM's own PyTorch RoPE (``RotaryEmbedding.forward_static``) as its CPU kernel. Every
-  pass, config and the manager are vLLM's, unchanged.
+  pass, config and the manager are vLLM's, unchanged. For an ``auto_functionalized`` call
+  of any other op the pass names more ``_C`` ops (``fused_add_rms_norm``, ...), so a graph
+  that reaches it with a prepfuse call still functional cannot run here: the shared-buffer
+  test is strict, and stops in prepfuse's pass.
 - vLLM's own fusion passes (RMSNorm/quant, QK-norm-RoPE, RoPE-KV-cache, all-reduce) are
   constructed only on CUDA, ROCm or XPU platforms (they match ``_C`` ops); on the CPU
   platform the manager holds ``NoOpEliminationPass`` and prepfuse's pass. prepfuse running
@@ -99,18 +105,39 @@ def qwen3_prep(q, k, q_weight, k_weight, table, positions):
     return rope(norm(q, q_weight)), rope(norm(k, k_weight))
 
 
-def layer(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache, q2, k2):
-    """One attention's prep in plain PyTorch, written into a paged cache; a second one's q
-    and k rotated in place by vLLM's op, as vLLM's ``RotaryEmbedding.forward_cuda`` calls it."""
+def attention_prep(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache):
+    """One attention's prep in plain PyTorch, k and v written into paged caches: q."""
     q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], -1)
     q, k = qwen3_prep(q.view(T, HQ, D), k.view(T, HKV, D), q_weight, k_weight, table, positions)
     k_cache[slots // BLOCK, slots % BLOCK] = k
     v_cache[slots // BLOCK, slots % BLOCK] = v.view(T, HKV, D)
+    return q
+
+
+def layer(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache, q2, k2):
+    """The prep, and a second attention's q and k rotated in place by vLLM's op, as vLLM's
+    ``RotaryEmbedding.forward_cuda`` calls it."""
+    q = attention_prep(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache)
     torch.ops._C.rotary_embedding(positions, q2, k2, D, table, True)
     return q
 
 
-def layer_inputs(seed: int):
+def layer_qk_of_one_projection(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache, qk2):
+    """As ``layer``, the second q and k split from one projection, as vLLM's models have them."""
+    q = attention_prep(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache)
+    q2, k2 = qk2.split([HQ * D, HKV * D], -1)
+    torch.ops._C.rotary_embedding(positions, q2, k2, D, table, True)
+    return q
+
+
+def layer_kv_of_one_buffer(qkv, q_weight, k_weight, table, positions, slots, kv_cache):
+    """The prep into vLLM's FlashAttention layout: k and v caches of one ``[2, blocks, ...]`` buffer."""
+    k_cache, v_cache = kv_cache.unbind(0)
+    return attention_prep(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache)
+
+
+def inputs_of(fn, seed: int):
+    """Fresh inputs of one of the layers, the same for the same seed."""
     gen = torch.Generator().manual_seed(seed)
 
     def bf16(*shape, scale=1.0):
@@ -121,8 +148,13 @@ def layer_inputs(seed: int):
     table = 2 * torch.rand(64, D, generator=gen) - 1
     positions = torch.randperm(60, generator=gen)[:T]
     slots = torch.randperm(BLOCKS * BLOCK, generator=gen)[:T]
-    caches = [bf16(BLOCKS, BLOCK, HKV, D) for _ in range(2)]
-    return [qkv, *weights, table, positions, slots, *caches, bf16(T, HQ * D), bf16(T, HKV * D)]
+    kv_cache = bf16(2, BLOCKS, BLOCK, HKV, D)
+    q2, k2 = bf16(T, HQ * D), bf16(T, HKV * D)
+    return [qkv, *weights, table, positions, slots, *{
+        layer: (kv_cache[0].clone(), kv_cache[1].clone(), q2, k2),
+        layer_qk_of_one_projection: (kv_cache[0].clone(), kv_cache[1].clone(), torch.cat((q2, k2), -1)),
+        layer_kv_of_one_buffer: (kv_cache,),
+    }[fn]]
 
 
 class Watch:
@@ -167,34 +199,66 @@ def compile_with(backend, fn, args, **config):
     return out, code
 
 
+# (prepfuse's namespaces, the model, whether prepfuse's defunctionalize rewrites vLLM's call)
+CASES = {
+    "prepfuse": (("prepfuse",), layer, False),
+    "prepfuse+_C": (("prepfuse", "_C"), layer, True),
+    # v1 clones each written argument, and q and k share a storage: prepfuse declines, vLLM rewrites
+    "prepfuse+_C-qk-of-one-projection": (("prepfuse", "_C"), layer_qk_of_one_projection, False),
+}
+
+
 @needs_vllm
-@pytest.mark.parametrize("namespaces", [("prepfuse",), ("prepfuse", "_C")], ids=["prepfuse", "prepfuse+_C"])
-def test_prepfuse_fuses_inside_vllms_pass_manager(namespaces):
-    prepfuse_pass = PrepfuseVllmPass({"strict": True, "namespaces": namespaces})
+@pytest.mark.parametrize("case", list(CASES))
+def test_prepfuse_fuses_inside_vllms_pass_manager(case):
+    namespaces, fn, prepfuse_takes_vllms = CASES[case]
+    strict = fn is not layer_qk_of_one_projection  # strict covers _C: the declined call would fail it
+    prepfuse_pass = PrepfuseVllmPass({"strict": strict, "namespaces": namespaces})
     backend = vllm_backend(prepfuse_pass)
     manager = backend.pass_manager
     # the CPU platform's passes, then ours: VllmBackend's deep copy of the config kept this very object
     assert [type(p).__name__ for p in manager.passes] == ["NoOpEliminationPass", "PrepfuseVllmPass"]
     assert manager.passes[-1] is prepfuse_pass
     watch = manager.fix_functionalization = Watch(manager.fix_functionalization)
-    args, eager_args = layer_inputs(3), layer_inputs(3)
-    out, code = compile_with(backend, layer, args, fx_graph_cache=False)
+    args, eager_args = inputs_of(fn, 3), inputs_of(fn, 3)
+    out, code = compile_with(backend, fn, args, fx_graph_cache=False)
 
-    torch.testing.assert_close(out, layer(*eager_args), rtol=0, atol=0)  # the op's math is the model's, in fp32
-    for got, want in zip(args, eager_args):  # every cache byte, and q2 / k2 rotated in place
+    torch.testing.assert_close(out, fn(*eager_args), rtol=0, atol=0)  # the op's math is the model's, in fp32
+    for got, want in zip(args, eager_args):  # every cache byte, and vLLM's q and k rotated in place
         assert torch.equal(got, want)
     (report,) = prepfuse_pass.reports
+    rope = "_C.rotary_embedding.default"
     assert report.pattern_counts() == {
         "gqa_qknorm_rope_kv": 1, f"{GQA_QKNORM_ROPE_KV_INSERT}/v1": 1,  # vLLM sets auto_functionalized v1
-        **({"_C.rotary_embedding.default/v1": 1} if "_C" in namespaces else {}),
+        **({f"{rope}/v1": 1} if prepfuse_takes_vllms else {}),
     }
-    assert report.namespaces == namespaces and report.functionalized_left == []
-    # each op is defunctionalized once: prepfuse's by prepfuse, vLLM's by vLLM unless prepfuse was given it
-    assert watch.before == ([] if "_C" in namespaces else ["_C.rotary_embedding.default"]) and watch.after == []
+    assert report.namespaces == namespaces
+    declined = [(r.pattern, r.why) for r in report.near_misses("defunctionalize")]
+    if fn is layer_qk_of_one_projection:
+        assert declined == [(f"{rope}/v1", "key: shares storage with another written argument (v1 clones each)")]
+        assert report.functionalized_left == [f"auto_functionalized ({rope})"]
+    else:
+        assert declined == [] and report.functionalized_left == []
+    # each op is defunctionalized once: prepfuse's by prepfuse, vLLM's by vLLM unless prepfuse took it
+    assert watch.before == ([] if prepfuse_takes_vllms else [rope]) and watch.after == []
     assert GQA_QKNORM_ROPE_KV_INSERT in watch.targets and torch.ops._C.rotary_embedding.default in watch.targets
     FileCheck().check_not("auto_functionalized").check_not("clone").run(code)
     FileCheck().check_count(f"torch.ops.{GQA_QKNORM_ROPE_KV_INSERT}(", 1, exactly=True).run(code)
-    FileCheck().check_count("torch.ops._C.rotary_embedding.default(", 1, exactly=True).run(code)
+    FileCheck().check_count(f"torch.ops.{rope}(", 1, exactly=True).run(code)
+
+
+@needs_vllm
+def test_k_and_v_caches_of_one_buffer_stay_functional_under_vllms_v1():
+    """vLLM compiles with auto_functionalized v1, which clones each written argument: the
+    fused call writing k and v parts of one buffer is declined by defunctionalize, which a
+    strict compile refuses (docs/kit.md)."""
+    prepfuse_pass = PrepfuseVllmPass({"strict": True})
+    with pytest.raises(Exception, match=r"(?s)PrepfuseStrictError.*v_cache: shares storage with another written "
+                                        r"argument \(v1 clones each\)"):
+        compile_with(vllm_backend(prepfuse_pass), layer_kv_of_one_buffer, inputs_of(layer_kv_of_one_buffer, 3),
+                     fx_graph_cache=False)
+    (report,) = prepfuse_pass.reports
+    assert report.count("gqa_qknorm_rope_kv") == 1 and report.matched_counts["defunctionalize"] == 0
 
 
 @needs_vllm
