@@ -49,6 +49,7 @@ from torch.testing import FileCheck
 
 from prepfuse.fx_passes.fusion.gqa import FuseGqaPrepPass
 from prepfuse.fx_passes.mutation_info import functionalized_op
+from prepfuse.models.gqa import GqaSpelling, gqa_prep, make_norms
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, GQA_QKNORM_ROPE_KV_INSERT
 from prepfuse.testing import make_dsv4_inputs
 
@@ -90,67 +91,53 @@ if VllmBackend is not None and not hasattr(torch.ops._C, "rotary_embedding"):
     torch.library.register_fake("_C::rotary_embedding", lambda *args, **kwargs: None, lib=_C_STAND_IN)
 
 
-def qwen3_prep(q, k, q_weight, k_weight, table, positions):
-    """Qwen3's q/k RMSNorm in fp32 with one rounding, then NeoX RoPE from a cos|sin table."""
-    def norm(x, w):
-        x32 = x.float()
-        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
-
-    def rope(x):
-        cos, sin = table[positions].chunk(2, -1)
-        cos, sin = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
-        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-        return (x.float() * cos + torch.cat((-x2, x1), -1).float() * sin).to(x.dtype)
-
-    return rope(norm(q, q_weight)), rope(norm(k, k_weight))
+# Qwen3's q/k norm (Hugging Face's RMSNorm) and vLLM's ``forward_native`` RoPE (fp32, halves)
+SPELLING = GqaSpelling("qwen3-vllm-native-rope", rope="halves")
+Q_NORM, K_NORM = make_norms(D, EPS, SPELLING, torch.Generator().manual_seed(0))
 
 
-def attention_prep(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache):
-    """One attention's prep in plain PyTorch, k and v written into paged caches: q."""
-    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], -1)
-    q, k = qwen3_prep(q.view(T, HQ, D), k.view(T, HKV, D), q_weight, k_weight, table, positions)
-    k_cache[slots // BLOCK, slots % BLOCK] = k
-    v_cache[slots // BLOCK, slots % BLOCK] = v.view(T, HKV, D)
-    return q
+def attention_prep(qkv, table, positions, slots, k_cache, v_cache):
+    """One attention's prep in plain PyTorch (``prepfuse.models.gqa``), k and v written into
+    paged caches: q."""
+    return gqa_prep(qkv, Q_NORM, K_NORM, k_cache, v_cache, slots, positions, table, None, HQ, HKV, SPELLING)
 
 
-def layer(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache, q2, k2):
+def layer(qkv, table, positions, slots, k_cache, v_cache, q2, k2):
     """The prep, and a second attention's q and k rotated in place by vLLM's op, as vLLM's
     ``RotaryEmbedding.forward_cuda`` calls it."""
-    q = attention_prep(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache)
+    q = attention_prep(qkv, table, positions, slots, k_cache, v_cache)
     torch.ops._C.rotary_embedding(positions, q2, k2, D, table, True)
     return q
 
 
-def layer_qk_of_one_projection(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache, qk2):
+def layer_qk_of_one_projection(qkv, table, positions, slots, k_cache, v_cache, qk2):
     """As ``layer``, the second q and k split from one projection, as vLLM's models have them."""
-    q = attention_prep(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache)
+    q = attention_prep(qkv, table, positions, slots, k_cache, v_cache)
     q2, k2 = qk2.split([HQ * D, HKV * D], -1)
     torch.ops._C.rotary_embedding(positions, q2, k2, D, table, True)
     return q
 
 
-def layer_kv_of_one_buffer(qkv, q_weight, k_weight, table, positions, slots, kv_cache):
+def layer_kv_of_one_buffer(qkv, table, positions, slots, kv_cache):
     """The prep into vLLM's FlashAttention layout: k and v caches of one ``[2, blocks, ...]`` buffer."""
     k_cache, v_cache = kv_cache.unbind(0)
-    return attention_prep(qkv, q_weight, k_weight, table, positions, slots, k_cache, v_cache)
+    return attention_prep(qkv, table, positions, slots, k_cache, v_cache)
 
 
 def inputs_of(fn, seed: int):
     """Fresh inputs of one of the layers, the same for the same seed."""
     gen = torch.Generator().manual_seed(seed)
 
-    def bf16(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen)).to(torch.bfloat16)
+    def bf16(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
     qkv = bf16(T, (HQ + 2 * HKV) * D)
-    weights = [(1 + 0.3 * torch.randn(D, generator=gen)).to(torch.bfloat16) for _ in range(2)]
     table = 2 * torch.rand(64, D, generator=gen) - 1
     positions = torch.randperm(60, generator=gen)[:T]
     slots = torch.randperm(BLOCKS * BLOCK, generator=gen)[:T]
     kv_cache = bf16(2, BLOCKS, BLOCK, HKV, D)
     q2, k2 = bf16(T, HQ * D), bf16(T, HKV * D)
-    return [qkv, *weights, table, positions, slots, *{
+    return [qkv, table, positions, slots, *{
         layer: (kv_cache[0].clone(), kv_cache[1].clone(), q2, k2),
         layer_qk_of_one_projection: (kv_cache[0].clone(), kv_cache[1].clone(), torch.cat((q2, k2), -1)),
         layer_kv_of_one_buffer: (kv_cache,),
@@ -274,7 +261,7 @@ def test_vllms_uuids_follow_prepfuses_options_and_sources(monkeypatch):
     assert uuids({}) == base
     changed = uuids({"validate": "quick"})
     assert all(a != b for a, b in zip(base, changed))
-    monkeypatch.setattr(FuseGqaPrepPass, "uuid_sources", (*FuseGqaPrepPass.uuid_sources, qwen3_prep))
+    monkeypatch.setattr(FuseGqaPrepPass, "uuid_sources", (*FuseGqaPrepPass.uuid_sources, attention_prep))
     edited = uuids({})  # as if the GQA pass's sources had changed
     assert all(a != b for a, b in zip(base, edited))
 
