@@ -9,8 +9,10 @@ works in a process that never imported prepfuse.
 Options (``PrepfuseOptions``, validated when made; an unknown key is an error; each one's full
 contract is docs/passes.md's options table)::
 
-    passes                  the passes to run, in order (default: every registered fusion pass,
-                            then "defunctionalize"); () runs none
+    passes                  the passes to run, in order: names, or PrepfusePass classes or
+                            instances (default: prepfuse's own fusion passes, then
+                            "defunctionalize"; another pass runs only where named:
+                            registry.default_passes(MyPass)); () runs none
     debug_dir               write each graph before/after every pass and its report there
     auto_functionalized_v2  None: torch's default; True/False: force v2 / v1
     inductor_config         more Inductor config patches for this compile
@@ -37,6 +39,7 @@ graph since ``clear_reports()``), both ``Reports`` with ``format()``; or build a
 from __future__ import annotations
 
 import collections
+import copy
 import os
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -45,11 +48,12 @@ from typing import Any, Mapping
 import torch
 
 from prepfuse._compat import inductor_config_keys, inductor_mode_options, register_dynamo_backend
+from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.defunctionalize import DefunctionalizePass
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
 from prepfuse.fx_passes.placement import PlacementPass, PlacementPolicy
 from prepfuse.fx_passes.matching.search import VALIDATE_MODES
-from prepfuse.fx_passes.registry import LAST_PASS, get_pass, placement_position, registered_passes
+from prepfuse.fx_passes.registry import LAST_PASS, PassEntry, default_passes, get_pass, pass_name, placement_position
 from prepfuse.fx_passes.report import GraphReport, Reports
 from prepfuse.fx_passes.report_store import load_reports, report_key, store_reports
 from prepfuse.ops import NAMESPACE
@@ -67,7 +71,7 @@ __all__ = [
 BACKEND_NAME = "prepfuse"
 # Inductor settings the backend owns; each has its own option instead.
 _RESERVED_CONFIG = {
-    "post_grad_custom_post_pass": "prepfuse installs its pass manager there; add passes with register_pass",
+    "post_grad_custom_post_pass": "prepfuse installs its pass manager there; give your passes in the passes option",
     "enable_auto_functionalized_v2": "use the auto_functionalized_v2 option",
 }
 _MAX_KEPT_REPORTS = 4096
@@ -77,7 +81,7 @@ _MAX_KEPT_REPORTS = 4096
 class PrepfuseOptions:
     """Validated backend options; see the module docstring for what each one does."""
 
-    passes: tuple[str, ...] | None = None
+    passes: tuple[PassEntry, ...] | None = None
     debug_dir: str | None = None
     auto_functionalized_v2: bool | None = None
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
@@ -90,21 +94,20 @@ class PrepfuseOptions:
     namespaces: tuple[str, ...] = (NAMESPACE,)
 
     def __post_init__(self) -> None:
-        available = registered_passes()
-        passes = tuple(available) if self.passes is None else self.passes
-        if not isinstance(passes, (list, tuple)) or not all(isinstance(p, str) for p in passes):
+        passes = default_passes() if self.passes is None else self.passes
+        if not isinstance(passes, (list, tuple)):
             # a list or tuple: a generator would be used up by this check and leave no passes
-            raise ValueError(f"passes: expected a sequence of pass names (a list or tuple), got {self.passes!r}")
+            raise ValueError(f"passes: expected a sequence of pass names, classes or instances (a list or tuple), "
+                             f"got {self.passes!r}")
         passes = tuple(passes)
-        for name in passes:
-            get_pass(name)  # ValueError naming the available passes
-        if len(set(passes)) != len(passes):
-            raise ValueError(f"passes: a pass is named twice in {passes}")
-        if LAST_PASS in passes and passes[-1] != LAST_PASS:
+        names = tuple(pass_name(p) for p in passes)  # ValueError naming the available passes
+        if len(set(names)) != len(names):
+            raise ValueError(f"passes: a pass is named twice in {names}")
+        if LAST_PASS in names and names[-1] != LAST_PASS:
             raise ValueError(f"passes: {LAST_PASS!r} must come last (it removes the auto_functionalized calls the "
-                             f"fusion passes make), got {passes}")
+                             f"fusion passes make), got {names}")
         object.__setattr__(self, "passes", passes)
-        if self.strict is True and LAST_PASS not in passes:
+        if self.strict is True and LAST_PASS not in names:
             raise ValueError(f"strict: fails a compile where a prepfuse op is still auto_functionalized after the "
                              f"passes, and without the {LAST_PASS!r} pass every fused op is: add it to passes, or "
                              f"leave strict off")
@@ -147,6 +150,11 @@ class PrepfuseOptions:
         if self.cudagraphs == "piecewise" and not placement.splitting_ops:
             raise ValueError("cudagraphs: 'piecewise' cuts the graph at splitting_ops, and none are given; "
                              "use 'full' to capture the whole forward")
+
+    @property
+    def pass_names(self) -> tuple[str, ...]:
+        """The names of ``passes``, in running order (a class or instance by its ``name``)."""
+        return tuple(pass_name(p) for p in self.passes)
 
     @property
     def placement(self) -> PlacementPolicy:
@@ -198,7 +206,7 @@ class PrepfuseOptions:
     def cache_key(self) -> tuple:
         """What, besides the passes, makes compiled code differ (enters the uuid)."""
         return (
-            self.passes, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict,
+            self.pass_names, self.auto_functionalized_v2, tuple(sorted(self.inductor_config.items())), self.strict,
             self.splitting_ops, self.cudagraphs, self.output_buffers, self.validate, self.namespaces,
         )
 
@@ -270,12 +278,11 @@ class PrepfuseBackend:
     def pass_manager(self, on_report=None) -> PrepfusePassManager:
         """A fresh manager with fresh pass instances, as one compile uses."""
         opts = self.options
-        passes = [DefunctionalizePass(opts.namespaces) if name == LAST_PASS else get_pass(name)()
-                  for name in opts.passes]
+        passes = [_pass_instance(entry, opts.namespaces) for entry in opts.passes]
         for p in passes:
             p.validate = opts.validate
         if opts.placement.moves_prep:
-            passes.insert(placement_position(list(opts.passes)), PlacementPass(opts.placement))
+            passes.insert(placement_position(list(opts.pass_names)), PlacementPass(opts.placement))
         return PrepfusePassManager(
             passes,
             debug_dir=opts.debug_dir,
@@ -312,6 +319,15 @@ class PrepfuseBackend:
                 report.cached = True
                 on_report(report)
         return compiled
+
+
+def _pass_instance(entry: PassEntry, namespaces: tuple[str, ...]) -> PrepfusePass:
+    """A fresh pass object for one manager: ``defunctionalize`` takes the ``namespaces``
+    option; an instance given in ``passes`` is copied, so managers never share a log."""
+    if isinstance(entry, PrepfusePass):
+        return copy.copy(entry)
+    cls = get_pass(entry) if isinstance(entry, str) else entry
+    return DefunctionalizePass(namespaces) if cls is DefunctionalizePass else cls()
 
 
 def post_grad_pass(options: Mapping[str, Any] | PrepfuseOptions | None = None, on_report=None) -> PrepfusePassManager:

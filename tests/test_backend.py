@@ -31,6 +31,7 @@ from prepfuse.fx_passes import registry
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.defunctionalize import DefunctionalizePass
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
+from prepfuse.fx_passes.placement import PlacementPass
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT
 from prepfuse.testing import make_dsv4_inputs
 
@@ -102,12 +103,10 @@ def test_reregistering_is_harmless():
 # --------------------------------------------------------------------------------------
 # Options
 # --------------------------------------------------------------------------------------
-def test_default_options_run_every_registered_pass_defunctionalize_last():
+def test_default_options_run_prepfuses_own_passes_defunctionalize_last():
     opts = PrepfuseOptions()
-    assert opts.passes == tuple(registry.registered_passes())
-    assert opts.passes[-1] == "defunctionalize"
-    if "fuse_dsv4_prep" in opts.passes:
-        assert opts.passes[0] == "fuse_dsv4_prep"
+    assert opts.passes == registry.default_passes() == tuple(p.name for p in registry.BUILTIN_PASSES)
+    assert opts.passes[-1] == "defunctionalize" and opts.passes[0] == "fuse_dsv4_prep"
 
 
 @pytest.mark.parametrize(
@@ -115,7 +114,10 @@ def test_default_options_run_every_registered_pass_defunctionalize_last():
     [
         ({"bogus": 1}, r"unknown prepfuse option\(s\) 'bogus'; valid options: passes, debug_dir, auto_functionalized_v2"),
         ({"passes": ("no_such_pass",)}, r"unknown prepfuse pass 'no_such_pass'; available: .*defunctionalize"),
-        ({"passes": "defunctionalize"}, r"passes: expected a sequence of pass names"),
+        ({"passes": "defunctionalize"}, r"passes: expected a sequence of pass names, classes or instances"),
+        ({"passes": (42,)}, r"passes: expected pass names, PrepfusePass subclasses or PrepfusePass instances, got 42"),
+        ({"passes": (PlacementPass,)}, r"'placement' is the backend's own pass"),
+        ({"passes": (DefunctionalizePass(), "fuse_gqa_prep")}, r"'defunctionalize' must come last"),
         ({"passes": ("defunctionalize", "defunctionalize")}, r"named twice"),
         ({"auto_functionalized_v2": "yes"}, r"auto_functionalized_v2: expected None, True or False"),
         ({"strict": 1}, r"strict: expected True or False"),
@@ -164,6 +166,70 @@ def test_builtin_passes_run_fusion_first_and_defunctionalize_last():
     ]
     with pytest.raises(ValueError, match="built-in pass"):
         registry.unregister_pass("fuse_gqa_prep")
+
+
+class CountingPass(PrepfusePass):
+    """An engine's own pass: counts the graphs it ran on, across its copies."""
+
+    name = "counting_for_test"
+    seen: list = []
+
+    def __init__(self, tag: str = "a") -> None:
+        super().__init__()
+        self.tag = tag
+
+    def settings(self) -> tuple:
+        return (self.tag,)
+
+    def run(self, graph):
+        CountingPass.seen.append(self.tag)
+        return 0
+
+
+@pytest.fixture
+def counting():
+    CountingPass.seen = []
+    yield CountingPass.seen
+    registry.unregister_pass(CountingPass.name)
+
+
+def test_a_registered_pass_runs_only_where_named(counting):
+    registry.register_pass(CountingPass)
+    assert "counting_for_test" in registry.registered_passes()
+    assert "counting_for_test" not in PrepfuseOptions().passes  # not a default: other compiles never run it
+    run_compiled()
+    assert counting == [] and "counting_for_test" not in last_reports()[0].passes
+    run_compiled(options={"passes": registry.default_passes("counting_for_test")})
+    assert counting == ["a"]
+    assert last_reports()[0].passes == (*registry.default_passes()[:-1], "counting_for_test", "defunctionalize")
+
+
+@pytest.mark.parametrize("entry", [CountingPass, CountingPass("b")], ids=["class", "instance"])
+def test_passes_take_a_class_or_an_instance_without_registering(counting, entry):
+    backend = PrepfuseBackend({"passes": registry.default_passes(entry)})
+    run_compiled(backend=backend)
+    torch._dynamo.reset()
+    run_compiled(backend=backend)  # a second compile by the same backend
+    tag = "a" if isinstance(entry, type) else "b"
+    assert counting == [tag, tag] and "counting_for_test" not in registry.registered_passes()
+    (first, second) = backend.reports
+    assert first.passes == second.passes == backend.options.pass_names
+    assert backend.options.pass_names[-2:] == ("counting_for_test", "defunctionalize")
+    if not isinstance(entry, type):
+        assert entry.matched_count == 0 and entry.log.events == []  # each compile ran a copy
+    # the uuid comes from the pass's source and settings, never from the object's identity
+    same = PrepfuseBackend({"passes": registry.default_passes(CountingPass if tag == "a" else CountingPass("b"))})
+    assert same.pass_manager().uuid() == backend.pass_manager().uuid()
+    other = PrepfuseBackend({"passes": registry.default_passes(CountingPass("c"))})
+    assert other.pass_manager().uuid() != backend.pass_manager().uuid()
+
+
+def test_the_defunctionalize_class_takes_the_namespaces_option():
+    backend = PrepfuseBackend({"passes": (DefunctionalizePass,), "namespaces": ("prepfuse", "myns")})
+    (p,) = backend.pass_manager().passes
+    assert p.namespaces == ("prepfuse", "myns")
+    assert backend.pass_manager().uuid() == PrepfuseBackend(
+        {"passes": ("defunctionalize",), "namespaces": ("prepfuse", "myns")}).pass_manager().uuid()
 
 
 # --------------------------------------------------------------------------------------
@@ -259,7 +325,7 @@ def test_report_says_what_matched_and_where():
     text = report.format()
     assert text.splitlines()[0].endswith("passes defunctionalize")
     assert "pass             pattern" in text and match.anchor in text and match.source in text
-    assert "auto_functionalized prepfuse calls left: none" in text
+    assert report.namespaces == ("prepfuse",) and "auto_functionalized prepfuse calls left: none" in text
     assert last_reports().pattern_counts() == report.pattern_counts()
     clear_reports()
     assert len(reports()) == 0 and last_reports().format() == "prepfuse: no graph compiled"
@@ -277,12 +343,8 @@ class DecliningPass(PrepfusePass):
 
 
 def test_near_misses_at_debug():
-    registry.register_pass(DecliningPass)
-    try:
-        backend = PrepfuseBackend({"passes": ("declining_for_test", "defunctionalize")})
-        run_compiled(backend=backend)
-    finally:
-        registry.unregister_pass(DecliningPass.name)
+    backend = PrepfuseBackend({"passes": (DecliningPass, "defunctionalize")})
+    run_compiled(backend=backend)
     (report,) = backend.reports
     assert [r.why for r in report.near_misses()] == ["eps is 1e-5, the pattern wants 1e-6"] * 2
     assert "near misses: 2 (format(verbose=True)" in report.format(verbose=False)
@@ -340,7 +402,8 @@ def test_a_cache_hit_without_a_kept_report_says_how_to_see_one(monkeypatch):
 # Options that were accepted and meant something else (issue: reliability, item 9)
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, why", [
-    ({"passes": (p for p in ["fuse_gqa_prep"])}, r"passes: expected a sequence of pass names \(a list or tuple\)"),
+    ({"passes": (p for p in ["fuse_gqa_prep"])},
+     r"passes: expected a sequence of pass names, classes or instances \(a list or tuple\)"),
     ({"passes": ("defunctionalize", "fuse_gqa_prep")}, "'defunctionalize' must come last"),
     ({"inductor_config": {"fx_graph_cache": "no"}}, "'fx_graph_cache' takes True or False"),  # "no" is true
     ({"cudagraphs": "piecewise"}, "'piecewise' cuts the graph at splitting_ops, and none are given"),

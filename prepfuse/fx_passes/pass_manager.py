@@ -117,8 +117,9 @@ class PrepfusePassManager(CustomGraphPass):
                 log.debug("%d scratch views -> graph buffers", moved)
         else:
             _warn_if_returned(graph)
-        namespaces = {NAMESPACE, *(n for p in self.passes for n in getattr(p, "namespaces", ()))}
-        report.finish(graph, tuple(sorted(namespaces)))
+        # prepfuse's namespace first, then the others in the order the passes were given them
+        namespaces = dict.fromkeys([NAMESPACE, *(n for p in self.passes for n in getattr(p, "namespaces", ()))])
+        report.finish(graph, tuple(namespaces))
         problems: list[str] = []
         if self.placement is not None:
             report.placement, problems = plan_and_check(graph, self.placement)

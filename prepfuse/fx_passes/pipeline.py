@@ -15,7 +15,8 @@ and a ``ComposedPass`` where it takes a single pass (torch 2.11, 2.12); either w
 run in the order given and Inductor's FX graph cache keys on every pass's uuid, so a
 change to any of them (prepfuse's options or sources, the engine's pass) misses the cache.
 An engine with a pass manager of its own adds ``prepfuse_passes`` to it like any pass
-(vLLM: ``PostGradPassManager.add``) and puts its uuid into its own.
+and puts its uuid into its own; for vLLM's, whose passes must be its ``InductorPass``, that
+is ``prepfuse.integrations.vllm.PrepfuseVllmPass``.
 """
 
 from __future__ import annotations

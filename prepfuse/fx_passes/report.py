@@ -60,7 +60,8 @@ class GraphReport:
     matched_counts: dict[str, int] = field(default_factory=dict)  # pass name -> rewrites
     rewrites: list[Rewrite] = field(default_factory=list)
     ops_after: dict[str, int] = field(default_factory=dict)  # prepfuse op -> calls left in the graph
-    functionalized_left: list[str] = field(default_factory=list)  # auto_functionalized calls left (defunctionalize's namespaces)
+    functionalized_left: list[str] = field(default_factory=list)  # auto_functionalized calls left (of ``namespaces``)
+    namespaces: tuple[str, ...] = (NAMESPACE,)  # what defunctionalize took: prepfuse's, then those it was given
     cached: bool = False  # served from Inductor's cache: no pass ran; what follows is the report of the compile
     # that wrote the cached code (``report_store``), if one was kept
     graph: str | None = None  # normalized post-pass graph, when the backend records graphs
@@ -75,6 +76,7 @@ class GraphReport:
     def finish(self, graph: torch.fx.Graph, namespaces: tuple[str, ...] = (NAMESPACE,)) -> None:
         """Count what is left: the prepfuse ops called, and the ``auto_functionalized`` calls of
         ops in ``namespaces`` (prepfuse's, and those defunctionalize was given) still functional."""
+        self.namespaces = tuple(namespaces)
         ops: Counter[str] = Counter()
         for node in graph.nodes:
             op = functionalized_op(node)
@@ -139,7 +141,8 @@ class GraphReport:
             lines.append(f"  near misses: {len(misses)} (format(verbose=True) or DEBUG logging lists them)")
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(self.ops_after.items())) or "none"
         lines.append(f"  prepfuse ops in the compiled graph: {ops}")
-        lines.append(f"  auto_functionalized prepfuse calls left: {', '.join(self.functionalized_left) or 'none'}")
+        lines.append(f"  auto_functionalized {_spoken_list(self.namespaces)} calls left: "
+                     f"{', '.join(self.functionalized_left) or 'none'}")
         if self.placement is not None:
             lines += _placement_lines(self.placement)
         return "\n".join(lines)
@@ -210,6 +213,11 @@ def _rewrite_from_event(event: PassEvent, stack_traces: dict[str, str]) -> Rewri
         source=short_source(stack_traces.get(anchor)),
         why=event.why,
     )
+
+
+def _spoken_list(words: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(filter(None, (", ".join(words[:-1]), words[-1]))) if words else "no"
 
 
 def _table(rows: list[tuple[str, ...]], indent: int = 2) -> list[str]:

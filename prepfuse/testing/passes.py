@@ -2,11 +2,11 @@
 asks of the compiled graph's report (matched count, patterns, declines).
 
 prepfuse's own pass tests use these, and so can an engine team's: compile the model code
-with the passes (theirs registered with ``prepfuse.fx_passes.registry.register_pass``, or
-prepfuse's), then assert numerics against eager, the exact matched count, and the
+with the passes (theirs as the ``PrepfusePass`` class or instance itself, or prepfuse's by
+name), then assert numerics against eager, the exact matched count, and the
 normalized post-pass graph against a golden file (``prepfuse.testing.golden``)::
 
-    out, ref, report = compile_beside_eager(fn, args, clone(args), passes=("my_pass",), v2=True)
+    out, ref, report = compile_beside_eager(fn, args, clone(args), passes=(MyPass,), v2=True)
     torch.testing.assert_close(out, ref)
     assert report.matched_counts["my_pass"] == 1
     GoldenFiles.beside(__file__).check(report.graph, "my_pattern")

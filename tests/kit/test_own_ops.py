@@ -19,6 +19,8 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 from prepfuse.backend import PrepfuseBackend, post_grad_pass
+from prepfuse.fx_passes.base import PrepfusePass
+from prepfuse.fx_passes.registry import register_pass, unregister_pass
 from prepfuse.fx_passes.pipeline import ComposedPass, post_grad_hook
 from prepfuse.testing.drift import check_schemas, schemas_of
 from prepfuse.testing.functionalization import check_functionalization
@@ -147,7 +149,8 @@ def test_defunctionalize_handles_the_namespace_with_no_copy(v2):
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(args, ref_args))
     (report,) = backend.reports
     assert report.matched_counts == {"defunctionalize": 3}
-    assert report.functionalized_left == []
+    assert report.functionalized_left == [] and report.namespaces == ("prepfuse", NS)
+    assert f"auto_functionalized prepfuse and {NS} calls left: none" in report.format()
     FileCheck().check_not("auto_functionalized").run(code)
     FileCheck().check_not("clone").check_not("copy_").check_not("empty_strided_cpu((6, 8)").run(code)
     for name in SCHEMAS:
@@ -204,3 +207,38 @@ def test_the_composed_uuid_changes_when_either_pass_changes():
     assert base != ComposedPass(post_grad_pass({"passes": ("defunctionalize",)}), CountingPass("v1")).uuid()
     with pytest.raises(ValueError, match="not a torch._inductor.custom_graph_pass.CustomGraphPass"):
         post_grad_hook(ours, lambda graph: None)
+
+
+class MarkPass(PrepfusePass):
+    """An engine's own pass written with the kit (a ``PrepfusePass``), counting its runs."""
+
+    name = "kit_mark"
+    runs = 0
+
+    def run(self, graph: torch.fx.Graph) -> int:
+        MarkPass.runs += 1
+        return 0
+
+
+def test_a_pass_used_in_both_kit_sections_runs_once_per_graph():
+    """Registered for the pass tests (by name) and composed beside prepfuse's passes on
+    torch's hook: prepfuse's default passes are its own only, so the engine's runs once."""
+    register_pass(MarkPass)
+    MarkPass.runs = 0
+    try:
+        prepfuse_passes = post_grad_pass({"namespaces": ("prepfuse", NS)})
+        assert "kit_mark" not in prepfuse_passes.pass_names
+        args = model_args()
+        compiled = torch.compile(model, backend="inductor", fullgraph=True, options={
+            "post_grad_custom_post_pass": post_grad_hook(prepfuse_passes, MarkPass()), "fx_graph_cache": False})
+        compiled(*args)
+        assert MarkPass.runs == 1 and len(prepfuse_passes.reports) == 1
+        # named, it runs inside prepfuse's compile: by name once registered, or as the class itself
+        for entry in ("kit_mark", MarkPass):
+            args = model_args()
+            ref = model(*clone(args))
+            out, _, report = compile_beside_eager(model, args, clone(args), passes=(entry, "defunctionalize"), v2=True)
+            assert torch.equal(out, ref) and report.passes == ("kit_mark", "defunctionalize")
+        assert MarkPass.runs == 3
+    finally:
+        unregister_pass(MarkPass.name)
