@@ -86,7 +86,7 @@ def _strided_heads_order(out: torch.Tensor, tokens: int, width: int, head_dim: i
     if any(out.stride(a) != out.stride(b) * out.shape[b] for a, b in zip(token_dims, token_dims[1:])):
         return None
     contiguous = all(out.stride(a) == out.stride(b) * out.shape[b] for a, b in zip(head_dims, head_dims[1:]))
-    return None if contiguous else ones + dims, len(ones) + len(token_dims)
+    return None if contiguous else (ones + dims, len(ones) + len(token_dims))
 
 
 def _copy(graph: torch.fx.Graph, view: torch.fx.Node, order: list[int], token_dims: int) -> HeadCopy:
