@@ -52,7 +52,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.defunctionalize import DefunctionalizePass
 from prepfuse.fx_passes.pass_manager import PrepfusePassManager
 from prepfuse.fx_passes.placement import PlacementPass, PlacementPolicy
-from prepfuse.fx_passes.matching.search import VALIDATE_MODES
+from prepfuse.fx_passes.rewrite.search import VALIDATE_MODES
 from prepfuse.fx_passes.registry import LAST_PASS, PassEntry, default_passes, get_pass, pass_name, placement_position
 from prepfuse.fx_passes.report import GraphReport, Reports
 from prepfuse.fx_passes.report_store import load_reports, report_key, store_reports

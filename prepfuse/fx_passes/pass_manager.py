@@ -48,7 +48,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.graph_print import normalized_graph
 from prepfuse.fx_passes.placement import PlacementPolicy, placement_uuid, plan_and_check, raise_on_problems
 from prepfuse.fx_passes.matching.canonical import canonicalize
-from prepfuse.fx_passes.matching.scratch_buffers import returned_scratch, scratch_to_pool_buffers
+from prepfuse.fx_passes.rewrite.scratch_buffers import returned_scratch, scratch_to_pool_buffers
 from prepfuse.fx_passes.report import GraphReport
 from prepfuse.ops import NAMESPACE
 

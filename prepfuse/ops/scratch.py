@@ -28,7 +28,7 @@ What the compiler stack assumes about its output, and why that holds:
   valid until the next handout of the same name, i.e. until the compiled code runs
   again. Inside one graph a second call writes an earlier call's buffer only through
   the value that call wrote, so Inductor sees the aliasing, and only when nothing
-  returns or later reads it (``prepfuse/fx_passes/matching/scratch_buffers.py``); otherwise it
+  returns or later reads it (``prepfuse/fx_passes/rewrite/scratch_buffers.py``); otherwise it
   takes another name.
 - *CUDA graphs.* The view is persistent storage, so a captured graph replays into the
   same bytes; the arena never frees storage a capture took (``arena.py``), and after

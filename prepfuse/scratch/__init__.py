@@ -4,7 +4,7 @@
 ``micro_batch`` gives a micro-batch (and every thread) storage of its own;
 ``current_arena`` / ``use_arena`` (``current.py``) say which arena the
 ``prepfuse::scratch`` op (``prepfuse/ops/scratch.py``) takes from. Passes emit that op
-with ``prepfuse.fx_passes.matching.scratch_buffers.scratch_buffer``. The contract is in
+with ``prepfuse.fx_passes.rewrite.scratch_buffers.scratch_buffer``. The contract is in
 ``docs/cudagraphs.md``.
 """
 

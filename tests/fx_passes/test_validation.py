@@ -20,8 +20,8 @@ import torch
 
 from prepfuse.backend import PrepfuseBackend, PrepfuseOptions
 from prepfuse.fx_passes.matching import rope_operands
-from prepfuse.fx_passes.matching.compare import Checked, compare
-from prepfuse.fx_passes.matching.probes import NUM_PROBES, Mismatch
+from prepfuse.fx_passes.rewrite.compare import Checked, compare
+from prepfuse.fx_passes.rewrite.probes import NUM_PROBES, Mismatch
 from prepfuse.fx_passes.fusion import dsv4, dsv4_indexer, gqa
 from tests.fx_passes.fusion import test_dsv4 as dsv4_tests
 from tests.fx_passes.fusion import test_dsv4_indexer as indexer_tests

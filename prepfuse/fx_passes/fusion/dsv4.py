@@ -31,14 +31,15 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import dsv4_padding
 from prepfuse.fx_passes.fusion.dsv4_padding import head_padding
 from prepfuse.fx_passes.matching import MATCHING_MODULES
+from prepfuse.fx_passes.rewrite import REWRITE_MODULES
 from prepfuse.fx_passes.matching.axes import base_columns
-from prepfuse.fx_passes.matching.compare import Checked
-from prepfuse.fx_passes.matching.emitter import Emitter
+from prepfuse.fx_passes.rewrite.compare import Checked
+from prepfuse.fx_passes.rewrite.emitter import Emitter
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, graph_order, prims, same_size, shape, val, where
-from prepfuse.fx_passes.matching.probes import Probes
+from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.matching.regions import backward, constants
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
-from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
+from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import prepared, projection_starts, row_sources, weight_like
 from prepfuse.fx_passes.matching.writes import (
     ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
@@ -80,7 +81,7 @@ class FuseDsv4PrepPass(PrepfusePass):
     names each ``dsv4_q+kv``, ``dsv4_q`` or ``dsv4_kv``."""
 
     name = "fuse_dsv4_prep"
-    uuid_sources = (dsv4_padding, *MATCHING_MODULES)
+    uuid_sources = (dsv4_padding, *MATCHING_MODULES, *REWRITE_MODULES)
     canonical_graph = True
 
     def settings(self) -> tuple:
@@ -233,7 +234,7 @@ class FuseDsv4PrepPass(PrepfusePass):
 
 def _as_prepared(emit, q_view, p):
     """The op's ``[T, H, 512]`` q laid out as the prepared node ``p`` is (``[B, H, S, 512]`` ..)."""
-    from prepfuse.fx_passes.matching.emitter import as_layout
+    from prepfuse.fx_passes.rewrite.emitter import as_layout
 
     return as_layout(emit, q_view, p.layout, p.node)
 

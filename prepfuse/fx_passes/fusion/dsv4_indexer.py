@@ -34,16 +34,17 @@ import torch.fx
 
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.matching import MATCHING_MODULES
+from prepfuse.fx_passes.rewrite import REWRITE_MODULES
 from prepfuse.fx_passes.matching.axes import base_columns
-from prepfuse.fx_passes.matching.compare import Checked, Exact
-from prepfuse.fx_passes.matching.emitter import Emitter, as_layout
+from prepfuse.fx_passes.rewrite.compare import Checked, Exact
+from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, expect, graph_order, is_op, prims, same_size, shape, val, where,
 )
-from prepfuse.fx_passes.matching.probes import Probes
+from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.matching.regions import backward, leaves, operands
 from prepfuse.fx_passes.matching.rope_operands import RopeOperand, emit_table, per_token_operands, rope_forms
-from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
+from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import dim_roles, prepared, projection_starts, row_sources, weight_like
 from prepfuse.fx_passes.matching.writes import (
     ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
@@ -116,7 +117,7 @@ class _FuseDsv4IndexerPass(PrepfusePass):
     ``<pattern>_q+k``, ``<pattern>_q`` or ``<pattern>_k``."""
 
     fmt: IndexerFormat
-    uuid_sources = MATCHING_MODULES
+    uuid_sources = (*MATCHING_MODULES, *REWRITE_MODULES)
     canonical_graph = True
 
     def settings(self) -> tuple:

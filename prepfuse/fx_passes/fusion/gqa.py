@@ -19,7 +19,7 @@ A decline names the closest candidate and the first value where it differs.
 
 Numerics: the op rounds once in fp32 where the model may round in bf16 (Hugging Face's
 RoPE with bf16 cos/sin: ``2^-7 (|a| + |b|)`` at most per rotated pair); the probes' bound
-admits that and nothing structural (``compare.py``).
+admits that and nothing structural (``rewrite/compare.py``).
 """
 
 from __future__ import annotations
@@ -33,16 +33,17 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_calls
 from prepfuse.fx_passes.fusion.gqa_calls import CacheView, Math, cache_view, emit_slots, math_candidates
 from prepfuse.fx_passes.matching import MATCHING_MODULES, head_copies
-from prepfuse.fx_passes.matching.compare import Checked
-from prepfuse.fx_passes.matching.emitter import Emitter, as_layout, viewed_call
+from prepfuse.fx_passes.rewrite import REWRITE_MODULES
+from prepfuse.fx_passes.rewrite.compare import Checked
+from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout, viewed_call
 from prepfuse.fx_passes.matching.layouts import Layout
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, concrete, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
 )
-from prepfuse.fx_passes.matching.probes import Probes
+from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.matching.regions import backward, constants, leaves, operands
 from prepfuse.fx_passes.matching.rope_operands import emit_rope, per_token_operands, rope_forms
-from prepfuse.fx_passes.matching.search import Candidate, first_agreeing
+from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import (
     Start, Traced, column_starts, copy_start, dim_roles, heads_of, is_copy, prepared, projection_input, token_dims_order,
     trace, unpadded_rows, weight_like,
@@ -94,7 +95,7 @@ class FuseGqaPrepPass(PrepfusePass):
     projections: ``GQA_SEPARATE_QKNORM_ROPE_KV_INSERT``); ``matched_count`` is the calls made."""
 
     name = "fuse_gqa_prep"
-    uuid_sources = (gqa_calls, *MATCHING_MODULES)
+    uuid_sources = (gqa_calls, *MATCHING_MODULES, *REWRITE_MODULES)
     canonical_graph = True
 
     def settings(self) -> tuple:

@@ -3,7 +3,7 @@
 ``gqa.py`` finds a layer's q, k write and v write and their sources; this module turns
 them into calls of ``prepfuse::gqa_qknorm_rope_kv_insert`` (or its separate-projections
 op), one per hypothesis about the math (``Math``): RoPE style and operand form, norm form,
-eps, kv scale semantics, fp8 overflow. The search (``matching/search.py``) keeps the first
+eps, kv scale semantics, fp8 overflow. The search (``rewrite/search.py``) keeps the first
 that computes the region on probes.
 
 Caches. The op writes ``[N0, N1, Hkv, D]`` with slot ``s`` at ``(s // N1, s % N1)``
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.matching.emitter import Emitter
+from prepfuse.fx_passes.rewrite.emitter import Emitter
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, concrete, expect, is_op, same_size, shape, val, where
 from prepfuse.fx_passes.matching.rope_operands import RopeOperand
 from prepfuse.fx_passes.matching.writes import RowsWrite

@@ -1,5 +1,5 @@
-"""What every fusion family shares: finding a region by what it writes, and deciding on
-probes which op call computes it.
+"""What every fusion family shares to find a region: by what it writes, down to the
+projection columns and the operands its math reads.
 
 - ``nodes.py``: what a node is (op, fake value, sizes compared without guards, source line);
 - ``canonical.py``: one form per concept, the graph pass before any family;
@@ -8,23 +8,17 @@ probes which op call computes it.
 - ``regions.py``: a region's nodes back to its leaves, its operands and constants;
 - ``sources.py``: the projection columns written values come from;
 - ``head_copies.py``: a copy of heads a projection lays out strided apart, which a call can read;
-- ``rope_operands.py``: the cos/sin a call reads, however the model makes them;
-- ``probes.py``, ``compare.py``: probe values, the region run once, candidates compared;
-- ``search.py``: candidate calls tried on the probes, the first that agrees kept;
-- ``emitter.py``: what every rewrite inserts (fake values, the functional call);
-- ``scratch_buffers.py``: output buffers from the scratch arena.
+- ``rope_operands.py``: the cos/sin a call reads, however the model makes them.
 
-A family (``fusion/<family>.py``) borrows from here, never from another family.
-``MATCHING_MODULES`` lists these modules for the passes' uuids: editing one invalidates
-Inductor's cache for every pass that uses it.
+Which call computes a region, and how it goes into the graph, is ``fx_passes/rewrite``'s.
+A family (``fusion/<family>.py``) borrows from both, never from another family.
+``MATCHING_MODULES`` (and rewrite's ``REWRITE_MODULES``) list these modules for the passes'
+uuids: editing one invalidates Inductor's cache for every pass that uses it.
 """
 
 from prepfuse.fx_passes.matching import (
-    axes, canonical, compare, emitter, head_copies, layouts, nodes, probes, regions, rope_operands, scratch_buffers, search,
-    sources, writes,
+    axes, canonical, head_copies, layouts, nodes, regions, rope_operands, sources, writes,
 )
-
-MATCHING_MODULES = (nodes, canonical, writes, layouts, axes, regions, sources, head_copies, rope_operands, probes, compare,
-                    search, emitter, scratch_buffers)
+MATCHING_MODULES = (nodes, canonical, writes, layouts, axes, regions, sources, head_copies, rope_operands)
 
 __all__ = ["MATCHING_MODULES"]

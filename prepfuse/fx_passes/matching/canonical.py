@@ -35,7 +35,7 @@ graph nothing fuses in runs as before):
   ``copy(dst, src)`` of dst's shape is ``src`` in dst's dtype.
 
 What a family reads needs no more than this: which math a region computes is decided by
-running candidate calls against it on probes (``probes.py``), not by reading its spelling,
+running candidate calls against it on probes (``rewrite/probes.py``), not by reading its spelling,
 so ``rsqrt`` against ``1 / sqrt``, or complex against real-pair RoPE, need no rewrite here.
 """
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from prepfuse.fx_passes.matching.emitter import Emitter
+from prepfuse.fx_passes.rewrite.emitter import Emitter
 from prepfuse.fx_passes.matching.nodes import NoMatch
-from prepfuse.fx_passes.matching.probes import Mismatch, Probes
+from prepfuse.fx_passes.rewrite.probes import Mismatch, Probes
 
 __all__ = ["Candidate", "Agreed", "first_agreeing", "VALIDATE_MODES"]
 

@@ -17,7 +17,7 @@ from torch.testing import FileCheck
 
 from prepfuse.backend import PrepfuseBackend
 from prepfuse.fx_passes.fusion.dsv4 import Q_SCRATCH_BASE, UNUSED_CACHE_BASE
-from prepfuse.fx_passes.matching.scratch_buffers import emit_scratch, scratch_name, scratch_nodes
+from prepfuse.fx_passes.rewrite.scratch_buffers import emit_scratch, scratch_name, scratch_nodes
 from prepfuse.models import dsv4 as model
 from prepfuse.models.dsv4 import DSV4_SPELLINGS, Dsv4AttentionBlock, fp8_ds_mla_cache
 from prepfuse.ops import SCRATCH

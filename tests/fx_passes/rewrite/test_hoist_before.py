@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.matching.emitter import hoist_before
+from prepfuse.fx_passes.rewrite.emitter import hoist_before
 
 
 def graph_of(fn):

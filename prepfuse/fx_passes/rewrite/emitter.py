@@ -20,7 +20,7 @@ from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
 from prepfuse.fx_passes.matching.layouts import Layout, canonical_order
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, graph_order, prims, same_size, shape, val
-from prepfuse.fx_passes.matching.scratch_buffers import scratch_buffer
+from prepfuse.fx_passes.rewrite.scratch_buffers import scratch_buffer
 from prepfuse.ops import SCRATCH
 
 __all__ = ["Emitter", "as_layout"]

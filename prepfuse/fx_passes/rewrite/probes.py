@@ -36,7 +36,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from prepfuse.fx_passes.matching.compare import Checked, Mismatch, compare
+from prepfuse.fx_passes.rewrite.compare import Checked, Mismatch, compare
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, concrete, is_op, shape, val
 from prepfuse.fx_passes.matching.regions import backward, leaves
 from prepfuse.ops import SCRATCH

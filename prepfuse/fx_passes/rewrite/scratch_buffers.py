@@ -14,7 +14,7 @@ previous call wrote (``af[q_out]``), which the op overwrites whole; Inductor the
 one buffer written twice and its scheduler orders the reads of the first contents
 before the second write. But only reads it *schedules* there: a pointwise reader (a cast,
 a scale) may be inlined into a later kernel, which then reads the buffer after the
-second write (seen on torch 2.13: ``tests/fx_passes/matching/test_scratch_buffers.py``,
+second write (seen on torch 2.13: ``tests/fx_passes/rewrite/test_scratch_buffers.py``,
 ``cast_then_together``). So a call chains onto the previous contents only when every
 path of readers from them (views, pointwise ops, anything Inductor may inline) ends,
 before the new call, in a node that Inductor runs as an extern call or matmul and that
