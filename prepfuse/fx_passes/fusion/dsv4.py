@@ -37,7 +37,7 @@ from prepfuse.fx_passes.rewrite.compare import Checked
 from prepfuse.fx_passes.rewrite.emitter import Emitter
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, graph_order, prims, same_size, shape, val, where
 from prepfuse.fx_passes.rewrite.probes import Probes
-from prepfuse.fx_passes.matching.regions import backward, constants
+from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
 from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import prepared, projection_starts, row_sources, weight_like
@@ -185,6 +185,11 @@ class FuseDsv4PrepPass(PrepfusePass):
 
     def _emitter_of(self, q, p, kv, kv_src, rope, eps):
         def emit_it(emit: Emitter):
+            # what the call computes must not read a float only the run knows (its fp8 range, eps)
+            if q is not None:
+                expect_no_runtime_floats(backward([p.node], cut={q.start.node}))
+            if kv is not None:
+                expect_no_runtime_floats(backward([first_rows(kv.data.write), kv.scales.rows], cut={kv_src}))
             device = val(q.start.source if q else kv.data.rows).device
             checked, written = [], []
             if q is not None:

@@ -41,7 +41,7 @@ from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, concrete, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
 )
 from prepfuse.fx_passes.rewrite.probes import Probes
-from prepfuse.fx_passes.matching.regions import backward, constants, leaves, operands
+from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, leaves, operands
 from prepfuse.fx_passes.matching.rope_operands import emit_rope, per_token_operands, rope_forms
 from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import (
@@ -227,8 +227,8 @@ class FuseGqaPrepPass(PrepfusePass):
         try:
             self._fuse(graph, read or tails, k, v)
         except NoMatch as first:
-            if not (read and tails):
-                raise
+            if not (read and tails) or not str(getattr(first, "mismatch", "")).startswith("q_out"):
+                raise  # k or v differ (or no call could be made): another q changes nothing
             try:
                 self._fuse(graph, tails, k, v)
             except NoMatch:
@@ -296,22 +296,10 @@ class FuseGqaPrepPass(PrepfusePass):
 
 
 def _expect_no_runtime_floats(k: KvWrite, scales) -> None:
-    """Decline where the math reads a one-value float graph input other than a kv scale: a
-    Python float (eps, a RoPE attention scaling) that ``dynamic=True`` turned into an input
-    (Dynamo's ``specialize_float`` off), which the op would need as a number. A scale
-    computed from a 0-d input (``scale.reciprocal()``) is a scale."""
+    """Decline where k's math reads a runtime float other than a kv scale (``regions``); a
+    scale computed from a 0-d input (``scale.reciprocal()``) is a scale."""
     scales = {n for s in scales if s is not None for n in (s, *leaves(backward([s])))}
-    for n in leaves(k.region):
-        v = val(n)
-        if n.op == "placeholder" and n not in scales and isinstance(v, torch.Tensor) and v.dim() == 0 \
-                and v.dtype.is_floating_point:
-            reader, frontier = n, list(n.users)
-            while frontier and not reader.meta.get("stack_trace"):  # the first reader with a source line
-                reader = frontier.pop(0)
-                frontier += list(reader.users)[:2]
-            raise NoMatch(f"a value at {where(reader)} is a 0-d tensor the graph reads at run time (dynamic=True "
-                          "makes a Python float a graph input unless torch._dynamo.config.specialize_float is set); "
-                          "the op takes it as a number")
+    expect_no_runtime_floats(k.region, scales)
 
 
 def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, checked_kv, with_q: bool):

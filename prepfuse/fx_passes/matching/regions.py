@@ -25,9 +25,10 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.axes import ELEMENTWISE, _REDUCTIONS, _TAIL_STEPS
-from prepfuse.fx_passes.matching.nodes import VIEW_OPS, WRITE_VIEWS, aten, graph_order, prims
+from prepfuse.fx_passes.matching.nodes import VIEW_OPS, WRITE_VIEWS, NoMatch, aten, graph_order, prims, val, where
 
-__all__ = ["PREP_STEPS", "is_leaf", "backward", "leaves", "depends_on", "operands", "constants"]
+__all__ = ["PREP_STEPS", "is_leaf", "backward", "leaves", "depends_on", "operands", "constants",
+           "expect_no_runtime_floats"]
 
 # steps a region may hold: elementwise math, per-head steps, views, gathers, writes, creation
 PREP_STEPS = frozenset({
@@ -136,3 +137,21 @@ def constants(region: list[torch.fx.Node], sources: set, memo: dict) -> list[flo
                 seen.append(a)
     return seen
 
+
+
+def expect_no_runtime_floats(region: list[torch.fx.Node], allowed=frozenset()) -> None:
+    """Decline where ``region`` reads a one-value float graph input not in ``allowed``: a
+    Python float (eps, an fp8 range, a RoPE scaling) that ``dynamic=True`` made an input
+    (Dynamo's ``specialize_float`` off). The op would need it as a number, which only the
+    run knows; a probe value for it says nothing about the run's."""
+    for n in leaves(region):
+        v = val(n)
+        if n.op == "placeholder" and n not in allowed and isinstance(v, torch.Tensor) and v.dim() == 0 \
+                and v.dtype.is_floating_point:
+            reader, frontier = n, list(n.users)
+            while frontier and not reader.meta.get("stack_trace"):  # the first reader with a source line
+                reader = frontier.pop(0)
+                frontier += list(reader.users)[:2]
+            raise NoMatch(f"a value at {where(reader)} is a 0-d tensor the graph reads at run time (dynamic=True "
+                          "makes a Python float a graph input unless torch._dynamo.config.specialize_float is set); "
+                          "the op takes it as a number")

@@ -75,6 +75,8 @@ class Probes:
             raise NoMatch(f"the region reads more than {MAX_REGION_NODES} steps back from what it writes: not one "
                           "layer's preparation")
         device = next((val(o).device for o in outputs if isinstance(val(o), torch.Tensor)), torch.device("cpu"))
+        # a dynamic size counts at its traced value: comparing the symbol would add a guard
+        slots, positions, block_size = (None if n is None else concrete(n) for n in (slots, positions, block_size))
         self.limits = _Limits(slots, positions, block_size, repeats=device.type == "cpu")
         self._leaf_values: list[dict] = [{} for _ in range(NUM_PROBES)]
         self._region: list[dict | None] = [None] * NUM_PROBES

@@ -105,5 +105,7 @@ def _search(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> 
             structural = structural or f"{candidate.name}: {err}"
     if closest is not None:
         _, candidate, m = closest
-        raise NoMatch(f"closest: {candidate.name}: {m}")
+        err = NoMatch(f"closest: {candidate.name}: {m}")
+        err.mismatch = m  # what differed, for a family that has other candidates for that output
+        raise err
     raise NoMatch(structural or "no candidate call")

@@ -373,8 +373,13 @@ def test_attention_block_dynamic():
     assert [r.pattern for r in report.rewrites if r.pass_name == PASS and r.kind == "matched"] == ["dsv4_q+kv"] * 2
     FileCheck().check_count("torch.ops.prepfuse.dsv4_qnorm_rope_kv_insert.default(", 2, exactly=True).run(code)
     torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)
+    _assert_layer_caches_close(caches, ref_caches, inputs.slot_mapping)
+
+
+def _assert_layer_caches_close(caches, ref_caches, slots):
+    """Layer 1's rows dequantised exactly as eager's, layer 2's within what its inputs moved."""
     for cache, ref_cache in zip(caches, ref_caches):
-        got, want = _dequantized_rows(cache, inputs.slot_mapping), _dequantized_rows(ref_cache, inputs.slot_mapping)
+        got, want = _dequantized_rows(cache, slots), _dequantized_rows(ref_cache, slots)
         if cache is caches[0]:  # layer 1 reads what eager reads
             assert torch.equal(got, want)
             continue
@@ -383,6 +388,38 @@ def test_attention_block_dynamic():
         step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp_min(2.0**-30))) - 3)
         bound = step + 2.0**-7 * want.abs().amax(dim=-1, keepdim=True)
         assert ((got - want).abs() <= bound).all()
+
+
+def test_attention_block_dynamic_true():
+    """``torch.compile(dynamic=True)``: every size symbolic, and Python floats graph inputs
+    unless ``specialize_float`` is set. The model's fp8 range (``amax / FP8_MAX``) is then a
+    value only the run knows, and the kv side is declined naming that line (q fuses); with
+    ``specialize_float`` both sides fuse, and a second token count runs without a recompile."""
+    block = Dsv4AttentionBlock(num_layers=2, num_heads=H, padded_heads=HP, block_size=BLOCK, spelling=DSV4_SPELLINGS[4])
+    inputs = make_inputs()
+    x = torch.randn(T, 64).to(torch.bfloat16)
+    args = (inputs.positions, inputs.slot_mapping, inputs.cos_sin_cache)
+    backend = PrepfuseBackend()
+    torch.compile(block, backend=backend, dynamic=True)(x, *args, [fp8_ds_mla_cache(5, BLOCK) for _ in range(2)])
+    patterns = [r.pattern for r in backend.reports.matches(PASS)]
+    assert patterns == ["dsv4_q"] * 2, backend.reports.format(verbose=True)
+    whys = [r.why for r in backend.reports.near_misses(PASS)]
+    assert len(whys) == 2 and all("amax / FP8_MAX" in w and "specialize_float" in w for w in whys), whys
+
+    torch._dynamo.reset()
+    backend = PrepfuseBackend({"strict": True})
+    with torch._dynamo.config.patch(specialize_float=True):
+        compiled = torch.compile(block, backend=backend, dynamic=True)
+        for tokens in (T, T - 2):
+            caches = [fp8_ds_mla_cache(5, BLOCK) for _ in range(2)]
+            ref_caches = [c.clone() for c in caches]
+            sized = (inputs.positions[:tokens].clone(), inputs.slot_mapping[:tokens].clone(), inputs.cos_sin_cache)
+            with torch._dynamo.config.patch(error_on_recompile=tokens != T):
+                out = compiled(x[:tokens].clone(), *sized, caches)
+            torch.testing.assert_close(out, block(x[:tokens], *sized, ref_caches), atol=0.1, rtol=0.05)
+            _assert_layer_caches_close(caches, ref_caches, sized[1])
+    patterns = [r.pattern for r in backend.reports.matches(PASS)]
+    assert patterns == ["dsv4_q+kv"] * 2, backend.reports.format(verbose=True)
 
 
 # --------------------------------------------------------------------------------------
