@@ -13,34 +13,21 @@ vLLM owns Inductor's ``post_grad_custom_post_pass`` hook: it installs its
     ...
     print(prepfuse_pass.reports.format())
 
-``PostGradPassManager.add(prepfuse_pass)`` takes it as well. vLLM wraps any other callable
-in a ``CallableInductorPass`` whose uuid hashes the callable's class source only, so that
-prepfuse's options would not reach Inductor's cache key: hence this class.
+``PostGradPassManager.add(prepfuse_pass)`` takes it as well. Any other callable vLLM wraps in
+a ``CallableInductorPass`` hashing its class source only, so prepfuse's options would not reach
+Inductor's cache key: hence this class.
 
-Where it runs (vLLM 0.33 ``PostGradPassManager.__call__``): after vLLM's own passes
-(no-op elimination, its fusions), before vLLM's cleanup (topological sort, dead-code
-elimination), IR lowering, clone elimination and ``fix_functionalization``. prepfuse's
-passes therefore read the functional graph, as under ``backend="prepfuse"``, with vLLM's
-IR ops (its RMSNorm's ``vllm.ir`` calls) not lowered yet: what prepfuse fuses is plain
-PyTorch math, not vLLM's own layers.
+It runs after vLLM's own passes and before its cleanup, IR lowering and
+``fix_functionalization`` (vLLM 0.33), so prepfuse reads the functional graph, with vLLM's IR
+ops not lowered yet: it fuses plain PyTorch math, not vLLM's own layers. Each op is
+defunctionalized once: prepfuse's ``defunctionalize`` takes the ``namespaces`` option's ops,
+vLLM's pass the rest. Under vLLM's ``auto_functionalized`` v1 a prepfuse call whose written
+arguments share storage is declined (left to Inductor; a ``strict`` compile fails).
 
-Each op is defunctionalized once. prepfuse's ``defunctionalize`` takes the ops of the
-``namespaces`` option (default prepfuse's own); vLLM's ``fix_functionalization`` then finds
-its ops (``_C``, ``vllm``) still ``auto_functionalized`` and rewrites them. Naming ``_C`` or
-``vllm`` in ``namespaces`` hands their calls to prepfuse's pass first; a call it declines
-stays for vLLM's. vLLM compiles with ``auto_functionalized`` v1, where prepfuse's pass
-declines a call whose written arguments share storage (k and v caches taken from one
-buffer, q and k split from one qkv): vLLM's pass rewrites its own such calls by pattern,
-and a prepfuse op's is left to Inductor (and fails a ``strict`` compile).
-
-Options are ``PrepfuseOptions``, less those that patch Inductor's config, which here is
-vLLM's (``CompilationConfig.inductor_compile_config``): ``inductor_config`` and
-``auto_functionalized_v2``, and ``splitting_ops`` / ``cudagraphs`` (vLLM splits the graph
-and captures CUDA graphs itself). ``debug_dir`` and ``record_graphs`` cover the graphs the
-passes run on: vLLM keeps Inductor's FX graph cache on, and a graph served from it ran no
-pass and gets no report. Reports stay in the process that compiles, which in vLLM is its
-engine's (a process of its own unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one GPU):
-the pass crosses processes as its options, without reports or ``on_report``.
+Options are ``PrepfuseOptions`` less those that patch Inductor's config, which is vLLM's here
+(``inductor_config``, ``auto_functionalized_v2``, ``splitting_ops``, ``cudagraphs``). A graph
+served from vLLM's FX graph cache ran no pass and gets no report; reports stay in the process
+that compiles (vLLM's engine process): the pass crosses processes as its options alone.
 """
 
 from __future__ import annotations
