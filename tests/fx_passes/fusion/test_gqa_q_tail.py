@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from prepfuse.backend import PrepfuseBackend
-from tests.fx_passes.fusion.test_gqa_shared_buffers import BLOCK, BLOCKS, D, HKV, HQ, T, prepared, split_qkv
+from tests.fx_passes.fusion.test_gqa_shared_buffers import BLOCK, D, HQ, T, prepared, split_qkv
+from tests.fx_passes.fusion.test_gqa_strided_heads import inputs as head_layout_inputs
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
@@ -42,14 +43,8 @@ def scaled_by_a_tensor(qkv, w, table, positions, slots, k_cache, v_cache, scale)
     return q * scale
 
 
-def inputs(seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(T, (HQ + 2 * HKV) * D, generator=gen).to(torch.bfloat16)
-    weights = tuple((1 + 0.3 * torch.randn(D, generator=gen)).to(torch.bfloat16) for _ in range(2))
-    table = 2 * torch.rand(64, D, generator=gen) - 1
-    positions, slots = torch.arange(T) + 3, torch.tensor([5, 9, 17, 2, 30, 11])
-    caches = [torch.randn(BLOCKS, BLOCK, HKV, D, generator=gen).to(torch.bfloat16) for _ in range(2)]
-    return qkv, weights, table, positions, slots, caches
+def inputs():
+    return head_layout_inputs(HQ)
 
 
 @pytest.mark.parametrize("fn", [scaled_in_place, divided_after_a_view])
