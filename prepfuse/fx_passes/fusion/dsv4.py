@@ -31,19 +31,19 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import dsv4_padding
 from prepfuse.fx_passes.fusion.dsv4_padding import head_padding
 from prepfuse.fx_passes.matching import MATCHING_MODULES
-from prepfuse.fx_passes.rewrite import REWRITE_MODULES
 from prepfuse.fx_passes.matching.axes import base_columns
-from prepfuse.fx_passes.rewrite.compare import Checked
-from prepfuse.fx_passes.rewrite.emitter import Emitter
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, graph_order, prims, same_size, shape, val, where
-from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
-from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import prepared, projection_starts, row_sources, weight_like
 from prepfuse.fx_passes.matching.writes import (
     ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
 )
+from prepfuse.fx_passes.rewrite import REWRITE_MODULES
+from prepfuse.fx_passes.rewrite.compare import Checked
+from prepfuse.fx_passes.rewrite.emitter import Emitter
+from prepfuse.fx_passes.rewrite.probes import Probes
+from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, SLOT_BYTES
 
@@ -140,7 +140,7 @@ class FuseDsv4PrepPass(PrepfusePass):
         found = []
         for start in projection_starts(graph, HEAD_DIM, (torch.bfloat16, torch.float16), avoid=kv_starts):
             cands = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=(torch.bfloat16, torch.float16))
-                     if not p.tail and per_token_operands(p.operands, weight_like) and len(shape(p.node)) >= 3
+                     if per_token_operands(p.operands, weight_like) and len(shape(p.node)) >= 3
                      and shape(p.node)[-1] == HEAD_DIM]
             if cands:
                 found.append(QSide(start, cands, cands[0].heads))

@@ -34,21 +34,21 @@ import torch.fx
 
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.matching import MATCHING_MODULES
-from prepfuse.fx_passes.rewrite import REWRITE_MODULES
 from prepfuse.fx_passes.matching.axes import base_columns
-from prepfuse.fx_passes.rewrite.compare import Checked, Exact
-from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, expect, graph_order, is_op, prims, same_size, shape, val, where,
 )
-from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.matching.regions import backward, leaves, operands
 from prepfuse.fx_passes.matching.rope_operands import RopeOperand, emit_table, per_token_operands, rope_forms
-from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import dim_roles, prepared, projection_starts, row_sources, weight_like
 from prepfuse.fx_passes.matching.writes import (
     ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
 )
+from prepfuse.fx_passes.rewrite import REWRITE_MODULES
+from prepfuse.fx_passes.rewrite.compare import Checked, Exact
+from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout
+from prepfuse.fx_passes.rewrite.probes import Probes
+from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_INDEXER_ROPE_MXFP4_INSERT, SCRATCH
 from prepfuse.ops.dsv4_indexer_common import HEAD_DIM, MXFP4_BLOCKS, MXFP4_PACKED, ROPE_DIM
 
@@ -187,8 +187,7 @@ class _FuseDsv4IndexerPass(PrepfusePass):
             tokens = base_columns(start.source, HEAD_DIM)[0]
             outputs = {}
             for name, width, dtype in self.fmt.q_outputs:
-                cands = [p for p in prepared(start, HEAD_DIM, tokens, dtypes=(dtype,))
-                         if not p.tail and shape(p.node)[-1] == width]
+                cands = [p for p in prepared(start, HEAD_DIM, tokens, dtypes=(dtype,)) if shape(p.node)[-1] == width]
                 if cands:
                     outputs[name] = cands[0]
             if "q_out" not in outputs:

@@ -33,22 +33,22 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_calls
 from prepfuse.fx_passes.fusion.gqa_calls import CacheView, Math, cache_view, emit_slots, math_candidates
 from prepfuse.fx_passes.matching import MATCHING_MODULES, head_copies
-from prepfuse.fx_passes.rewrite import REWRITE_MODULES
-from prepfuse.fx_passes.rewrite.compare import Checked
-from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout, viewed_call
 from prepfuse.fx_passes.matching.layouts import Layout
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, concrete, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
 )
-from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, leaves, operands
 from prepfuse.fx_passes.matching.rope_operands import emit_rope, per_token_operands, rope_forms
-from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.fx_passes.matching.sources import (
     Start, Traced, column_starts, copy_start, dim_roles, heads_of, is_copy, prepared, projection_input, token_dims_order,
     trace, unpadded_rows, weight_like,
 )
 from prepfuse.fx_passes.matching.writes import RowsWrite, before_cast, first_rows, rows_writes
+from prepfuse.fx_passes.rewrite import REWRITE_MODULES
+from prepfuse.fx_passes.rewrite.compare import Checked
+from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout, viewed_call
+from prepfuse.fx_passes.rewrite.probes import Probes
+from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT, GQA_SEPARATE_QKNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import HEAD_DIMS
 
@@ -215,7 +215,7 @@ class FuseGqaPrepPass(PrepfusePass):
         found = []
         for start in starts:
             found += [Q(start, p.node, p.layout, p.heads, _weight(p.operands), p.tail)
-                      for p in prepared(start, d, start.tokens)]
+                      for p in prepared(start, d, start.tokens, tails=True)]
         expect(found, "q: no prepared q (rotated heads of the q projection read by a later step) goes with k")
         return found
 
@@ -227,7 +227,8 @@ class FuseGqaPrepPass(PrepfusePass):
         try:
             self._fuse(graph, read or tails, k, v)
         except NoMatch as first:
-            if not (read and tails) or not str(getattr(first, "mismatch", "")).startswith("q_out"):
+            differed = getattr(first, "mismatch", None)  # search's closest candidate, where one ran
+            if not (read and tails) or differed is None or differed.output != "q_out":
                 raise  # k or v differ (or no call could be made): another q changes nothing
             try:
                 self._fuse(graph, tails, k, v)

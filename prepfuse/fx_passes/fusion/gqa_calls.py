@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.rewrite.emitter import Emitter
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, concrete, expect, is_op, same_size, shape, val, where
 from prepfuse.fx_passes.matching.rope_operands import RopeOperand
 from prepfuse.fx_passes.matching.writes import RowsWrite
+from prepfuse.fx_passes.rewrite.emitter import Emitter
 
 __all__ = ["CacheView", "cache_view", "emit_slots", "Math", "math_candidates"]
 

@@ -19,6 +19,7 @@ uuids: editing one invalidates Inductor's cache for every pass that uses it.
 from prepfuse.fx_passes.matching import (
     axes, canonical, head_copies, layouts, nodes, regions, rope_operands, sources, writes,
 )
+
 MATCHING_MODULES = (nodes, canonical, writes, layouts, axes, regions, sources, head_copies, rope_operands)
 
 __all__ = ["MATCHING_MODULES"]

@@ -47,8 +47,8 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.nodes import (
-    CONVERTS, RESHAPES, VIEW_OPS, NoMatch, aten, is_op, prims, remove_dead, scalar, scatter_back, shape, slice_params,
-    val, view_chain,
+    CONVERTS, RESHAPES, VIEW_OPS, NoMatch, aten, call_node, is_op, prims, remove_dead, scalar, scatter_back, shape,
+    slice_params, val, view_chain,
 )
 
 __all__ = ["canonicalize", "PURE_STEPS", "merge_repeated_steps", "reads_through_scatters"]
@@ -182,16 +182,16 @@ def _one_write_per_piece(graph) -> int:
         with graph.inserting_before(after.next):
             for piece, size in zip(parts, sizes):
                 if not isinstance(piece, torch.fx.Node):  # (base, start, end): what a scatter left of base
-                    piece = _call(graph, aten.slice.Tensor, (piece[0], dim, piece[1], piece[2]), meta=node.meta)
+                    piece = call_node(graph, aten.slice.Tensor, (piece[0], dim, piece[1], piece[2]), meta=node.meta)
                 views = [root]
                 for step in chain:  # the view, taken from the buffer's latest value
-                    views.append(_call(graph, step.target, (views[-1], *step.args[1:]), step.kwargs, node.meta))
-                part = _call(graph, aten.slice.Tensor, (views[-1], target_dim, start, start + size), meta=node.meta)
-                new = _call(graph, aten.index_put.default, (part, list(indices), piece), meta=node.meta)
-                new = _call(graph, aten.slice_scatter.default, (views[-1], new, target_dim, start, start + size),
+                    views.append(call_node(graph, step.target, (views[-1], *step.args[1:]), step.kwargs, node.meta))
+                part = call_node(graph, aten.slice.Tensor, (views[-1], target_dim, start, start + size), meta=node.meta)
+                new = call_node(graph, aten.index_put.default, (part, list(indices), piece), meta=node.meta)
+                new = call_node(graph, aten.slice_scatter.default, (views[-1], new, target_dim, start, start + size),
                             meta=node.meta)
                 for step, base in zip(reversed(chain), reversed(views[:-1])):  # scattered back, view by view
-                    new = _call(graph, _SCATTER_OF[step.target], (base, new, *step.args[1:]), step.kwargs, node.meta)
+                    new = call_node(graph, _SCATTER_OF[step.target], (base, new, *step.args[1:]), step.kwargs, node.meta)
                 root, start = new, start + size
         after.replace_all_uses_with(root)
         remove_dead([after])
@@ -217,16 +217,6 @@ def _pieces(values: torch.fx.Node):
     dim %= len(shape(base))
     parts = ([(base, 0, start)] if start else []) + [src] + ([(base, end, size)] if end < size else [])
     return dim, parts
-
-
-def _call(graph, target, args, kwargs=None, meta=None) -> torch.fx.Node:
-    """A new node computing ``target(*args)``, its fake value computed from its inputs'."""
-    node = graph.call_function(target, tuple(args), dict(kwargs or {}))
-    if meta:
-        node.meta.update(meta)
-    fake_args, fake_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), val)
-    node.meta["val"] = target(*fake_args, **fake_kwargs)
-    return node
 
 
 def _is_expand_of(index: torch.fx.Node, idx: torch.fx.Node, dim: int) -> bool:

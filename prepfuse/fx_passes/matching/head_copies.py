@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.matching.nodes import aten, shape, val
+from prepfuse.fx_passes.matching.nodes import aten, call_node, shape
 from prepfuse.fx_passes.matching.sources import COLUMN_VIEWS, TOKEN_DIMS, is_copy, replayed_views
 
 __all__ = ["HeadCopy", "copy_strided_heads", "undo"]
@@ -91,22 +91,16 @@ def _strided_heads_order(out: torch.Tensor, tokens: int, width: int, head_dim: i
 
 def _copy(graph: torch.fx.Graph, view: torch.fx.Node, order: list[int], token_dims: int) -> HeadCopy:
     readers = list(view.users)
-    made, node = [], view
     identity = order == list(range(len(order)))
-    steps = [] if identity else [(aten.permute.default, lambda n: [n, order])]
-    steps.append((aten.clone.default, lambda n: [n]))
-    if not identity:
-        inverse = sorted(range(len(order)), key=order.__getitem__)
-        steps.append((aten.permute.default, lambda n: [n, inverse]))
-    for target, args_of in steps:
-        with graph.inserting_after(node):
-            new = graph.call_function(target, tuple(args_of(node)),
-                                      {"memory_format": torch.contiguous_format} if target is aten.clone.default else {})
-        new.meta["val"] = target(*[val(a) if isinstance(a, torch.fx.Node) else a for a in new.args], **new.kwargs)
-        if target is aten.clone.default:
-            new.meta[TOKEN_DIMS] = token_dims  # its tokens lead: [.., tokens, heads, D]
-        made.append(new)
-        node = new
+    made, node = [], view
+    with graph.inserting_before(view.next):  # in order, right after the view
+        if not identity:
+            made.append(node := call_node(graph, aten.permute.default, [node, order]))
+        made.append(node := call_node(graph, aten.clone.default, [node], {"memory_format": torch.contiguous_format}))
+        node.meta[TOKEN_DIMS] = token_dims  # its tokens lead: [.., tokens, heads, D]
+        if not identity:
+            inverse = sorted(range(len(order)), key=order.__getitem__)
+            made.append(node := call_node(graph, aten.permute.default, [node, inverse]))
     for reader in readers:
         reader.replace_input_with(view, node)
     return HeadCopy(view, readers, made)

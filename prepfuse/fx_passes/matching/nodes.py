@@ -27,7 +27,7 @@ INT_MAX = 2**63 - 1
 
 __all__ = ["NoMatch", "expect", "is_op", "val", "shape", "same_size", "same_shape", "scalar", "concrete", "where",
            "aten", "prims", "RESHAPES", "CONVERTS", "VIEW_OPS", "WRITE_VIEWS", "INT_MAX", "view_chain",
-           "scatter_back", "slice_params", "getitem_of", "graph_order", "remove_dead"]
+           "scatter_back", "slice_params", "getitem_of", "graph_order", "remove_dead", "call_node"]
 
 
 class NoMatch(Exception):
@@ -50,6 +50,17 @@ def val(node):
 
 def shape(node) -> tuple:
     return tuple(val(node).shape)
+
+
+def call_node(graph: torch.fx.Graph, target, args, kwargs=None, meta=None) -> torch.fx.Node:
+    """A new node computing ``target(*args)`` where the graph inserts now, its fake value
+    computed from its inputs'; ``meta`` (a source line's) copied onto it."""
+    node = graph.call_function(target, tuple(args), dict(kwargs or {}))
+    if meta:
+        node.meta.update(meta)
+    fake_args, fake_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), val)
+    node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
 
 
 def same_size(a, b) -> bool:

@@ -374,12 +374,14 @@ class Prepared:
     tail: bool = False  # only later steps of the q read it: a view, or a scaling by a number, of it is read
 
 
-def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.float32)) -> list[Prepared]:
+def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.float32),
+             tails: bool = False) -> list[Prepared]:
     """Every node carried from ``start`` (heads of ``head_dim``) that a step outside the
     carried set reads (attention, a matmul, the graph's output), whole heads per token in
-    some layout, latest first: the candidates for "the prepared q". After them, marked
-    ``tail``, what those are views or number scalings of (``q = rope(q).transpose(1, 2)``
-    then ``q.mul_(scaling)``): the op's q, with the model's scaling left after it."""
+    some layout, latest first: the candidates for "the prepared q". With ``tails``, after
+    them and marked ``tail``, what those are views or number scalings of (``q =
+    rope(q).transpose(1, 2)`` then ``q.mul_(scaling)``): the op's q, with the model's scaling
+    left after it."""
     base = start.layout(head_dim)
     if base is None:
         return []
@@ -400,15 +402,18 @@ def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.
     order = graph_order(start.node.graph)
     outside = sorted((n for n in carried if not all(u in carried for u in n.users)), key=lambda n: -order[n])
     read = [p for p in map(as_prepared, outside) if p]
-    tails = []
+    if not tails:
+        return read
+    found, seen = [], {p.node for p in read}
     for node in outside:
         node = _tail_input(node, carried)
-        while node is not None and node not in {t.node for t in read + tails}:
+        while node is not None and node not in seen:
+            seen.add(node)
             t = as_prepared(node, tail=True)
             if t is not None:
-                tails.append(t)
+                found.append(t)
             node = _tail_input(node, carried)
-    return read + tails
+    return read + found
 
 
 _TAIL_VIEWS = (*RESHAPES, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,

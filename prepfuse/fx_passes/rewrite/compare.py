@@ -42,9 +42,10 @@ FLOAT_BOUND = 2.0**-6
 class Mismatch(NoMatch):
     """A candidate call differs from the region: on which probe, and in how many values."""
 
-    def __init__(self, message: str, probe: int, bad: int, total: int):
+    def __init__(self, message: str, probe: int, bad: int, total: int, output: str = ""):
         super().__init__(message)
         self.probe, self.bad, self.total = probe, bad, total
+        self.output = output  # the checked output that differed (``Checked.name``)
 
     def closeness(self) -> tuple:
         """Larger is closer: passed more probes, then fewer values outside the bound."""
@@ -90,7 +91,7 @@ def _largest_before_cast(pairs, values: dict) -> float | None:
 def compare(c: Checked, got, want, probe: int, values: dict) -> None:
     """Raise ``probes.Mismatch`` where ``got`` (the call's) is not ``want`` (the region's)."""
     def fail(message: str, bad: int = 1, total: int = 1):
-        raise Mismatch(message, probe, bad, total)
+        raise Mismatch(message, probe, bad, total, c.name)
 
     if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
         fail(f"{c.name} is not one tensor on both sides")
@@ -147,14 +148,14 @@ def compare(c: Checked, got, want, probe: int, values: dict) -> None:
 def _compare_exact(name: str, got: torch.Tensor, want: torch.Tensor, probe: int) -> None:
     a, b = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
     if a.shape != b.shape:
-        raise Mismatch(f"{name} has shape {tuple(a.shape)}, the code's {tuple(b.shape)}", probe, 1, 1)
+        raise Mismatch(f"{name} has shape {tuple(a.shape)}, the code's {tuple(b.shape)}", probe, 1, 1, name)
     bad = a != b
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])
         what = "unit-scale probe" if probe == 0 else "edge-value probe"
         raise Mismatch(f"{name} differs at {list(index)}: got 0x{int(a[index]):02x}, the code gives "
                        f"0x{int(b[index]):02x} ({int(bad.sum())} of {bad.numel()} bytes differ where every spelling "
-                       f"of the math gives the same bytes, on the {what})", probe, int(bad.sum()), bad.numel())
+                       f"of the math gives the same bytes, on the {what})", probe, int(bad.sum()), bad.numel(), name)
 
 
 def _nan_past_448_step(got, want, a, b) -> torch.Tensor:
