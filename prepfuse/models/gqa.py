@@ -29,9 +29,9 @@ Against the op: the ``hf`` norm is the op's step for step (same bits on the CPU)
 ``halves`` and ``gptj`` RoPE equal it bit for bit; ``hf_bf16`` rounds in bf16 three times and
 differs on about 40% of the rotated values by at most about ``2^-7 * (|a| + |b|)`` (the op is the
 more accurate); fp8 rows are the op's quantisation of the bf16 rows. :data:`GQA_LOOKALIKES` look
-the same and compute something else (eps differing between q and k norm, a rotation by minus the
-angle, fp16), or the same math another way (each row one row further into its block, a multiply by
-``1/kv_scale``). Eager index assignment writes a negative slot through Python's wraparound; the
+the same and compute something else (eps differing between q and k norm, ``rotate_half``
+without its sign, which is no rotation, fp16), or the same math another way (each row one row
+further into its block, a multiply by ``1/kv_scale``). Eager index assignment writes a negative slot through Python's wraparound; the
 fused call does the same (the pass emits ``wrap_indices=True``).
 """
 
@@ -47,7 +47,7 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import FP8_MAX, HEAD_DIMS, unchecked
 
 _NORMS = ("hf", "none", "weight_in_fp32", "gemma")
 _SPLITS = ("split", "slice", "separate")
-_ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_reversed")
+_ROPES = ("hf_bf16", "hf_fp32", "halves", "gptj", "hf_unsigned")
 _CACHE_LAYOUTS = ("slots_heads", "heads_slots", "flat", "slot_view", "sequence", "sequence_index_copy", "next_row")
 _FP8_SCALINGS = ("div", "mul_reciprocal")
 
@@ -124,7 +124,7 @@ GQA_SPELLINGS: tuple[GqaSpelling, ...] = (
 # ``cache_row_offset_by_one``, fused as a (block, row) write: test_gqa says why).
 GQA_LOOKALIKES: tuple[GqaSpelling, ...] = (
     GqaSpelling("k_norm_eps_differs", rope="hf_fp32", k_eps=1e-5),
-    GqaSpelling("rotate_half_reversed", rope="hf_reversed"),
+    GqaSpelling("rotate_half_unsigned", rope="hf_unsigned"),
     GqaSpelling("cache_row_offset_by_one", cache_layout="next_row"),
     GqaSpelling("fp8_mul_reciprocal", rope="hf_fp32", cache_dtype=torch.float8_e4m3fn, fp8_scaling="mul_reciprocal"),
     GqaSpelling("float16", dtype=torch.float16, cache_dtype=torch.float16),
@@ -203,9 +203,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spelling: GqaSpe
     rot_dim = spelling.rotary_dim or x.shape[-1]
     rot, rest = (x, None) if rot_dim == x.shape[-1] else (x[..., :rot_dim], x[..., rot_dim:])
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # every head
-    if spelling.rope in ("hf_bf16", "hf_reversed"):  # HF: cos/sin in the activation dtype, three roundings
+    if spelling.rope in ("hf_bf16", "hf_unsigned"):  # HF: cos/sin in the activation dtype, three roundings
         cos, sin = torch.cat((cos, cos), dim=-1).to(x.dtype), torch.cat((sin, sin), dim=-1).to(x.dtype)
-        rotated = rotate_half(rot) if spelling.rope == "hf_bf16" else -rotate_half(rot)  # look-alike: rotates by -angle
+        # look-alike: cat((x2, x1)) mixes each pair with one sign, no rotation either way
+        rotated = rotate_half(rot) if spelling.rope == "hf_bf16" else rot.roll(rot.shape[-1] // 2, -1)
         out = (rot * cos) + (rotated * sin)
     elif spelling.rope == "hf_fp32":
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

@@ -24,6 +24,7 @@ admits that and nothing structural (``rewrite/compare.py``).
 
 from __future__ import annotations
 
+from math import isfinite
 from dataclasses import dataclass
 
 import torch
@@ -224,8 +225,8 @@ class FuseGqaPrepPass(PrepfusePass):
         """The q later steps read first; where none agrees, what those are views or number
         scalings of (the model scales q after its RoPE: the scaling stays the model's)."""
         read, tails = [q for q in qs if not q.tail], [q for q in qs if q.tail]
-        try:
-            self._fuse(graph, read or tails, k, v)
+        try:  # a factor on q's weight only where no scaling after the rotation can stay the model's
+            self._fuse(graph, read or tails, k, v, q_factors=not tails)
         except NoMatch as first:
             differed = getattr(first, "mismatch", None)  # search's closest candidate, where one ran
             if not (read and tails) or differed is None or differed.output != "q_out":
@@ -235,7 +236,7 @@ class FuseGqaPrepPass(PrepfusePass):
             except NoMatch:
                 raise first from None
 
-    def _fuse(self, graph, qs: list[Q], k: KvWrite, v: KvWrite) -> None:
+    def _fuse(self, graph, qs: list[Q], k: KvWrite, v: KvWrite, q_factors: bool = False) -> None:
         shared = _shared_root(k, v)
         # before the first reader of anything the call may replace (any q candidate)
         readers = [u for o in ([q.prepared for q in qs] + ([shared[1]] if shared else [k.write.after, v.write.after]))
@@ -253,8 +254,9 @@ class FuseGqaPrepPass(PrepfusePass):
         weight = _weight(k.operands)
         fp8 = val(k.write.target).dtype in (torch.float8_e4m3fn, torch.uint8)
         expect(not fp8 or scales[0] is not None, "fp8: no one-value scale of the k rows")
+        k_constants = constants(k.region, {k.start.node}, {})
         maths = math_candidates(ropes, val(weight).dtype if weight is not None else None, _reduces(k),
-                                constants(k.region, {k.start.node}, {}), fp8, _gptj_hint(k))
+                                k_constants, fp8, _gptj_hint(k), _q_factors(qs[0], k_constants) if q_factors else ())
         make = lambda: Emitter(graph, point, source=qs[0].prepared, readers=readers)  # noqa: E731
         checked_kv = lambda emit, outs: _kv_checked(k, v, shared, outs)  # noqa: E731
         if len(qs) == 1:  # one q: its call with each math, in one search
@@ -373,16 +375,29 @@ def _norm_weights(emit, math: Math, q: Q, k: KvWrite) -> dict:
     if math.norm == "unweighted":
         ones = emit.node(aten.full.default, [k.head_dim], 1.0, dtype=torch.float32, device=val(k.start.node).device,
                          pin_memory=False)
-        return {"q_norm_weight": ones, "k_norm_weight": ones}
-    weights = {}
-    for name, w in (("q_norm_weight", q.weight), ("k_norm_weight", _weight(k.operands))):
-        expect(w is not None, f"norm: {name.split('_')[0]} has no [D] weight")
-        if math.norm == "fp32" and val(w).dtype != torch.float32:
+        weights = {"q_norm_weight": ones, "k_norm_weight": ones}
+    else:
+        weights = {}
+        for name, w in (("q_norm_weight", q.weight), ("k_norm_weight", _weight(k.operands))):
+            expect(w is not None, f"norm: {name.split('_')[0]} has no [D] weight")
+            if math.norm == "fp32" and val(w).dtype != torch.float32:
+                w = emit.node(prims.convert_element_type.default, w, torch.float32)
+            if tuple(shape(w)) != (k.head_dim,):
+                w = emit.node(aten.reshape.default, w, [k.head_dim])
+            weights[name] = w
+    if math.q_factor != 1.0:  # the factor rides on q's weight, in fp32 (a bf16 product would round it)
+        w = weights["q_norm_weight"]
+        if val(w).dtype != torch.float32:
             w = emit.node(prims.convert_element_type.default, w, torch.float32)
-        if tuple(shape(w)) != (k.head_dim,):
-            w = emit.node(aten.reshape.default, w, [k.head_dim])
-        weights[name] = w
+        weights["q_norm_weight"] = emit.node(aten.mul.Tensor, w, math.q_factor)
     return weights
+
+
+def _q_factors(q: Q, k_constants: list[float]) -> tuple:
+    """The numbers q's own steps use and k's do not (a factor between q's norm and its
+    rotation, where q's weight can carry it)."""
+    found = constants(backward([q.prepared], cut={q.start.node}), {q.start.node}, {})
+    return tuple(c for c in found if c not in k_constants and c not in (0.0, 1.0, -1.0) and isfinite(c))
 
 
 def _as_2d(emit, source):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -243,6 +243,7 @@ class Math:
     eps: float
     scale: str  # "none" | "divide" (rows / kv_scale) | "multiply" (rows * s: kv_scale = 1 / s)
     saturate: bool
+    q_factor: float = 1.0  # q's normed values times a number before the rotation (q's weight carries it)
 
     def describe(self) -> str:
         norm = {"none": "no q/k norm", "bf16": "q/k RMSNorm (bf16 weight after the rounding)",
@@ -253,12 +254,16 @@ class Math:
         if self.scale != "none":
             text += f", fp8 rows {'/ kv_scale' if self.scale == 'divide' else '* a scale'}" + \
                 ("" if self.saturate else ", NaN past 464")
+        if self.q_factor != 1.0:
+            text += f", q's normed values times {self.q_factor:g}"
         return text
 
 
 def math_candidates(ropes: list[RopeOperand], weight_dtype, has_reduction: bool, eps_values: list[float],
-                    fp8: bool, gptj_first: bool, limit: int = 64) -> list[Math]:
-    """Every ``Math`` the region's operands allow, likeliest first."""
+                    fp8: bool, gptj_first: bool, q_factors: tuple = (), limit: int = 64) -> list[Math]:
+    """Every ``Math`` the region's operands allow, likeliest first. ``q_factors``: numbers
+    only q's steps use (Muse's ``q_norm(q) * qk_scale_factor``), each offered as a factor of
+    q's norm weight after every candidate without one."""
     styles = (False, True) if gptj_first else (True, False)
     if weight_dtype == torch.bfloat16:
         norms = ("bf16", "fp32")
@@ -273,4 +278,6 @@ def math_candidates(ropes: list[RopeOperand], weight_dtype, has_reduction: bool,
     for rope, neox, norm in itertools.product(ropes, styles, norms):
         for e, scale, sat in itertools.product(eps if norm != "none" else [0.0], scales, saturates):
             found.append(Math(rope, neox, norm, e, scale, sat))
-    return found[:limit]
+    found = found[:limit]
+    scaled = [replace(m, q_factor=f) for f in q_factors for m in found if m.norm != "none"]
+    return found + scaled[:limit]

@@ -19,12 +19,17 @@ A ``w``-wide operand is offered as half of an ``R = 2w`` rotation, and as a full
 (``R = w``): by its first half where the probes show both halves equal (Hugging Face's
 ``cat((f, f))``), whole otherwise (``full_cos_sin``). Which form, and which of two
 operands is cos, the probes decide; the order here is only the likeliest first.
+
+A rotation runs one way or the other: ``rotate_half`` as ``cat((-x2, x1))`` turns each
+pair by +angle, as ``cat((x2, -x1))`` (nanochat's) by -angle, which is the op's rotation
+with sin negated. Each per-token form is offered turned the other way too, after every
+form turned the usual way, so a model of the usual direction never pays for it.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -50,13 +55,15 @@ class RopeOperand:
     half_of_full: bool = False  # R wide with equal halves, read by the first half
     pairs_of_full: bool = False  # R wide with equal adjacent pairs (``repeat_interleave``), read every other one
     rows: object = None  # values: rows of per-token values (tokens, or one sequence's positions)
+    reversed: bool = False  # values: the rotation turns by -angle (the call reads -sin)
 
     def describe(self) -> str:
         what = (f"a {str(val(self.cos).dtype).removeprefix('torch.')} table gathered by positions"
                 if self.kind == "table" else "the per-token cos/sin the model computes")
         how = (" (full width)" if self.full else " (the first half of two equal halves)" if self.half_of_full
                else " (every other one of equal pairs)" if self.pairs_of_full else "")
-        return f"{what}, rotary dim {self.rotary_dim}{how}"
+        turn = ", turned by -angle (sin negated)" if self.reversed else ""
+        return f"{what}, rotary dim {self.rotary_dim}{how}{turn}"
 
 
 def per_token_operands(operands: list[torch.fx.Node], weight_like) -> list[torch.fx.Node]:
@@ -151,7 +158,7 @@ def rope_forms(per_token: list[torch.fx.Node], num_tokens, head_dim: int, halves
         forms += _table_forms(cos, sin, head_dim) + _value_forms(cos, sin, head_dim, halves_equal, pairs_equal)
     for c in complexes:
         forms += _value_forms(c, None, head_dim, halves_equal, pairs_equal)
-    return forms
+    return forms + [replace(f, reversed=True) for f in forms if f.kind == "values"]
 
 
 def _table_forms(cos, sin, head_dim) -> list[RopeOperand]:
@@ -245,6 +252,8 @@ def emit_rope(emit, rope: RopeOperand, tokens, device) -> dict:
             rows = emit.node(aten.slice.Tensor, rows, 1, 0, rope.width, 2)
         if val(rows).dtype not in (torch.float32, torch.bfloat16):
             rows = emit.node(prims.convert_element_type.default, rows, torch.float32)
+        if name == "sin" and rope.reversed:
+            rows = emit.node(aten.neg.default, rows)
         operands[name] = _contiguous(emit, rows)
     positions = None
     token_count = val(tokens) if isinstance(tokens, torch.fx.Node) else tokens

@@ -450,7 +450,7 @@ def test_attention_block_dynamic(name, op):
 LOOKALIKE_CASES = [
     # (look-alike, declined candidates, words of the reason)
     ("k_norm_eps_differs", 1, "q_out differs"),  # the op's one eps cannot be both
-    ("rotate_half_reversed", 1, "differs at"),
+    ("rotate_half_unsigned", 1, "differs at"),
     ("float16", 2, "the cache is torch.float16"),
 ]
 
