@@ -12,7 +12,10 @@ Three implementations, one shape at a time (T tokens, H heads, HP padded heads, 
   on CUDA the Triton kernel);
 - ``eager``: ``prepfuse.models.dsv4_prep_unfused``, the same math as plain PyTorch ops;
 - ``compile``: that function under ``torch.compile`` (default mode, ``dynamic=False``,
-  ``fullgraph=True``).
+  ``fullgraph=True``);
+- ``vllm``: vLLM 0.33's own op for an fp8_ds_mla cache
+  (``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert``, ``bench/vllm_ops.py``), where its op
+  library is present (left out, with the reason in the JSON and the page, where it is not).
 
 Method (bench/README.md says more):
 
@@ -63,6 +66,7 @@ from pathlib import Path
 
 import torch
 
+import vllm_ops  # noqa: E402  (bench/ is on sys.path: the script's own folder)
 from harness import (  # noqa: E402  (harness also puts the repository on sys.path)
     CALLS_PER_GRAPH, COLD_FACTOR, MAX_COPIES, REPO_ROOT, IndexChecksOff, allow_recompiles, capture_graphs,
     classify_gpu_activities, count_launches, device_info, loud, measure_copy_bandwidth, measure_tiny_graph,
@@ -72,8 +76,9 @@ from harness import (  # noqa: E402  (harness also puts the repository on sys.pa
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import HEAD_DIM, ROPE_DIM, SLOT_BYTES
 
 OP = "dsv4_qnorm_rope_kv_insert"
-IMPLS = ("fused", "eager", "compile")
+IMPLS = ("fused", "eager", "compile", "vllm")
 BASELINES = ("eager", "compile")
+VLLM_LABEL = "vLLM 0.33 op, this run"
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 16384)
 DEFAULT_HEADS = (16, 64, 128)
 DEFAULT_BLOCK_SIZES = (64, 256)
@@ -242,6 +247,8 @@ def make_impls(names: list[str]) -> dict:
         elif name == "compile":
             compiled = compiled_unfused()
             impls[name] = lambda inp, f=compiled: f(*inp.args())
+        elif name == "vllm" and vllm_ops.load() is not None:
+            impls[name] = vllm_ops.load().dsv4_fp8_ds_mla_insert  # returns the padded q it allocates
     return impls
 
 
@@ -257,7 +264,10 @@ def _plan(args) -> tuple[list[tuple], list[dict]]:
             for t in sorted(args.tokens):
                 impls = []
                 for impl in args.impls:
-                    if impl in BASELINES and not args.full_baselines and bs != min(args.block_sizes) and h != 64:
+                    if impl == "vllm" and not vllm_ops.dsv4_fits(t, padded_heads(h)):
+                        left_out.append({"impl": impl, "T": t, "H": h, "block_size": bs, "reason": "vLLM's op faults "
+                                         "where q reaches 2^31 bytes (an illegal memory access on an H100)"})
+                    elif impl in BASELINES and not args.full_baselines and bs != min(args.block_sizes) and h != 64:
                         left_out.append({"impl": impl, "T": t, "H": h, "block_size": bs, "reason": "plan: baselines "
                                          "at the smallest block size only, except H=64 (--full-baselines)"})
                     else:
@@ -278,7 +288,9 @@ def _gate(impl_fn, inputs, reference_cache: dict):
         reference_cache[key] = ref
     ref = reference_cache[key]
     run = inputs.fresh_outputs()
-    impl_fn(run)
+    q = impl_fn(run)
+    if isinstance(q, torch.Tensor):  # vLLM's op allocates and returns the padded q
+        run.q_out.copy_(q)
     torch.cuda.synchronize()
     cmp = compare_dsv4(ref, run)
     return cmp.within_spec(), dataclasses.asdict(cmp)
@@ -314,6 +326,9 @@ def run_benchmark(args) -> dict:
           f"design.md: {DESIGN_COPY_BW_GBPS:.0f}); one tiny kernel in a graph {tiny['us_median']:.2f} us (design.md: 1.09)",
           flush=True)
 
+    if "vllm" in args.impls and vllm_ops.load() is None:
+        print(f"no vllm column: {vllm_ops.absent_reason()}", flush=True)
+        args.impls = [i for i in args.impls if i != "vllm"]
     shapes, left_out = _plan(args)
     data = {
         "op": f"prepfuse::{OP}",
@@ -337,6 +352,7 @@ def run_benchmark(args) -> dict:
                            "holds after the timed replays equal one plain call's",
             "slots_timed": "all valid: blocks in random order, consecutive rows within a block",
         },
+        "vllm": vllm_ops.column_info(),
         "rows": [],
         "left_out": left_out,
         "skipped": [],
@@ -376,7 +392,7 @@ def run_benchmark(args) -> dict:
         for impl in todo:
             t0 = time.time()
             try:
-                ok, detail = _gate(impls[impl], gate if impl == "fused" else gate_valid, references)
+                ok, detail = _gate(impls[impl], gate if impl in ("fused", "vllm") else gate_valid, references)
             except Exception as err:  # noqa: BLE001 - a broken impl must not end the run
                 ok, detail = False, {"error": f"{type(err).__name__}: {err}"}
             detail["seconds"] = round(time.time() - t0, 2)
@@ -427,6 +443,7 @@ def run_benchmark(args) -> dict:
             data["rows"].append(row)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        vllm_ops.add_speedup(data["rows"], lambda r: (r["T"], r["H"], r["block_size"]))
         del copies
         torch.cuda.empty_cache()
         data["elapsed_s"] = round(time.time() - t_start, 1)
@@ -608,6 +625,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
     block_sizes = sorted({r["block_size"] for r in data.get("rows", [])})
     tokens = sorted({r["T"] for r in data.get("rows", [])})
     bw = data["copy_bw"]["GBps"]
+    vllm = vllm_ops.has_column(data)
     lines = [
         f"# Benchmarks: `prepfuse::{OP}`",
         "",
@@ -636,14 +654,18 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         "All slots valid in timed calls (blocks in random order, consecutive rows within a block).",
         "- **Implementations:** `fused` = the op through `torch.ops.prepfuse` (Triton kernel); `eager` = "
         "`prepfuse.models.dsv4_prep_unfused` in PyTorch eager; `compile` = the same under `torch.compile` "
-        "(default mode, `dynamic=False`, `fullgraph=True`), captured in the same CUDA graphs.",
+        "(default mode, `dynamic=False`, `fullgraph=True`), captured in the same CUDA graphs"
+        + ("; `vllm` = vLLM's `fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert` (fp8_ds_mla cache, the padded q "
+           "allocated by the op), gated like the fused op." if vllm else "."),
+        *vllm_ops.page_note(data),
         "",
         f"![latency and bandwidth](../bench/results/{png_name})",
         "",
         "## Targets (fused, H=64, HP=64; docs/design.md, measured floors)",
         "",
-        "| T | target | " + " | ".join(f"block {bs}" for bs in block_sizes) + " | production CUDA kernel (docs/design.md) |",
-        "|---:|---|" + "---|" * len(block_sizes) + "---|",
+        "| T | target | " + " | ".join(f"block {bs}" for bs in block_sizes) + " | production CUDA kernel (docs/design.md) |"
+        + (f" {VLLM_LABEL}, block {block_sizes[0]} |" if vllm else ""),
+        "|---:|---|" + "---|" * len(block_sizes) + "---|" + ("---:|" if vllm else ""),
     ]
     prod = PRODUCTION_US[64]
     for t in sorted(set(TARGETS) | set(prod)):
@@ -663,7 +685,11 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         if p is not None and t >= 4096:
             nbytes = bytes_moved(t, 64, 64, t)
             ptxt += f" ({100 * nbytes / (p * 1e-6) / 1e9 / DESIGN_COPY_BW_GBPS:.0f}%)"
-        lines.append(f"| {t} | {target} | " + " | ".join(cells) + f" | {ptxt} |")
+        vcell = ""
+        if vllm:
+            v = rows.get(("vllm", t, 64, block_sizes[0]))
+            vcell = f" {_fmt_us(v['us_median']) if _timed(v) else '-'} |"
+        lines.append(f"| {t} | {target} | " + " | ".join(cells) + f" | {ptxt} |" + vcell)
     lines += [
         "",
         "docs/design.md also gives the unfused PyTorch at H=64: eager "
@@ -675,7 +701,8 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         "## All shapes",
         "",
         "Times are medians; `x eager` / `x compile` is that baseline's time over the fused time; launches are "
-        "fused / eager / compile; L2 `cold xK` means K rotated copies.",
+        "fused / eager / compile; L2 `cold xK` means K rotated copies."
+        + (" `vLLM` is vLLM's own op, `x vLLM` its time over the fused time." if vllm else ""),
     ]
     for h in heads:
         hp = padded_heads(h)
@@ -684,17 +711,15 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             f"### H={h} (HP={hp})",
             "",
             "| T | block | MB/call | L2 | fused | fused GB/s | % copy BW | eager | compile | x eager | x compile "
-            "| launches | gate |",
-            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+            + ("| vLLM | x vLLM " if vllm else "") + "| launches | gate |",
+            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if vllm else "") + "---|---|",
         ]
         for t in tokens:
             for bs in block_sizes:
-                f = rows.get(("fused", t, h, bs))
-                e = rows.get(("eager", t, h, bs))
-                c = rows.get(("compile", t, h, bs))
-                if f is None and e is None and c is None:
+                f, e, c, v = (rows.get((i, t, h, bs)) for i in IMPLS)
+                if f is None and e is None and c is None and v is None:
                     continue
-                any_row = f or e or c
+                any_row = f or e or c or v
                 l2 = "warm" if any_row.get("l2") == "warm" else f"cold x{any_row.get('copies', 1)}"
 
                 def us(r):
@@ -706,17 +731,18 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
                 def launches(r):
                     return str(r["launches"]) if r and "launches" in r else "-"
 
-                gate_bad = [r["impl"] for r in (f, e, c) if r is not None and not _row_ok(r)]
+                gate_bad = [r["impl"] for r in (f, e, c, v) if r is not None and not _row_ok(r)]
                 gbps = f"{f['GBps']:.0f}" if _timed(f) else "-"
                 frac = f"{100 * f['frac_of_copy_bw']:.1f}" if _timed(f) else "-"
-                differs = [r["impl"] for r in (e, c) if r is not None and _row_ok(r) and r.get("correct") is False]
+                differs = [r["impl"] for r in (e, c, v) if r is not None and _row_ok(r) and r.get("correct") is False]
                 gate = "pass" if not gate_bad else "**FAIL: " + ", ".join(gate_bad) + "**"
                 if differs:
                     gate += " (" + ", ".join(differs) + " differs)"
                 lines.append(
                     f"| {t} | {bs} | {any_row['bytes'] / 1e6:.2f} | {l2} | {us(f)} | {gbps} | {frac} | "
                     f"{us(e)} | {us(c)} | {ratio(e)} | {ratio(c)} | "
-                    f"{launches(f)} / {launches(e)} / {launches(c)} | {gate} |"
+                    + (f"{us(v)} | {ratio(v)} | " if vllm else "")
+                    + f"{launches(f)} / {launches(e)} / {launches(c)} | {gate} |"
                 )
     failed = [r for r in data.get("rows", []) if not _row_ok(r)]
     lines += ["", "## Correctness", ""]
@@ -736,8 +762,8 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
                      "and every implementation's graph replays wrote the same bytes as a plain call.")
     differs = [r for r in data.get("rows", []) if r["impl"] != "fused" and _row_ok(r) and r.get("correct") is False]
     if differs:
-        lines += ["", "Baselines outside the DeepSeek-V4 bound against the reference (their own rounding: "
-                  "fp contraction and reduction order; recorded, not a failure):", ""]
+        lines += ["", "Baselines and vLLM's op outside the DeepSeek-V4 bound against the reference (their own "
+                  "rounding: fp contraction and reduction order; recorded, not a failure):", ""]
         for r in differs:
             g = r.get("gate", {})
             lines.append(f"- {r['impl']} T={r['T']} H={r['H']} block {r['block_size']}: "
@@ -771,7 +797,7 @@ def render_plot(data: dict, path: Path) -> None:
     rows = data.get("rows", [])
     heads = sorted({r["H"] for r in rows})
     block_sizes = sorted({r["block_size"] for r in rows})
-    colors = {"fused": "tab:blue", "eager": "tab:red", "compile": "tab:green"}
+    colors = {"fused": "tab:blue", "eager": "tab:red", "compile": "tab:green", "vllm": "tab:orange"}
     styles = ["-", "--", ":", "-."]
     bw = data["copy_bw"]["GBps"]
     fig, axes = plt.subplots(len(heads), 2, figsize=(13, 3.8 * max(1, len(heads))), squeeze=False)
@@ -784,7 +810,7 @@ def render_plot(data: dict, path: Path) -> None:
                 if not pts:
                     continue
                 ts = [p[0] for p in pts]
-                label = f"{impl}, block {bs}"
+                label = f"{VLLM_LABEL if impl == 'vllm' else impl}, block {bs}"
                 style = dict(color=colors[impl], linestyle=styles[j % len(styles)], marker="o", markersize=4)
                 ax_t.plot(ts, [p[1]["us_median"] for p in pts], label=label, **style)
                 ax_b.plot(ts, [p[1]["GBps"] for p in pts], label=label, **style)
@@ -843,19 +869,20 @@ def print_summary(data: dict) -> None:
     heads = sorted({r["H"] for r in data["rows"]})
     tokens = sorted({r["T"] for r in data["rows"]})
     bs = min((r["block_size"] for r in data["rows"]), default=64)
-    print(f"{'H':>4s} {'T':>6s} {'fused':>10s} {'GB/s':>6s} {'%copy':>6s} {'eager':>10s} {'compile':>10s} {'gate':>5s}")
+    print(f"{'H':>4s} {'T':>6s} {'fused':>10s} {'GB/s':>6s} {'%copy':>6s} {'eager':>10s} {'compile':>10s} "
+          f"{'vllm':>10s} {'gate':>5s}")
     for h in heads:
         for t in tokens:
-            f, e, c = (rows.get((i, t, h, bs)) for i in IMPLS)
-            if f is None and e is None and c is None:
+            f, e, c, v = (rows.get((i, t, h, bs)) for i in IMPLS)
+            if f is None and e is None and c is None and v is None:
                 continue
 
             def us(r):
                 return f"{r['us_median']:10.2f}" if _timed(r) else f"{'-':>10s}"
 
-            ok = all(_row_ok(r) for r in (f, e, c) if r is not None)
+            ok = all(_row_ok(r) for r in (f, e, c, v) if r is not None)
             print(f"{h:>4d} {t:>6d} {us(f)} {f['GBps'] if _timed(f) else 0:6.0f} "
-                  f"{100 * f['frac_of_copy_bw'] if _timed(f) else 0:6.1f} {us(e)} {us(c)} {'ok' if ok else 'FAIL':>5s}")
+                  f"{100 * f['frac_of_copy_bw'] if _timed(f) else 0:6.1f} {us(e)} {us(c)} {us(v)} {'ok' if ok else 'FAIL':>5s}")
 
 
 # --------------------------------------------------------------------------------------
@@ -870,7 +897,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=parse_int_list, default=list(DEFAULT_HEADS), help="H values (default %(default)s)")
     p.add_argument("--block-sizes", type=parse_int_list, default=list(DEFAULT_BLOCK_SIZES),
                    help="cache block sizes (default %(default)s; --sweep-config uses the first)")
-    p.add_argument("--impls", type=_parse_impls, default=list(IMPLS), help="subset of fused,eager,compile")
+    p.add_argument("--impls", type=_parse_impls, default=list(IMPLS),
+                   help="subset of fused,eager,compile,vllm (vllm: where vLLM's op library loads)")
     p.add_argument("--full-baselines", action="store_true",
                    help="time eager/compile at every block size for every H (default: every block size only at "
                         "H=64, the smallest block size elsewhere)")

@@ -13,7 +13,11 @@ Gemma-3-12B's 256, each with both caches), block 16.
 Implementations, as in ``bench_dsv4_qnorm_rope_kv_insert.py`` (whose timing code this
 script imports, so both use one method): ``fused`` (the op through the dispatcher),
 ``eager`` (``prepfuse.models.gqa_prep_unfused``) and ``compile`` (that function under
-``torch.compile``, ``dynamic=False``, ``fullgraph=True``).
+``torch.compile``, ``dynamic=False``, ``fullgraph=True``); where vLLM's op library loads
+(``bench/vllm_ops.py``), ``vllm``: what vLLM 0.33 runs with its QK-norm + RoPE fusion pass
+(``fused_qk_norm_rope``, or ``rotary_embedding`` without a norm, then
+``reshape_and_cache_flash``), and for the normed models ``vllm-default``: what it runs without
+(two ``rms_norm``, ``rotary_embedding``, ``reshape_and_cache_flash``).
 
 Method: per shape, a correctness gate first (fresh random inputs from
 ``prepfuse.testing.make_gqa_inputs``, poisoned outputs, each implementation against
@@ -42,9 +46,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402  (also puts the repository on sys.path)
+import vllm_ops  # noqa: E402
 
 OP = "gqa_qknorm_rope_kv_insert"
-IMPLS = ("fused", "eager", "compile")
+IMPLS = ("fused", "eager", "compile", "vllm", "vllm-default")
+VLLM_IMPLS = {"vllm": "fused", "vllm-default": "default"}  # impl -> vllm_ops.GQA_PATHS
+# operand forms vLLM has a counterpart of (paged caches, the half table, positions; indices
+# and caches of other dtypes are converted or viewed before timing)
+VLLM_FORMS = ("half", "int32", "v-scale", "uint8")
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 16384)
 BLOCK_SIZE = 16
 SWEEP_BLOCK_H = (1, 2, 4, 8)
@@ -172,12 +181,24 @@ class _Counts:
         return self.q_mismatches == 0 and self.cache_mismatches == 0
 
 
+def vllm_applies(impl: str, model: tuple) -> bool:
+    """Whether a vLLM impl has a row for ``model``: its form has a vLLM counterpart, and the
+    default path (which differs from the fused one only by the norm) needs the norm."""
+    return operand_form(model) in VLLM_FORMS and (impl == "vllm" or model[5])
+
+
 def make_impls(names) -> dict:
+    """impl -> callable; prepfuse's take GqaInputs, vLLM's a vllm_ops.GqaCall (and return q)."""
     from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT
     from prepfuse.models import gqa_prep_unfused
 
+    ops = vllm_ops.load()
+    if ops is None and any(n in VLLM_IMPLS for n in names):
+        print(f"no vllm column: {vllm_ops.absent_reason()}", flush=True)
     impls = {}
     for name in names:
+        if name in VLLM_IMPLS and ops is not None:
+            impls[name] = lambda call, path=VLLM_IMPLS[name]: ops.gqa(call, path)
         if name == "fused":
             impls[name] = lambda inp: GQA_QKNORM_ROPE_KV_INSERT(*inp.args())
         elif name == "eager":
@@ -202,6 +223,20 @@ def _gate(fn, inputs, model) -> tuple[bool, dict]:
     return gqa_within_bound(cmp, model[5], model[6] == FP8), dataclasses.asdict(cmp)
 
 
+def _gate_vllm(fn, inputs) -> tuple[bool, dict]:
+    """A vLLM path against the reference on the same call, its cos/sin table rounded to bf16
+    as vLLM holds it: within ``vllm_ops.gqa_agreement``'s bound."""
+    from prepfuse.ops import gqa_qknorm_rope_kv_insert_reference
+
+    inputs = vllm_ops.with_bf16_table(inputs)
+    ref, run = inputs.fresh_outputs(), inputs.fresh_outputs()
+    gqa_qknorm_rope_kv_insert_reference(*ref.args())
+    run.q_out.copy_(fn(vllm_ops.gqa_call(run)))
+    torch.cuda.synchronize()
+    agreement = vllm_ops.gqa_agreement(ref, run)
+    return agreement["within"], agreement
+
+
 def run_benchmark(args) -> dict:
     t_start = time.time()
     info = harness.device_info()
@@ -210,7 +245,8 @@ def run_benchmark(args) -> dict:
     path = out_dir / f"{OP}_{info['device_slug']}{args.name_suffix}.json"
     harness.allow_recompiles()
     data = {"op": f"prepfuse::{OP}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **info, "block_size": BLOCK_SIZE, "models": {k: list(map(str, MODELS[k])) for k in args.models}, "rows": []}
+            **info, "block_size": BLOCK_SIZE, "models": {k: list(map(str, MODELS[k])) for k in args.models},
+            "vllm": vllm_ops.column_info(), "rows": []}
     data["copy_bandwidth"] = harness.measure_copy_bandwidth(4 << 30)
     copy_bw = data["copy_bandwidth"]["GBps"]
     print(f"{info['device']}: copy bandwidth {copy_bw:.0f} GB/s ({data['copy_bandwidth']['method']})", flush=True)
@@ -226,27 +262,37 @@ def run_benchmark(args) -> dict:
             gate_valid = make_inputs(t, model, skip_fraction=0.0)
             copies = [make_inputs(t, model, skip_fraction=0.0) for _ in range(k)]
             line = []
+            timed = copies
             for impl, fn in impls.items():
+                if impl in VLLM_IMPLS and not vllm_applies(impl, model):
+                    continue
                 row = {"model": name, "impl": impl, "T": t, "bytes": nbytes, "copies": k}
                 try:
-                    row["correct"], row["comparison"] = _gate(fn, gate_fused if impl == "fused" else gate_valid, model)
+                    if impl in VLLM_IMPLS:  # vLLM's operands (its qkv rewritten in place), the same caches
+                        row["correct"], row["comparison"] = _gate_vllm(fn, gate_fused)
+                        timed = [vllm_ops.gqa_call(c) for c in copies]
+                    else:
+                        row["correct"], row["comparison"] = _gate(fn, gate_fused if impl == "fused" else gate_valid,
+                                                                  model)
+                        timed = copies
                     if not row["correct"]:
                         harness.loud(f"{impl} {name} T={t}: outside the bound: {row['comparison']}")
-                    graphs = harness.capture_graphs(fn, copies, warmup=3)
+                    graphs = harness.capture_graphs(fn, timed, warmup=3)
                     row.update(harness.time_graphs(graphs, args.target_ms, 10, 200))
                     del graphs
                     row["GBps"] = nbytes / (row["us_median"] * 1e-6) / 1e9
                     row["frac_of_copy_bw"] = row["GBps"] / copy_bw
                     with harness.IndexChecksOff():  # as inside a graph: no host-side check
                         row["launches"] = harness.classify_gpu_activities(
-                            harness.count_launches(lambda c=copies[0]: fn(c)))["launches"]
+                            harness.count_launches(lambda c=timed[0]: fn(c)))["launches"]
                     line.append(f"{impl} {row['us_median']:.2f} us")
                 except Exception as err:  # noqa: BLE001 - record and go on: the table stays complete
                     row["error"] = f"{type(err).__name__}: {err}"
                     harness.loud(f"{impl} {name} T={t}: {row['error']}")
                 data["rows"].append(row)
             print(f"[{time.time() - t_start:6.1f} s] {name:13s} T={t:5d}: " + "  ".join(line), flush=True)
-            del copies, gate_fused, gate_valid
+            vllm_ops.add_speedup(data["rows"], lambda r: (r["model"], r["T"]))
+            del copies, gate_fused, gate_valid, timed
             torch.cuda.empty_cache()
             harness.write_json(path, data)
     data["elapsed_s"] = round(time.time() - t_start, 1)
@@ -322,6 +368,7 @@ def run_sweep(args) -> dict:
 def render_markdown(data: dict, json_name: str, png_name: str) -> str:
     bw = data["copy_bandwidth"]
     ceiling, ceiling_file = harness.same_size_copy(data["device_slug"])
+    vllm = vllm_ops.has_column(data)
     lines = [
         "# Benchmark: prepfuse::gqa_qknorm_rope_kv_insert",
         "",
@@ -340,16 +387,19 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             f"{FORM_NOTES.get(operand_form(v), '')}"
             for k, v in data["models"].items()),
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
+        *vllm_ops.page_note(data),
         *harness.same_size_note(ceiling_file),
         harness.decode_target_note(data, "model", data["models"]),
         "",
-        "| model | T | fused us | GB/s | % copy BW | % same-size copy | eager us | compile us | fused vs compile | launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "| model | T | fused us | GB/s | % copy BW | % same-size copy | eager us | compile us | fused vs compile | "
+        + ("vLLM us | vLLM default us | x vLLM | vLLM gate | " if vllm else "")
+        + "launches (f/e/c) | fused gate | q values differing from the reference (f/e/c) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---|" if vllm else "") + "---|---|---|",
     ]
     rows = {(r["model"], r["impl"], r["T"]): r for r in data["rows"]}
     for model in data["models"]:
         for t in sorted({r["T"] for r in data["rows"] if r["model"] == model}):
-            f, e, c = (rows.get((model, i, t), {}) for i in IMPLS)
+            f, e, c, v, vd = (rows.get((model, i, t), {}) for i in IMPLS)
 
             def us(r):
                 return f"{r['us_median']:.2f}" if "us_median" in r else "-"
@@ -361,14 +411,26 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             differing = "/".join(str(r["comparison"]["q_mismatches"]) if r.get("comparison") else "-" for r in (f, e, c))
             launches = "/".join(str(r.get("launches", "-")) for r in (f, e, c))
             same_size = harness.same_size_share(ceiling, f"gqa {model}", t, f.get("GBps"))
+            vcells = ""
+            if vllm:
+                x_vllm = f"{f['speedup_vs_vllm']:.1f}x" if "speedup_vs_vllm" in f else "-"
+                vgate = "/".join("-" if "correct" not in r else ("pass" if r["correct"] else "FAIL") for r in (v, vd))
+                vcells = f" {us(v)} | {us(vd)} | {x_vllm} | {vgate} |"
             lines.append(f"| {model} | {t} | {us(f)} | {f.get('GBps', 0):.0f} | {100 * f.get('frac_of_copy_bw', 0):.0f}% "
-                         f"| {same_size} | {us(e)} | {us(c)} | {speed} | {launches} | {gate} | {differing} |")
+                         f"| {same_size} | {us(e)} | {us(c)} | {speed} |{vcells} {launches} | {gate} | {differing} |")
     lines += ["", "The baselines are not gated. Inductor's code for the unfused math rounds its own way: torch 2.11's "
               "`pointless_convert` drops the bf16 round trip of the normed value (the 40% of Qwen3 q values above) "
               "and products may be contracted; eager PyTorch, with valid slots, matches the reference.",
               "", "The fused gate is judged from the stored counts with `gqa_within_bound`; a run's own verdict "
               "(`correct` in the JSON) used the bound of its day (the first H200 run's one-e4m3-code rule failed "
               "Qwen3 fp8 at T=16384 on 4 cache values 3 codes apart where RoPE cancels; the rule is now a count)."]
+    if vllm:
+        lines += ["", "`vLLM us` is what vLLM 0.33 runs with its QK-norm + RoPE fusion pass (`fused_qk_norm_rope`, "
+                  "or `rotary_embedding` without a norm, then `reshape_and_cache_flash`), `vLLM default us` what it "
+                  "runs without (two `rms_norm`, `rotary_embedding`, `reshape_and_cache_flash`); `x vLLM` is the "
+                  "former's time over the fused op's. vLLM reads its cos/sin table in bf16 and rewrites qkv in "
+                  "place; its gate (fusion-pass / default path) holds its writes against the reference on that "
+                  "table within `vllm_ops.gqa_agreement`'s bound."]
     return "\n".join(lines) + "\n"
 
 
@@ -386,8 +448,9 @@ def render_plot(data: dict, path: Path) -> None:
             if not pts:
                 continue
             ts = [t for t, _ in pts]
-            axes[0][j].plot(ts, [r["us_median"] for _, r in pts], marker="o", label=impl)
-            axes[1][j].plot(ts, [r["GBps"] for _, r in pts], marker="o", label=impl)
+            label = f"{impl} (vLLM 0.33)" if impl in VLLM_IMPLS else impl
+            axes[0][j].plot(ts, [r["us_median"] for _, r in pts], marker="o", label=label)
+            axes[1][j].plot(ts, [r["GBps"] for _, r in pts], marker="o", label=label)
         axes[1][j].axhline(data["copy_bandwidth"]["GBps"], color="grey", linestyle="--", label="copy BW")
         axes[0][j].set(title=model, xscale="log", yscale="log", ylabel="us per call", xlabel="T")
         axes[1][j].set(xscale="log", ylabel="GB/s (fewest bytes)", xlabel="T")

@@ -4,6 +4,8 @@
 # Each step's summary goes to $OUT/steps.log and its files into $OUT (default /tmp/prepfuse_out);
 # bench/README.md says what each script measures.
 #   env                     GPU, driver, torch and triton versions
+#   vllm                    whether vLLM's op library loads (the vLLM column of the benchmark pages),
+#                           and the parity tests against its ops (tests/ops/test_vllm_parity.py)
 #   tests                   the GPU-marked tests on PREPFUSE_GPU_TEST_WORKERS (8) xdist workers;
 #                           PREPFUSE_TEST_MARK="" runs every test, PREPFUSE_TEST_PATHS picks files
 #   sanitize                compute-sanitizer memcheck and racecheck over bench/sanitize_*.py
@@ -23,6 +25,8 @@
 #   demo                    python -m prepfuse.demo
 # PREPFUSE_SWEEP_ARGS passes arguments to the sweep and indexer-sweep steps. Wheels in .whl/
 # are installed first without an index (a machine with no package index: bench/README.md).
+# vLLM's op library, carried as .vllm/vllm_ops_sm90.so.xz (or named by $PREPFUSE_VLLM_LIB), is
+# unpacked first, once, so that test workers and benchmarks all find it (bench/vllm_ops.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/prepfuse_out}
 mkdir -p "$OUT"
@@ -31,6 +35,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+python3 -c 'import sys; sys.path.insert(0, "bench"); import vllm_ops; f = vllm_ops.library_file(); f and vllm_ops.unpacked(f)' \
+    || echo "vLLM's op library could not be unpacked" >&2
 log="$OUT/steps.log"
 status=0
 step() { echo "=== $1 ($(date +%T))" | tee -a "$log"; }
@@ -42,6 +48,13 @@ for what in "${steps[@]}"; do
         step env
         nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$log"
         python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
+        ;;
+    vllm)
+        step vllm
+        python3 -c 'import sys; sys.path.insert(0, "bench"); import vllm_ops; ops = vllm_ops.load()
+print("vLLM ops:", ops.path if ops else vllm_ops.absent_reason())' 2>&1 | tee -a "$log"
+        python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/ops/test_vllm_parity.py >"$OUT/vllm_parity.log" 2>&1 || status=1
+        grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/vllm_parity.log" | tail -n 40 | tee -a "$log"
         ;;
     tests)
         step tests
