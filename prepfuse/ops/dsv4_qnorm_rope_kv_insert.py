@@ -96,6 +96,81 @@ if has_triton():
         return _load_cos_sin(cos_sin_ptr + _table_position(pos_at, max_pos, WRAP) * stride_cs)
 
     @triton.jit
+    def _q_values(y, real, q_scale_inv, Q_FP8: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
+        """fp32 q values as stored: bf16, or (``Q_FP8``) the e4m3fn codes of ``y * q_scale_inv``
+        (saturating at +-448), 0x00 for padded heads whatever the scale (``real`` False)."""
+        if Q_FP8:
+            return tl.where(real[:, None], _to_e4m3_bits(y * q_scale_inv, SOFT_ROUNDING), 0).to(tl.uint8)
+        else:
+            return _to_bf16(y, SOFT_ROUNDING)
+
+    @triton.jit
+    def _q_heads(
+        q_ptr,  # [T, H, 512] bf16
+        q_out_ptr,  # [T, HP, 512] bf16, or uint8 (e4m3fn codes) with Q_FP8
+        pos_ptr,  # [T] int64 or int32
+        cos_sin_ptr,  # [P, 64] fp32
+        t,  # the token
+        col,  # the program's column, >= 1: heads (col - 1) * BLOCK_H onwards
+        H,  # real query heads
+        HP,  # padded query heads (q_out.size(1))
+        max_pos,  # P: rows of cos_sin_cache
+        stride_qt,  # elements between tokens of q
+        stride_qh,  # elements between heads of q
+        stride_ot,  # elements between tokens of q_out
+        stride_oh,  # elements between heads of q_out
+        stride_cs,  # elements between positions of cos_sin_cache
+        eps,  # RMSNorm epsilon
+        q_scale_ptr,  # [1] fp32 multiplier before the e4m3 rounding (read only with Q_FP8)
+        BLOCK_H: tl.constexpr,  # query heads per program
+        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+        Q_FP8: tl.constexpr,  # q_out holds e4m3fn codes, not bf16
+        WRAP: tl.constexpr,  # positions count from the end when negative (_table_position)
+    ):
+        """One q column of the DeepSeek-V4 kernels: BLOCK_H heads of token t RMS-normed,
+        rotated and stored once (``_q_values``); heads in [H, HP) stored as +0.0."""
+        if (col - 1) * BLOCK_H >= H:
+            # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
+            # none of the norm and RoPE work on zeros that the masked path below would do
+            # (zeroing more heads a program was slower: docs/decisions.md).
+            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            d = tl.arange(0, 512)
+            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
+            if Q_FP8:
+                zeros = tl.zeros([BLOCK_H, 512], dtype=tl.uint8)
+            else:
+                zeros = tl.zeros([BLOCK_H, 512], dtype=tl.bfloat16)
+            tl.store(out_rows + d[None, :], zeros, mask=(heads < HP)[:, None])
+        else:
+            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            real = heads < H
+            d = tl.arange(0, 512)
+            q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
+            x = tl.load(q_rows + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            # The 64 rotated dims read again on their own (the same lines: an L1 hit),
+            # so that the rotation costs 64 dims of work per head, not masked work on 512.
+            pe = tl.load(q_rows + 448 + tl.arange(0, 64)[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            q_scale_inv = 1.0
+            if Q_FP8:
+                q_scale_inv = tl.load(q_scale_ptr)
+            tl.debug_barrier()  # see _cos_sin_at
+            cos, sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WRAP)
+            mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
+            # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
+            # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
+            rstd = tl.where(real, tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps)), 0.0)
+            y = x * rstd[:, None]
+            stored = (heads < HP)[:, None]
+            tl.store(out_rows + d[None, :], _q_values(y, real, q_scale_inv, Q_FP8, SOFT_ROUNDING),
+                     mask=stored & (d < 448)[None, :])
+            rot = _rope_pairs(pe * rstd[:, None], cos, sin, SOFT_ROUNDING)
+            # padded heads: +0.0 exactly (0 * cos with cos < 0 would store -0.0)
+            rot = tl.where(real[:, None], rot, 0.0)
+            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _q_values(rot, real, q_scale_inv, Q_FP8, SOFT_ROUNDING),
+                     mask=stored)
+
+    @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
         q_ptr,  # [T, H, 512] bf16
         kv_ptr,  # [T, 512] bf16
@@ -188,38 +263,9 @@ if has_triton():
                     tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
                 if DEDUPE == 2:
                     _unlock_row(locks_ptr, slot)
-        elif (col - 1) * BLOCK_H >= H:
-            # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
-            # none of the norm and RoPE work on zeros that the masked path below would do
-            # (zeroing more heads a program was slower: docs/decisions.md).
-            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
-            d = tl.arange(0, 512)
-            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
-            tl.store(out_rows + d[None, :], tl.zeros([BLOCK_H, 512], dtype=tl.bfloat16), mask=(heads < HP)[:, None])
         else:
-            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
-            real = heads < H
-            d = tl.arange(0, 512)
-            q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
-            x = tl.load(q_rows + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-            # The 64 rotated dims read again on their own (the same lines: an L1 hit),
-            # so that the rotation costs 64 dims of work per head, not masked work on 512.
-            pe = tl.load(q_rows + 448 + tl.arange(0, 64)[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-            tl.debug_barrier()  # see _cos_sin_at
-            cos, sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WRAP)
-            mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
-            # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
-            # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
-            rstd = tl.where(real, tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps)), 0.0)
-            y = x * rstd[:, None]
-            stored = (heads < HP)[:, None]
-            tl.store(out_rows + d[None, :], _to_bf16(y, SOFT_ROUNDING), mask=stored & (d < 448)[None, :])
-            rot = _rope_pairs(pe * rstd[:, None], cos, sin, SOFT_ROUNDING)
-            # padded heads: +0.0 exactly (0 * cos with cos < 0 would store -0.0)
-            rot = tl.where(real[:, None], rot, 0.0)
-            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _to_bf16(rot, SOFT_ROUNDING), mask=stored)
-
+            _q_heads(q_ptr, q_out_ptr, pos_ptr, cos_sin_ptr, t, col, H, HP, max_pos, stride_qt, stride_qh, stride_ot,
+                     stride_oh, stride_cs, eps, q_ptr, BLOCK_H=BLOCK_H, SOFT_ROUNDING=SOFT_ROUNDING, Q_FP8=False, WRAP=WRAP)
 
 def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
     """(heads per program, warps per program), from the H200 sweep (bench/README.md).
