@@ -96,11 +96,11 @@ if has_triton():
         return _load_cos_sin(cos_sin_ptr + _table_position(pos_at, max_pos, WRAP) * stride_cs)
 
     @triton.jit
-    def _q_values(y, real, q_scale_inv, Q_FP8: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
-        """fp32 q values as stored: bf16, or (``Q_FP8``) the e4m3fn codes of ``y * q_scale_inv``
-        (saturating at +-448), 0x00 for padded heads whatever the scale (``real`` False)."""
-        if Q_FP8:
-            return tl.where(real[:, None], _to_e4m3_bits(y * q_scale_inv, SOFT_ROUNDING), 0).to(tl.uint8)
+    def _stored(y, multiplier, FP8: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
+        """fp32 values as a DeepSeek-V4 output holds them, rounded once: bf16, or (``FP8``) the
+        e4m3fn codes of ``y * multiplier``, saturating at +-448 (a per-tensor scale)."""
+        if FP8:
+            return _to_e4m3_bits(y * multiplier, SOFT_ROUNDING)
         else:
             return _to_bf16(y, SOFT_ROUNDING)
 
@@ -128,7 +128,7 @@ if has_triton():
         WRAP: tl.constexpr,  # positions count from the end when negative (_table_position)
     ):
         """One q column of the DeepSeek-V4 kernels: BLOCK_H heads of token t RMS-normed,
-        rotated and stored once (``_q_values``); heads in [H, HP) stored as +0.0."""
+        rotated and stored once (``_stored``); heads in [H, HP) stored as +0.0."""
         if (col - 1) * BLOCK_H >= H:
             # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
             # none of the norm and RoPE work on zeros that the masked path below would do
@@ -162,13 +162,13 @@ if has_triton():
             rstd = tl.where(real, tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps)), 0.0)
             y = x * rstd[:, None]
             stored = (heads < HP)[:, None]
-            tl.store(out_rows + d[None, :], _q_values(y, real, q_scale_inv, Q_FP8, SOFT_ROUNDING),
-                     mask=stored & (d < 448)[None, :])
+            # padded heads' values are +0.0: times 1, never times a negative or NaN scale
+            mult = tl.where(real, q_scale_inv, 1.0)[:, None]
+            tl.store(out_rows + d[None, :], _stored(y, mult, Q_FP8, SOFT_ROUNDING), mask=stored & (d < 448)[None, :])
             rot = _rope_pairs(pe * rstd[:, None], cos, sin, SOFT_ROUNDING)
             # padded heads: +0.0 exactly (0 * cos with cos < 0 would store -0.0)
             rot = tl.where(real[:, None], rot, 0.0)
-            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _q_values(rot, real, q_scale_inv, Q_FP8, SOFT_ROUNDING),
-                     mask=stored)
+            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _stored(rot, mult, Q_FP8, SOFT_ROUNDING), mask=stored)
 
     @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
@@ -418,11 +418,24 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
 
     Runs in the eager paths and in the fake impl (where sizes may be symbolic).
     """
+    device = check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices)
+    check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
+    check_unit_last_stride("k_cache", k_cache)
+    require(
+        k_cache.stride(0) >= block_size * SLOT_BYTES and k_cache.shape[1] >= block_size * SLOT_BYTES,
+        f"k_cache: a block of {block_size} slots needs {block_size * SLOT_BYTES} bytes "
+        f"(576 data + 8 scale bytes per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
+    )
+
+
+def check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices, *,
+                        q_out_dtype: torch.dtype | tuple[torch.dtype, ...] = torch.bfloat16) -> torch.device:
+    """Everything but the cache, as both DeepSeek-V4 ops check it (this one and the full-row
+    cache's, whose ``q_out`` may hold e4m3 codes: ``q_out_dtype``). Returns q's device."""
     device = q.device if isinstance(q, torch.Tensor) else None  # check_tensor names a non-tensor q
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=device)
     check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, device=device)
-    check_tensor("q_out", q_out, dtype=torch.bfloat16, ndim=3, device=device)
-    check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
+    check_tensor("q_out", q_out, dtype=q_out_dtype, ndim=3, device=device)
     check_index_tensor("slot_mapping", slot_mapping, device)
     check_index_tensor("positions", positions, device)
     check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
@@ -443,21 +456,17 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
     )
     check_size("cos_sin_cache", cos_sin_cache, 1, ROPE_DIM, "32 cos + 32 sin values")
     named = (
-        ("q", q), ("kv", kv), ("q_out", q_out), ("k_cache", k_cache), ("cos_sin_cache", cos_sin_cache),
+        ("q", q), ("kv", kv), ("q_out", q_out), ("cos_sin_cache", cos_sin_cache),
         ("slot_mapping", slot_mapping), ("positions", positions),
     )
     for name, t in named:
         check_unit_last_stride(name, t)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
-    require(
-        k_cache.stride(0) >= block_size * SLOT_BYTES and k_cache.shape[1] >= block_size * SLOT_BYTES,
-        f"k_cache: a block of {block_size} slots needs {block_size * SLOT_BYTES} bytes "
-        f"(576 data + 8 scale bytes per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
-    )
     check_fp32_scalar("eps", eps, at_least=0.0)
     if not isinstance(wrap_indices, bool):
         raise ValueError(f"wrap_indices: must be a bool, got {wrap_indices!r}")
+    return device
 
 
 def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size, wrap_indices=False) -> None:
