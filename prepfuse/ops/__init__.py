@@ -12,6 +12,11 @@ from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
     dsv4_qnorm_rope_kv_insert_reference,
     dsv4_qnorm_rope_kv_insert_triton,
 )
+from prepfuse.ops.dsv4_qnorm_rope_kv_full_row_insert import (
+    DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT,
+    dsv4_qnorm_rope_kv_full_row_insert_reference,
+    dsv4_qnorm_rope_kv_full_row_insert_triton,
+)
 from prepfuse.ops.dsv4_indexer_rope_fp8_insert import (
     DSV4_INDEXER_ROPE_FP8_INSERT,
     dsv4_indexer_rope_fp8_insert_reference,
@@ -40,6 +45,9 @@ __all__ = [
     "DSV4_QNORM_ROPE_KV_INSERT",
     "dsv4_qnorm_rope_kv_insert_reference",
     "dsv4_qnorm_rope_kv_insert_triton",
+    "DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT",
+    "dsv4_qnorm_rope_kv_full_row_insert_reference",
+    "dsv4_qnorm_rope_kv_full_row_insert_triton",
     "DSV4_INDEXER_ROPE_FP8_INSERT",
     "dsv4_indexer_rope_fp8_insert_reference",
     "dsv4_indexer_rope_fp8_insert_triton",

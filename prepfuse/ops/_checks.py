@@ -32,14 +32,16 @@ def check_tensor(
     name: str,
     t: torch.Tensor,
     *,
-    dtype: torch.dtype,
+    dtype: torch.dtype | tuple[torch.dtype, ...],
     ndim: int,
     device: torch.device,
 ) -> None:
+    """A tensor of ``dtype`` (or one of several), ``ndim`` dimensions, on ``device``."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
     if t.device != device:
@@ -68,6 +70,22 @@ def check_fp32_scalar(name: str, value, *, at_least: float | None = None) -> Non
         raise ValueError(f"{name}: must be a finite float within float32's range, got {value!r}")
     if at_least is not None and not value >= at_least:
         raise ValueError(f"{name}: must be >= {at_least}, got {value!r}")
+
+
+def check_scale_tensor(name: str, scale, device, *, needed: bool, scaled: str) -> None:
+    """A per-tensor scale: an fp32 tensor of shape [1] or [] on ``device`` where ``needed``
+    (``scaled``, the output it scales, holds fp8 codes), else None. A device tensor, not a
+    float, so that a graph captured once serves every scale an engine calibrates later."""
+    if not needed:
+        if scale is not None:
+            raise ValueError(f"{name}: must be None, {scaled} holds no fp8 codes for it to scale")
+        return
+    if scale is None:
+        raise ValueError(f"{name}: {scaled} holds fp8 codes, so it needs an fp32 scale tensor of shape [1] or [], "
+                         "got None")
+    check_tensor(name, scale, dtype=torch.float32, ndim=scale.dim() if isinstance(scale, torch.Tensor) else 0,
+                 device=device)
+    require((scale.dim() <= 1) & (scale.numel() == 1), f"{name}: must have shape [1] or [], got {tuple(scale.shape)}")
 
 
 # Index values (slots, positions) can only be checked by reading them, which on CUDA is

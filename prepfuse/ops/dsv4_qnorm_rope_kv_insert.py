@@ -96,6 +96,81 @@ if has_triton():
         return _load_cos_sin(cos_sin_ptr + _table_position(pos_at, max_pos, WRAP) * stride_cs)
 
     @triton.jit
+    def _stored(y, multiplier, FP8: tl.constexpr, SOFT_ROUNDING: tl.constexpr):
+        """fp32 values as a DeepSeek-V4 output holds them, rounded once: bf16, or (``FP8``) the
+        e4m3fn codes of ``y * multiplier``, saturating at +-448 (a per-tensor scale)."""
+        if FP8:
+            return _to_e4m3_bits(y * multiplier, SOFT_ROUNDING)
+        else:
+            return _to_bf16(y, SOFT_ROUNDING)
+
+    @triton.jit
+    def _q_heads(
+        q_ptr,  # [T, H, 512] bf16
+        q_out_ptr,  # [T, HP, 512] bf16, or uint8 (e4m3fn codes) with Q_FP8
+        pos_ptr,  # [T] int64 or int32
+        cos_sin_ptr,  # [P, 64] fp32
+        t,  # the token
+        col,  # the program's column, >= 1: heads (col - 1) * BLOCK_H onwards
+        H,  # real query heads
+        HP,  # padded query heads (q_out.size(1))
+        max_pos,  # P: rows of cos_sin_cache
+        stride_qt,  # elements between tokens of q
+        stride_qh,  # elements between heads of q
+        stride_ot,  # elements between tokens of q_out
+        stride_oh,  # elements between heads of q_out
+        stride_cs,  # elements between positions of cos_sin_cache
+        eps,  # RMSNorm epsilon
+        q_scale_ptr,  # [1] fp32 multiplier before the e4m3 rounding (read only with Q_FP8)
+        BLOCK_H: tl.constexpr,  # query heads per program
+        SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
+        Q_FP8: tl.constexpr,  # q_out holds e4m3fn codes, not bf16
+        WRAP: tl.constexpr,  # positions count from the end when negative (_table_position)
+    ):
+        """One q column of the DeepSeek-V4 kernels: BLOCK_H heads of token t RMS-normed,
+        rotated and stored once (``_stored``); heads in [H, HP) stored as +0.0."""
+        if (col - 1) * BLOCK_H >= H:
+            # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
+            # none of the norm and RoPE work on zeros that the masked path below would do
+            # (zeroing more heads a program was slower: docs/decisions.md).
+            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            d = tl.arange(0, 512)
+            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
+            if Q_FP8:
+                zeros = tl.zeros([BLOCK_H, 512], dtype=tl.uint8)
+            else:
+                zeros = tl.zeros([BLOCK_H, 512], dtype=tl.bfloat16)
+            tl.store(out_rows + d[None, :], zeros, mask=(heads < HP)[:, None])
+        else:
+            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            real = heads < H
+            d = tl.arange(0, 512)
+            q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
+            x = tl.load(q_rows + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            # The 64 rotated dims read again on their own (the same lines: an L1 hit),
+            # so that the rotation costs 64 dims of work per head, not masked work on 512.
+            pe = tl.load(q_rows + 448 + tl.arange(0, 64)[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            q_scale_inv = 1.0
+            if Q_FP8:
+                q_scale_inv = tl.load(q_scale_ptr)
+            tl.debug_barrier()  # see _cos_sin_at
+            cos, sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WRAP)
+            mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
+            # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
+            # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
+            rstd = tl.where(real, tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps)), 0.0)
+            y = x * rstd[:, None]
+            stored = (heads < HP)[:, None]
+            # padded heads' values are +0.0: times 1, never times a negative or NaN scale
+            mult = tl.where(real, q_scale_inv, 1.0)[:, None]
+            tl.store(out_rows + d[None, :], _stored(y, mult, Q_FP8, SOFT_ROUNDING), mask=stored & (d < 448)[None, :])
+            rot = _rope_pairs(pe * rstd[:, None], cos, sin, SOFT_ROUNDING)
+            # padded heads: +0.0 exactly (0 * cos with cos < 0 would store -0.0)
+            rot = tl.where(real[:, None], rot, 0.0)
+            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _stored(rot, mult, Q_FP8, SOFT_ROUNDING), mask=stored)
+
+    @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
         q_ptr,  # [T, H, 512] bf16
         kv_ptr,  # [T, 512] bf16
@@ -188,38 +263,9 @@ if has_triton():
                     tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
                 if DEDUPE == 2:
                     _unlock_row(locks_ptr, slot)
-        elif (col - 1) * BLOCK_H >= H:
-            # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
-            # none of the norm and RoPE work on zeros that the masked path below would do
-            # (zeroing more heads a program was slower: docs/decisions.md).
-            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
-            d = tl.arange(0, 512)
-            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
-            tl.store(out_rows + d[None, :], tl.zeros([BLOCK_H, 512], dtype=tl.bfloat16), mask=(heads < HP)[:, None])
         else:
-            heads = (col - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
-            real = heads < H
-            d = tl.arange(0, 512)
-            q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-            out_rows = q_out_ptr + t * stride_ot + heads[:, None] * stride_oh
-            x = tl.load(q_rows + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-            # The 64 rotated dims read again on their own (the same lines: an L1 hit),
-            # so that the rotation costs 64 dims of work per head, not masked work on 512.
-            pe = tl.load(q_rows + 448 + tl.arange(0, 64)[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-            tl.debug_barrier()  # see _cos_sin_at
-            cos, sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WRAP)
-            mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
-            # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
-            # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
-            rstd = tl.where(real, tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps)), 0.0)
-            y = x * rstd[:, None]
-            stored = (heads < HP)[:, None]
-            tl.store(out_rows + d[None, :], _to_bf16(y, SOFT_ROUNDING), mask=stored & (d < 448)[None, :])
-            rot = _rope_pairs(pe * rstd[:, None], cos, sin, SOFT_ROUNDING)
-            # padded heads: +0.0 exactly (0 * cos with cos < 0 would store -0.0)
-            rot = tl.where(real[:, None], rot, 0.0)
-            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _to_bf16(rot, SOFT_ROUNDING), mask=stored)
-
+            _q_heads(q_ptr, q_out_ptr, pos_ptr, cos_sin_ptr, t, col, H, HP, max_pos, stride_qt, stride_qh, stride_ot,
+                     stride_oh, stride_cs, eps, q_ptr, BLOCK_H=BLOCK_H, SOFT_ROUNDING=SOFT_ROUNDING, Q_FP8=False, WRAP=WRAP)
 
 def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
     """(heads per program, warps per program), from the H200 sweep (bench/README.md).
@@ -372,11 +418,24 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
 
     Runs in the eager paths and in the fake impl (where sizes may be symbolic).
     """
+    device = check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices)
+    check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
+    check_unit_last_stride("k_cache", k_cache)
+    require(
+        k_cache.stride(0) >= block_size * SLOT_BYTES and k_cache.shape[1] >= block_size * SLOT_BYTES,
+        f"k_cache: a block of {block_size} slots needs {block_size * SLOT_BYTES} bytes "
+        f"(576 data + 8 scale bytes per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
+    )
+
+
+def check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices, *,
+                        q_out_dtype: torch.dtype | tuple[torch.dtype, ...] = torch.bfloat16) -> torch.device:
+    """Everything but the cache, as both DeepSeek-V4 ops check it (this one and the full-row
+    cache's, whose ``q_out`` may hold e4m3 codes: ``q_out_dtype``). Returns q's device."""
     device = q.device if isinstance(q, torch.Tensor) else None  # check_tensor names a non-tensor q
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=device)
     check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, device=device)
-    check_tensor("q_out", q_out, dtype=torch.bfloat16, ndim=3, device=device)
-    check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
+    check_tensor("q_out", q_out, dtype=q_out_dtype, ndim=3, device=device)
     check_index_tensor("slot_mapping", slot_mapping, device)
     check_index_tensor("positions", positions, device)
     check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2, device=device)
@@ -397,21 +456,17 @@ def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
     )
     check_size("cos_sin_cache", cos_sin_cache, 1, ROPE_DIM, "32 cos + 32 sin values")
     named = (
-        ("q", q), ("kv", kv), ("q_out", q_out), ("k_cache", k_cache), ("cos_sin_cache", cos_sin_cache),
+        ("q", q), ("kv", kv), ("q_out", q_out), ("cos_sin_cache", cos_sin_cache),
         ("slot_mapping", slot_mapping), ("positions", positions),
     )
     for name, t in named:
         check_unit_last_stride(name, t)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
-    require(
-        k_cache.stride(0) >= block_size * SLOT_BYTES and k_cache.shape[1] >= block_size * SLOT_BYTES,
-        f"k_cache: a block of {block_size} slots needs {block_size * SLOT_BYTES} bytes "
-        f"(576 data + 8 scale bytes per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
-    )
     check_fp32_scalar("eps", eps, at_least=0.0)
     if not isinstance(wrap_indices, bool):
         raise ValueError(f"wrap_indices: must be a bool, got {wrap_indices!r}")
+    return device
 
 
 def check_index_values(k_cache, slot_mapping, positions, cos_sin_cache, block_size, wrap_indices=False) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["Q_POISON", "CACHE_POISON", "poisoned_like", "fresh_generator", "seeded_generator", "random_slots", "rope_cos_sin_cache", "bf16_ulp_diff", "e4m3_code_diff", "max_row_rel_diff", "with_wrapped_indices", "call_with_fake_tensors"]
+__all__ = ["Q_POISON", "CACHE_POISON", "poisoned_like", "fresh_generator", "seeded_generator", "random_slots", "rope_cos_sin_cache", "bf16_ulp_diff", "e4m3_code_diff", "max_row_rel_diff", "with_wrapped_indices", "call_with_fake_tensors", "to_device"]
 
 Q_POISON = -123.0
 CACHE_POISON = 0xA5
@@ -103,3 +103,9 @@ def call_with_fake_tensors(op, args: dict) -> None:
 
     with FakeTensorMode() as mode:
         op(*[mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in args.values()])
+
+
+def to_device(inputs, device):
+    """A family's inputs (a dataclass) with every tensor field moved to ``device``."""
+    tensors = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    return dataclasses.replace(inputs, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})

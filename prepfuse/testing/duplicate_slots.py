@@ -20,7 +20,7 @@ __all__ = ["written_outputs", "call_on_fresh_outputs", "slot_writers", "sharing_
            "CONTENDED_OPS", "CONTENDED_RUNS", "contended_inputs"]
 
 # the ops by ``contended_inputs``' names (``prepfuse.testing.impls.IMPLS`` keys, fp8 GQA beside bf16)
-CONTENDED_OPS = ("dsv4", "gqa", "gqa-fp8", "indexer-fp8", "indexer-mxfp4")
+CONTENDED_OPS = ("dsv4", "dsv4-full-row", "dsv4-full-row-fp8", "gqa", "gqa-fp8", "indexer-fp8", "indexer-mxfp4")
 
 # token runs [a, b) given token a's slot in a contended call of 1024 tokens: 96 programs
 # in a row write one slot, at the same time on a GPU
@@ -62,14 +62,18 @@ def sharing_slots(slots: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Ten
 
 def contended_inputs(op: str, device) -> tuple:
     """(fresh inputs of 1024 tokens, every row inserted at a distinct slot, and those slots
-    with ``CONTENDED_RUNS`` sharing three of them) for ``op`` in "dsv4", "gqa", "gqa-fp8",
-    "indexer-fp8", "indexer-mxfp4": few q heads, as only the cache rows are in question."""
+    with ``CONTENDED_RUNS`` sharing three of them) for ``op`` in ``CONTENDED_OPS``: few q heads, as
+    only the cache rows are in question."""
     from prepfuse.testing.dsv4 import make_dsv4_inputs
+    from prepfuse.testing.dsv4_full_row import make_dsv4_full_row_inputs
     from prepfuse.testing.dsv4_indexer import make_dsv4_indexer_inputs
     from prepfuse.testing.gqa import make_gqa_inputs
 
     if op == "dsv4":
         inputs = make_dsv4_inputs(1024, 4, 8, 64, device, skip_fraction=0.0)
+    elif op.startswith("dsv4-full-row"):
+        inputs = make_dsv4_full_row_inputs(1024, 4, 4, 64, device, skip_fraction=0.0,
+                                           fmt="fp8" if op.endswith("-fp8") else "bf16")
     elif op in ("gqa", "gqa-fp8"):
         inputs = make_gqa_inputs(1024, 8, 2, 128, 16, device, skip_fraction=0.0,
                                  cache_dtype=torch.float8_e4m3fn if op == "gqa-fp8" else torch.bfloat16)

@@ -10,6 +10,8 @@ from prepfuse.ops import (
     dsv4_indexer_rope_fp8_insert_triton,
     dsv4_indexer_rope_mxfp4_insert_reference,
     dsv4_indexer_rope_mxfp4_insert_triton,
+    dsv4_qnorm_rope_kv_full_row_insert_reference,
+    dsv4_qnorm_rope_kv_full_row_insert_triton,
     dsv4_qnorm_rope_kv_insert_reference,
     dsv4_qnorm_rope_kv_insert_triton,
     gqa_qknorm_rope_kv_insert_reference,
@@ -21,6 +23,7 @@ __all__ = ["IMPLS", "implementations"]
 # op: (reference, kernel launch)
 IMPLS = {
     "dsv4": (dsv4_qnorm_rope_kv_insert_reference, dsv4_qnorm_rope_kv_insert_triton),
+    "dsv4-full-row": (dsv4_qnorm_rope_kv_full_row_insert_reference, dsv4_qnorm_rope_kv_full_row_insert_triton),
     "gqa": (gqa_qknorm_rope_kv_insert_reference, gqa_qknorm_rope_kv_insert_triton),
     "indexer-fp8": (dsv4_indexer_rope_fp8_insert_reference, dsv4_indexer_rope_fp8_insert_triton),
     "indexer-mxfp4": (dsv4_indexer_rope_mxfp4_insert_reference, dsv4_indexer_rope_mxfp4_insert_triton),
@@ -28,6 +31,6 @@ IMPLS = {
 
 
 def implementations(case: str) -> tuple:
-    """(reference, kernel launch) of ``case``: an op's name in ``IMPLS``, or "gqa-fp8" (the GQA
-    op on an fp8 cache: the same two implementations)."""
-    return IMPLS["gqa" if case == "gqa-fp8" else case]
+    """(reference, kernel launch) of ``case``: an op's name in ``IMPLS``, or the op on an fp8 cache
+    ("gqa-fp8", "dsv4-full-row-fp8": the same two implementations)."""
+    return IMPLS[case.removesuffix("-fp8") if case in ("gqa-fp8", "dsv4-full-row-fp8") else case]

@@ -33,13 +33,14 @@ from prepfuse.fx_passes.mutation_info import (
 from prepfuse.ops import (
     DSV4_INDEXER_ROPE_FP8_INSERT,
     DSV4_INDEXER_ROPE_MXFP4_INSERT,
+    DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT,
     DSV4_QNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT,
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
     SCRATCH,
     registered_ops,
 )
-from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
+from prepfuse.testing import make_dsv4_full_row_inputs, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
 from prepfuse.testing.functionalization import check_functionalization
 
 VERSIONS = ["v1", "v2"]
@@ -50,6 +51,7 @@ VERSIONS = ["v1", "v2"]
 # --------------------------------------------------------------------------------------
 REGISTERED_OP_INPUTS: dict[torch._ops.OpOverload, Callable[[], tuple]] = {
     DSV4_QNORM_ROPE_KV_INSERT: lambda: make_dsv4_inputs(7, 3, 8, 16, "cpu", num_inserted=5).args(),
+    DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT: lambda: make_dsv4_full_row_inputs(7, 3, 8, 16, "cpu", num_inserted=5).args(),
     # k_cache and v_cache are two views of one [NB, 2, BS, Hkv, D] buffer: one shared base
     GQA_QKNORM_ROPE_KV_INSERT: lambda: make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5).args(),
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT: lambda: make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5).separate_args(),

@@ -13,8 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_QNORM_ROPE_KV_INSERT, GQA_QKNORM_ROPE_KV_INSERT
-from prepfuse.testing import call_with_fake_tensors, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
+from prepfuse.ops import (
+    DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, DSV4_QNORM_ROPE_KV_INSERT, GQA_QKNORM_ROPE_KV_INSERT,
+)
+from prepfuse.testing import (
+    call_with_fake_tensors, make_dsv4_full_row_inputs, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs,
+)
 
 
 def one_buffer(out, v_offset_elements: int):
@@ -32,6 +36,10 @@ def gqa():
 
 def dsv4():
     return DSV4_QNORM_ROPE_KV_INSERT, make_dsv4_inputs(5, 3, 8, 16, "cpu").fresh_outputs()
+
+
+def dsv4_full_row():
+    return DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, make_dsv4_full_row_inputs(5, 3, 3, 16, "cpu").fresh_outputs()
 
 
 def indexer():
@@ -52,6 +60,9 @@ CASES = {
     "dsv4-expanded-q_out": (dsv4, lambda o: dict(q_out=o.q_out[:1].expand(o.q_out.shape)), "q_out", None),
     "dsv4-k_cache-over-q_out": (dsv4, lambda o: dict(
         q_out=o.k_cache.view(torch.bfloat16).as_strided(o.q_out.shape, o.q_out.stride())), "q_out", "k_cache"),
+    # vLLM rewrites q in place; here q_out is the caller's buffer, apart from q
+    "dsv4-full-row-q_out-is-q": (dsv4_full_row, lambda o: dict(q_out=o.q), "q_out", "q"),
+    "dsv4-full-row-q_out-in-k_cache": (dsv4_full_row, lambda o: dict(q_out=o.k_cache[:5, :3]), "q_out", "k_cache"),
     "indexer-k_cache-holds-q_out": (indexer, lambda o: dict(
         q_out=o.k_cache.view(torch.float8_e4m3fn).as_strided(o.q_out.shape, o.q_out.stride())), "q_out", "k_cache"),
 }

@@ -38,7 +38,7 @@ from prepfuse.ops import (
 from tests.ops.bad_inputs import assert_rejected, changed
 from prepfuse.testing import (
     CACHE_POISON, Dsv4Inputs, call_with_fake_tensors, compare_dsv4, make_dsv4_inputs, seeded_dsv4_inputs,
-    seeded_generator,
+    seeded_generator, to_device,
 )
 
 # Where kernels run: compiled on a CUDA device when there is one, else triton's CPU
@@ -56,11 +56,6 @@ IMPLS = [
     pytest.param(dsv4_qnorm_rope_kv_insert_reference, id="reference"),
     pytest.param(dsv4_qnorm_rope_kv_insert_triton, id="triton", marks=needs_triton),
 ]
-
-
-def to_device(inputs: Dsv4Inputs, device) -> Dsv4Inputs:
-    tensors = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
-    return dataclasses.replace(inputs, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
 
 def written_bytes(inputs: Dsv4Inputs) -> torch.Tensor:

@@ -3,7 +3,7 @@ enumerated, through its checked reference and its Triton kernel (under the CPU i
 here; on CUDA the kernel itself), which must agree as the op's own tests require.
 
 The edges: no tokens, one token, no rows inserted, no q heads (the kv-only or k-only call
-the passes emit), q heads without padding, one kv head, block size 1, every head size,
+the passes emit; a full-row cache's too), q heads without padding, one kv head, block size 1, every head size,
 rotary dims that are no power of two (44, 96 of 128) and the smallest one (2).
 """
 
@@ -14,8 +14,8 @@ import torch
 
 from prepfuse._compat import has_triton
 from prepfuse.testing import (
-    compare_dsv4, compare_dsv4_indexer, compare_gqa, make_dsv4_indexer_inputs, make_dsv4_inputs, seeded_gqa_inputs,
-    with_cache_layout,
+    compare_dsv4, compare_dsv4_full_row, compare_dsv4_indexer, compare_gqa, make_dsv4_full_row_inputs,
+    make_dsv4_indexer_inputs, make_dsv4_inputs, seeded_gqa_inputs, with_cache_layout,
 )
 from prepfuse.testing.impls import IMPLS
 
@@ -31,6 +31,16 @@ DSV4_EDGES = {
     "kv-only": (5, 0, 0, 16, 5),
     "unpadded": (5, 4, 4, 16, 5),
     "block-1": (5, 3, 8, 1, 5),
+}
+
+# (T, H, padded heads, block size, rows inserted, format)
+DSV4_FULL_ROW_EDGES = {
+    "no-tokens": (0, 3, 3, 16, 0, "bf16"),
+    "one-token": (1, 3, 8, 16, 1, "fp8"),
+    "nothing-inserted": (5, 3, 3, 16, 0, "fp8"),
+    "kv-only": (5, 0, 0, 16, 5, "fp8"),
+    "kv-only-bf16": (5, 0, 0, 16, 5, "bf16"),
+    "block-1": (5, 3, 3, 1, 5, "bf16"),
 }
 
 # (T, Hq, Hkv, D, block size, rotary dim, is_neox, cache dtype, rows inserted)
@@ -73,6 +83,15 @@ def test_dsv4(edge):
     inputs = make_dsv4_inputs(tokens, heads, padded, block, DEVICE, num_inserted=inserted)
     expected, actual = both(*IMPLS["dsv4"], inputs)
     comparison = compare_dsv4(expected, actual)
+    assert comparison.within_spec(), comparison
+
+
+@pytest.mark.parametrize("edge", list(DSV4_FULL_ROW_EDGES))
+def test_dsv4_full_row(edge):
+    tokens, heads, padded, block, inserted, fmt = DSV4_FULL_ROW_EDGES[edge]
+    inputs = make_dsv4_full_row_inputs(tokens, heads, padded, block, DEVICE, fmt=fmt, num_inserted=inserted)
+    expected, actual = both(*IMPLS["dsv4-full-row"], inputs)
+    comparison = compare_dsv4_full_row(expected, actual)
     assert comparison.within_spec(), comparison
 
 

@@ -22,7 +22,7 @@ import torch
 from prepfuse._compat import has_triton
 from prepfuse.ops import _checks
 from prepfuse.ops import _duplicate_slots
-from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
+from prepfuse.testing import make_dsv4_full_row_inputs, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
 from prepfuse.testing.duplicate_slots import call_on_fresh_outputs as run
 from prepfuse.testing.duplicate_slots import contended_inputs, sharing_slots, torn_slots
 from prepfuse.testing.duplicate_slots import written_outputs as outputs
@@ -34,6 +34,8 @@ needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not instal
 # op: fresh inputs, every slot valid (OPS adds the op's reference and kernel launch)
 INPUTS = {
     "dsv4": lambda: make_dsv4_inputs(6, 3, 8, 16, DEVICE, skip_fraction=0.0),
+    "dsv4-full-row": lambda: make_dsv4_full_row_inputs(6, 3, 3, 16, DEVICE, skip_fraction=0.0),
+    "dsv4-full-row-fp8": lambda: make_dsv4_full_row_inputs(6, 3, 8, 16, DEVICE, fmt="fp8", skip_fraction=0.0),
     "gqa": lambda: make_gqa_inputs(6, 4, 2, 64, 16, DEVICE, skip_fraction=0.0),
     "gqa-fp8": lambda: make_gqa_inputs(6, 4, 2, 64, 16, DEVICE, skip_fraction=0.0, cache_dtype=torch.float8_e4m3fn),
     "indexer-fp8": lambda: make_dsv4_indexer_inputs("fp8", 6, 3, 16, DEVICE, num_k=6, skip_fraction=0.0),

@@ -24,7 +24,10 @@ import torch
 
 from prepfuse._compat import has_triton
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, NOPE_DIM, SCALE_BYTES
-from prepfuse.testing import make_dsv4_indexer_inputs, seeded_dsv4_inputs, seeded_generator, seeded_gqa_inputs
+from prepfuse.testing import (
+    FULL_ROW_FORMATS, make_dsv4_indexer_inputs, seeded_dsv4_full_row_inputs, seeded_dsv4_inputs, seeded_generator,
+    seeded_gqa_inputs,
+)
 from prepfuse.testing.impls import IMPLS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,6 +63,15 @@ def dsv4_views(inputs) -> dict[str, torch.Tensor]:
         "rope": float_bits(blocks[..., NOPE_DIM:].contiguous().view(torch.bfloat16)),
         "scales and padding": inputs.k_cache[:, bs * CACHE_ROW_BYTES :],
     }
+
+
+def row_values(t: torch.Tensor) -> torch.Tensor:
+    """bf16 bits or e4m3 bytes, NaN-blind."""
+    return e4m3_bytes(t.view(torch.uint8)) if t.dtype == FP8 else float_bits(t)
+
+
+def dsv4_full_row_views(inputs) -> dict[str, torch.Tensor]:
+    return {"q_out": row_values(inputs.q_out), "k_cache": row_values(inputs.k_cache)}
 
 
 def gqa_views(inputs) -> dict[str, torch.Tensor]:
@@ -136,6 +148,37 @@ def test_dsv4():
     assert rope[10].isnan() and rope.isnan().sum() == 2, "RoPE dims: a NaN is in its rotated pair, nowhere else"
     assert expected.q_out[0, 1].isnan().all() and not expected.q_out[0, 0].isnan().any()
     assert expected.q_out[1, 2].isnan().any() and not expected.q_out[1, 2].isinf().any()
+
+
+# --------------------------------------------------------------------------------------
+# DeepSeek-V4 full-row caches: bf16 follows IEEE; e4m3 with a per-tensor scale clamps
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", list(FULL_ROW_FORMATS))
+def test_dsv4_full_row(fmt):
+    inputs, seed = seeded_dsv4_full_row_inputs(6, 3, 4, 16, DEVICE, fmt=fmt, skip_fraction=0.0)
+    kv, q = inputs.kv, inputs.q
+    kv[0, 5] = NAN
+    kv[1, 9] = INF
+    kv[2, 100] = -INF
+    kv[3, NOPE_DIM + 10] = NAN  # a RoPE dim: NaN in its rotated pair
+    q[0, 1, 7] = NAN
+    expected, actual = run_both("dsv4-full-row", inputs)
+    assert_same(dsv4_full_row_views, expected, actual, seed)
+
+    def at(token, dim):
+        blk, row = slot_of(inputs, token)
+        value = expected.k_cache[blk, row, dim]
+        return int(value.view(torch.uint8)) if value.dtype == FP8 else float(value)
+
+    if expected.k_cache.dtype == FP8:  # NaN stays NaN (vLLM's clamp would store -448), infinities saturate
+        assert at(0, 5) & 0x7F == 0x7F and (at(1, 9), at(2, 100)) == (0x7E, 0xFE)
+        rope = row_values(expected.k_cache[slot_of(inputs, 3)][NOPE_DIM:]) == 0x7F
+    else:
+        assert at(0, 5) != at(0, 5) and (at(1, 9), at(2, 100)) == (INF, -INF)
+        rope = expected.k_cache[slot_of(inputs, 3)][NOPE_DIM:].isnan()
+    assert rope[10] and rope.sum() == 2, "RoPE dims: a NaN is in its rotated pair, nowhere else"
+    head_nan = row_values(expected.q_out[0, 1]) == (0x7F if expected.q_out.dtype == FP8 else -1)
+    assert head_nan.all() and not (row_values(expected.q_out[0, 0]) == row_values(expected.q_out[0, 1])).all()
 
 
 # --------------------------------------------------------------------------------------

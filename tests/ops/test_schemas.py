@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 from prepfuse.ops import (
     DSV4_INDEXER_ROPE_FP8_INSERT,
     DSV4_INDEXER_ROPE_MXFP4_INSERT,
+    DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT,
     DSV4_QNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT,
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
@@ -35,7 +36,9 @@ from prepfuse.ops import (
     registered_ops,
 )
 from prepfuse.scratch import ScratchArena, use_arena
-from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs, with_cos_sin_operands
+from prepfuse.testing import (
+    make_dsv4_full_row_inputs, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs, with_cos_sin_operands,
+)
 from prepfuse.testing.drift import check_schemas, ops_of, read_snapshot, schema_drift, schemas_of
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "schemas.txt"
@@ -141,6 +144,17 @@ def _dsv4_opcheck_samples() -> list[tuple]:
     return [full.args(), partial.args(), single.args()]
 
 
+def _dsv4_full_row_opcheck_samples() -> list[tuple]:
+    # vLLM's bf16 format: 7 tokens, 3 heads unpadded, block size 16
+    bf16 = make_dsv4_full_row_inputs(7, 3, 3, 16, "cpu")
+    # its fp8 format, q padded to 8 heads, T' = 5 of 7 rows inserted, two skipped, blocks apart
+    fp8 = make_dsv4_full_row_inputs(7, 3, 8, 16, "cpu", fmt="fp8", num_inserted=5, block_padding=32)
+    fp8.slot_mapping[[0, 3]] = -1
+    # a mixed format, one token
+    mixed = make_dsv4_full_row_inputs(1, 2, 2, 64, "cpu", fmt="bf16-q-fp8-cache", skip_fraction=0.0)
+    return [bf16.args(), fp8.args(), mixed.args()]
+
+
 def _gqa_opcheck_samples() -> list[tuple]:
     # Qwen3 style: norm weights, NeoX RoPE, bf16 caches, 7 tokens, 3 q heads on 1 kv head
     qwen3 = make_gqa_inputs(7, 3, 1, 64, 16, "cpu")
@@ -189,6 +203,7 @@ def _scratch_opcheck_samples() -> list[tuple]:
 
 OPCHECK_SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[tuple]]] = {
     DSV4_QNORM_ROPE_KV_INSERT: _dsv4_opcheck_samples,
+    DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT: _dsv4_full_row_opcheck_samples,
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: _dsv4_indexer_opcheck_samples("fp8"),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_opcheck_samples("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_opcheck_samples,
@@ -229,6 +244,14 @@ def _dsv4_bad_shapes() -> tuple[tuple, tuple, str]:
     return good, inputs.args(), r"q_out: needs at least as many \(padded\) heads as q"
 
 
+def _dsv4_full_row_bad_shapes() -> tuple[tuple, tuple, str]:
+    """(valid args, args whose cache blocks hold fewer rows than block_size, expected message)."""
+    inputs = make_dsv4_full_row_inputs(7, 3, 3, 16, "cpu", fmt="fp8")
+    good = inputs.args()
+    inputs.k_cache = inputs.k_cache[:, :8]
+    return good, inputs.args(), r"k_cache: dimension 1 must be block_size"
+
+
 def _gqa_bad_shapes() -> tuple[tuple, tuple, str]:
     """(valid args, args whose v_cache has one block fewer than k_cache, expected message)."""
     inputs = make_gqa_inputs(7, 3, 1, 64, 16, "cpu")
@@ -263,6 +286,7 @@ def _scratch_bad_shapes() -> tuple[tuple, tuple, str]:
 
 FAKE_SHAPE_CHECKS: dict[torch._ops.OpOverload, Callable[[], tuple[tuple, tuple, str]]] = {
     DSV4_QNORM_ROPE_KV_INSERT: _dsv4_bad_shapes,
+    DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT: _dsv4_full_row_bad_shapes,
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: _dsv4_indexer_bad_shapes("fp8"),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_bad_shapes("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_bad_shapes,
