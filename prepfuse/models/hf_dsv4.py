@@ -1,5 +1,5 @@
 """transformers' own ``DeepseekV4Attention``, run the way an engine runs it: its k written
-into vLLM's fp8_ds_mla cache.
+into vLLM's fp8_ds_mla cache, or into its bf16 full-row cache.
 
 The module is transformers' (``transformers.models.deepseek_v4``), unchanged: q through
 ``q_a_proj``, the weighted ``q_a_norm``, ``q_b_proj``, the per-head unweighted ``q_b_norm``
@@ -10,7 +10,9 @@ through transformers' ``AttentionInterface`` (``DSV4_ENGINE_ATTENTION``): it wri
 step's k rows into the paged fp8_ds_mla cache as the engine does (UE8M0-scaled e4m3 NoPE
 codes and the bf16 RoPE values, ``models.dsv4.write_fp8_ds_mla_rows``), then attends over
 the step's tokens (one kv head for every q head; the sinks are the engine kernel's
-business). Layers are sliding-window ones (no compressor: one cache row a token).
+business). ``DSV4_BF16_ENGINE_ATTENTION`` writes the rows whole into vLLM's bf16 full-row cache
+``[blocks, block_size, 512]`` instead. Layers are sliding-window ones (no compressor: one cache
+row a token).
 
 ``transformers`` is a test dependency: this module imports it when a client is built.
 """
@@ -23,9 +25,11 @@ from torch import nn
 from prepfuse.models.dsv4 import fp8_ds_mla_cache, write_fp8_ds_mla_rows
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import NOPE_DIM
 
-__all__ = ["DSV4_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client", "register_dsv4_engine_attention"]
+__all__ = ["DSV4_ENGINE_ATTENTION", "DSV4_BF16_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client",
+           "register_dsv4_engine_attention"]
 
 DSV4_ENGINE_ATTENTION = "prepfuse_fp8_ds_mla"
+DSV4_BF16_ENGINE_ATTENTION = "prepfuse_dsv4_bf16_rows"
 
 
 def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -35,6 +39,19 @@ def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=Non
     rows = key.transpose(1, 2).reshape(batch * seq, head_dim)
     write_fp8_ds_mla_rows(rows[:, :NOPE_DIM].float(), rows[:, NOPE_DIM:], kwargs["k_cache"], kwargs["slot_mapping"],
                           kwargs["block_size"])
+    return _attend(query, key, value, scaling)
+
+
+def _bf16_rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The engine's attention over a bf16 full-row cache: k's rows written whole at the
+    step's slots (``cache[slot // bs, slot % bs] = row``), then the same attention."""
+    batch, _, seq, head_dim = key.shape
+    rows, slots, block_size = key.transpose(1, 2).reshape(batch * seq, head_dim), kwargs["slot_mapping"], kwargs["block_size"]
+    kwargs["k_cache"][slots // block_size, slots % block_size] = rows
+    return _attend(query, key, value, scaling)
+
+
+def _attend(query, key, value, scaling):
     heads = query.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key.expand(-1, heads, -1, -1), value.expand(-1, heads, -1, -1), is_causal=True, scale=scaling)
@@ -42,10 +59,11 @@ def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=Non
 
 
 def register_dsv4_engine_attention() -> None:
-    """Register ``_fp8_ds_mla_attention`` with transformers (idempotent)."""
+    """Register both engine attention functions with transformers (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(DSV4_ENGINE_ATTENTION, _fp8_ds_mla_attention)
+    AttentionInterface.register(DSV4_BF16_ENGINE_ATTENTION, _bf16_rows_attention)
 
 
 class HfDsv4Layers(nn.Module):
@@ -69,17 +87,18 @@ class HfDsv4Layers(nn.Module):
 
 
 def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: int = 256, heads: int = 4,
-                         block_size: int = 16, num_blocks: int = 4, seed: int = 0):
+                         block_size: int = 16, num_blocks: int = 4, seed: int = 0, cache: str = "fp8_ds_mla"):
     """``(module, (x, position_ids, slot_mapping, caches, block_size))``: bf16 layers with
     random weights (norm weights around 1), one step of ``num_tokens`` tokens at positions
-    ``3 ..`` and distinct random slots, fresh fp8_ds_mla caches."""
+    ``3 ..`` and distinct random slots, fresh caches: fp8_ds_mla, or (``cache="bf16"``)
+    random bf16 full rows."""
     from transformers import DeepseekV4Config
 
     register_dsv4_engine_attention()
     config = DeepseekV4Config(hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
                               head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=128,
                               layer_types=["sliding_attention"] * num_layers)
-    config._attn_implementation = DSV4_ENGINE_ATTENTION
+    config._attn_implementation = {"fp8_ds_mla": DSV4_ENGINE_ATTENTION, "bf16": DSV4_BF16_ENGINE_ATTENTION}[cache]
     g = torch.Generator().manual_seed(seed)
     module = HfDsv4Layers(config, num_layers)
     with torch.no_grad():
@@ -92,5 +111,8 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
     x = torch.randn(1, num_tokens, hidden, generator=g).to(torch.bfloat16)
     position_ids = (torch.arange(num_tokens) + 3).unsqueeze(0)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
-    caches = [fp8_ds_mla_cache(num_blocks, block_size) for _ in range(num_layers)]
+    if cache == "bf16":
+        caches = [torch.randn(num_blocks, block_size, 512, generator=g).to(torch.bfloat16) for _ in range(num_layers)]
+    else:
+        caches = [fp8_ds_mla_cache(num_blocks, block_size) for _ in range(num_layers)]
     return module, (x, position_ids, slots, caches, block_size)

@@ -9,6 +9,8 @@ next UE8M0 scale, its codes then halved), the RoPE values within 2^-6 of their r
 a bf16 ULP). The second layer reads the first one's output, which carries the
 op's q (one fp32 rounding where HF rounds the norm factor and the product to bf16): its rows
 are within one e4m3 step (2^-3) of their row's largest value. The layers' output within 0.05.
+Written instead into vLLM's bf16 full-row cache, both sides fuse into
+``prepfuse::dsv4_qnorm_rope_kv_full_row_insert``.
 """
 
 from __future__ import annotations
@@ -52,4 +54,31 @@ def test_both_sides_of_every_layer_fuse(seed):
     assert max_row_rel_diff([rows[:, NOPE_DIM:]], [ref_rows[:, NOPE_DIM:]]) <= 2**-6
     second = [fp8_ds_mla_values(c, slots, block_size) for c in (got[1], want[1])]
     assert max_row_rel_diff([second[0]], [second[1]]) <= 2**-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_full_row_cache_fuses_both_sides(seed):
+    """The same attention with its k rows written whole into vLLM's bf16 full-row cache
+    ``[blocks, block_size, 512]``: both sides of both layers fuse into
+    ``prepfuse::dsv4_qnorm_rope_kv_full_row_insert``, no near miss. Written rows within 2^-6
+    of their row's largest value (the op rotates in fp32 and rounds once), every other row
+    as it was, the layers' output within 0.05."""
+    module, (x, positions, slots, caches, block_size) = build_hf_dsv4_client(seed=seed, cache="bf16")
+    backend = PrepfuseBackend()
+    got, want = [c.clone() for c in caches], [c.clone() for c in caches]
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True)(x, positions, slots, got, block_size)
+        ref = module(x, positions, slots, want, block_size)
+    (report,) = backend.reports
+    assert [m.pattern for m in report.matches() if m.pass_name == PASS] == ["dsv4_q+kv_full_row"] * 2, \
+        report.format(verbose=True)
+    assert not report.near_misses(PASS), report.format(verbose=True)
+    assert "prepfuse.dsv4_qnorm_rope_kv_full_row_insert.default" in report.ops_after
+    for g, w in zip(got, want):
+        rows, ref_rows = g.flatten(0, 1)[slots], w.flatten(0, 1)[slots]
+        assert max_row_rel_diff([rows], [ref_rows]) <= 2**-6
+        untouched = torch.ones(g.shape[0] * g.shape[1], dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(g.flatten(0, 1)[untouched], w.flatten(0, 1)[untouched])
     torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.05)

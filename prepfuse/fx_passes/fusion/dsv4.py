@@ -3,7 +3,9 @@
 The kv side is found from its cache writes: 576-byte rows (448 e4m3 NoPE codes, 64 RoPE
 values as bf16 bytes) and their 8 scale bytes, written at the same slots into the blocks
 of a 2-d uint8 graph input (``writes.byte_rows``: through a view of the block rows or by
-byte columns). The q side is the prepared q: heads of 512 values of a projection, carried
+byte columns), vLLM's fp8_ds_mla cache; or whole bf16 rows of 512 values written into a
+paged cache (``rewrite/cache_views``: ``[blocks, block_size, 512]`` or any view of it), vLLM's
+bf16 full-row cache, which ``prepfuse::dsv4_qnorm_rope_kv_full_row_insert`` writes. The q side is the prepared q: heads of 512 values of a projection, carried
 per token and head (``sources.prepared``) to a step that reads them (attention, or the
 head padding FlashMLA wants: ``dsv4_padding``), their math reading per-token cos/sin.
 
@@ -29,22 +31,25 @@ import torch.fx
 
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import dsv4_padding
+from prepfuse.fx_passes.rewrite.cache_views import CacheView, cache_view, emit_slots, probe_roles
 from prepfuse.fx_passes.fusion.dsv4_padding import head_padding
 from prepfuse.fx_passes.matching import MATCHING_MODULES
 from prepfuse.fx_passes.matching.axes import base_columns
-from prepfuse.fx_passes.matching.nodes import NoMatch, aten, expect, graph_order, prims, same_size, shape, val, where
+from prepfuse.fx_passes.matching.nodes import (
+    NoMatch, aten, concrete, expect, graph_order, prims, same_size, shape, val, where,
+)
 from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.sources import prepared, projection_starts, row_sources, weight_like
 from prepfuse.fx_passes.matching.writes import (
-    ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
+    ByteRows, RowsWrite, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
 )
 from prepfuse.fx_passes.rewrite import REWRITE_MODULES
 from prepfuse.fx_passes.rewrite.compare import Checked
-from prepfuse.fx_passes.rewrite.emitter import Emitter
+from prepfuse.fx_passes.rewrite.emitter import Emitter, viewed_call
 from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
-from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
+from prepfuse.ops import DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, SLOT_BYTES
 
 Q_SCRATCH_NAME = "prepfuse_q_out_scratch"
@@ -56,17 +61,36 @@ UNUSED_CACHE_BASE = "dsv4_qnorm_rope_kv_insert.unused_k_cache"
 
 @dataclass
 class KvSide:
-    data: ByteRows
-    scales: ByteRows
-    root: torch.fx.Node  # the cache before both writes
-    after: torch.fx.Node  # after both
+    root: torch.fx.Node  # the cache before its writes
+    after: torch.fx.Node  # after them
     sources: list  # the [T, 512] nodes the op could read as kv, latest first
     region: list
     operands: list
+    data: ByteRows | None = None  # fp8_ds_mla: the 576-byte rows
+    scales: ByteRows | None = None  # and their scale bytes
+    full_row: CacheView | None = None  # a full-row cache: the rows written whole
 
     @property
     def anchor(self):
-        return self.data.write.write
+        return (self.data.write if self.data is not None else self.full_row.write).write
+
+    @property
+    def block_size(self):
+        return self.data.block_size if self.data is not None else concrete(self.full_row.sizes[1])
+
+    @property
+    def rows(self) -> list:
+        """What the code writes (the values the call's math must not read a run-time float into)."""
+        if self.data is not None:
+            return [first_rows(self.data.write), self.scales.rows]
+        return [first_rows(self.full_row.write)]
+
+    def probe_limits(self) -> dict:
+        """``Probes``'s roles and limits for the slots."""
+        if self.full_row is not None:
+            return probe_roles(self.full_row)
+        return {"roles": slot_roles(self.data), "slots": val(self.root).shape[0] * self.data.block_size,
+                "block_size": self.data.block_size}
 
 
 @dataclass
@@ -85,7 +109,8 @@ class FuseDsv4PrepPass(PrepfusePass):
     canonical_graph = True
 
     def settings(self) -> tuple:
-        return (str(DSV4_QNORM_ROPE_KV_INSERT._schema), str(SCRATCH._schema))
+        return (str(DSV4_QNORM_ROPE_KV_INSERT._schema), str(DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT._schema),
+                str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
         kvs = self._kv_sides(graph)
@@ -105,21 +130,25 @@ class FuseDsv4PrepPass(PrepfusePass):
             else:
                 matched += self.attempt(lambda: self._fuse(graph, q, None), "dsv4_q", q.candidates[0].node)
         for kv in free:
-            matched += self.attempt(lambda kv=kv: self._fuse(graph, None, kv), "dsv4_kv", kv.anchor)
+            matched += self.attempt(lambda kv=kv: self._fuse(graph, None, kv), _pattern(None, kv), kv.anchor)
         return matched
 
     # ----------------------------------------------------------------------------------
     def _kv_sides(self, graph) -> list[KvSide]:
-        byte = {}
+        byte, found = {}, []
         for node, w in rows_writes(graph).items():
-            if isinstance(w, NoMatch) or val(w.root).dtype != torch.uint8 or val(w.root).dim() != 2:
+            if isinstance(w, NoMatch):
+                continue
+            if val(w.target).dtype == torch.bfloat16 and shape(w.values)[-1:] == (HEAD_DIM,):
+                self.attempt(lambda w=w: found.append(self._full_row_side(w)), "dsv4_kv_full_row", node)
+                continue
+            if val(w.root).dtype != torch.uint8 or val(w.root).dim() != 2:
                 continue
             try:
                 byte[node] = byte_rows(w)
             except NoMatch as err:
                 if shape(w.values)[-1:] == (CACHE_ROW_BYTES,):
                     self.declined_at("dsv4_kv", node, str(err))
-        found = []
         for node, data in byte.items():
             if (data.first, data.pitch, data.width) != (0, CACHE_ROW_BYTES, CACHE_ROW_BYTES):
                 if CACHE_ROW_BYTES in (data.width, data.pitch):  # a row of this cache's size, placed otherwise
@@ -134,7 +163,17 @@ class FuseDsv4PrepPass(PrepfusePass):
         scales, root, after = scale_partner(data, writes, SCALE_BYTES)
         sources, region, ops = row_sources([first_rows(data.write), scales.rows], HEAD_DIM, avoid={data.write.root})
         expect(sources, f"write: the rows written at {where(data.write.write)} are not made of one [T, 512] tensor")
-        return KvSide(data, scales, root, after, sources, region, ops)
+        return KvSide(root, after, sources, region, ops, data=data, scales=scales)
+
+    def _full_row_side(self, w: RowsWrite) -> KvSide:
+        """Whole rows of 512 bf16 values a token, written into a paged cache (one head)."""
+        roles = _row_roles(w)
+        expect(roles.count("tokens") == 1, f"write: the rows written at {where(w.write)} address tokens along "
+                                           f"{roles.count('tokens')} dims; one token dim expected")
+        view = cache_view(w, roles, 1, HEAD_DIM)
+        sources, region, ops = row_sources([first_rows(w)], HEAD_DIM, avoid={w.root})
+        expect(sources, f"write: the rows written at {where(w.write)} are not made of one [T, 512] tensor")
+        return KvSide(w.root, w.after, sources, region, ops, full_row=view)
 
     def _q_sides(self, graph, kv_starts) -> list[QSide]:
         found = []
@@ -157,11 +196,8 @@ class FuseDsv4PrepPass(PrepfusePass):
         readers = [u for o in outputs for u in o.users]
         expect(readers, "nothing reads what the preparation makes")
         point = min(readers, key=order.__getitem__)
-        roles, block_size = {}, 1
-        if kv is not None:
-            block_size = kv.data.block_size
-            roles.update(slot_roles(kv.data))
-        probes = Probes(outputs, roles, slots=_slots(kv), block_size=block_size, mode=self.validate, memo=self.memo)
+        limits = kv.probe_limits() if kv is not None else {"roles": {}, "slots": None, "block_size": 1}
+        probes = Probes(outputs, **limits, mode=self.validate, memo=self.memo)
         rope_ops = per_token_operands((q.candidates[0].operands if q else []) + (kv.operands if kv else []),
                                       weight_like)
         ropes = [r for r in rope_forms(rope_ops, None, ROPE_DIM, probes.equal_parts,
@@ -179,8 +215,7 @@ class FuseDsv4PrepPass(PrepfusePass):
                                                                                         else kv.anchor), readers=readers))
         for old, new in agreed.result:
             self.replace(old, new)
-        pattern = "dsv4_q+kv" if q and kv else ("dsv4_q" if q else "dsv4_kv")
-        self.log.matched(self.name, pattern, q.candidates[0].node if q else kv.anchor,
+        self.log.matched(self.name, _pattern(q, kv), q.candidates[0].node if q else kv.anchor,
                          agreed.note(agreed.candidate.name))
 
     def _emitter_of(self, q, p, kv, kv_src, rope, eps):
@@ -189,8 +224,8 @@ class FuseDsv4PrepPass(PrepfusePass):
             if q is not None:
                 expect_no_runtime_floats(backward([p.node], cut={q.start.node}))
             if kv is not None:
-                expect_no_runtime_floats(backward([first_rows(kv.data.write), kv.scales.rows], cut={kv_src}))
-            device = val(q.start.source if q else kv.data.rows).device
+                expect_no_runtime_floats(backward(kv.rows, cut={kv_src}))
+            device = val(q.start.source if q else kv.rows[0]).device
             checked, written = [], []
             if q is not None:
                 tokens = _token_size(emit, q.start.source)
@@ -210,8 +245,10 @@ class FuseDsv4PrepPass(PrepfusePass):
                 kv_in = kv_src if len(shape(kv_src)) == 2 else emit.node(aten.reshape.default, kv_src, [-1, HEAD_DIM])
                 if val(kv_in).dtype != torch.bfloat16:  # fp32 the code rounded (a round trip Inductor dropped)
                     kv_in = emit.node(prims.convert_element_type.default, kv_in, torch.bfloat16)
-                cache, slots = self.replaced.get(kv.root, kv.root), _emit_slots(emit, kv.data)
-                block_size = kv.data.block_size
+                cache = self.replaced.get(kv.root, kv.root)
+                slots = _emit_slots(emit, kv.data) if kv.data is not None else \
+                    emit_slots(emit, kv.full_row, _row_roles(kv.full_row.write), [0], device)
+                block_size = kv.block_size
             else:
                 kv_in = emit.node(aten.select.int, q_in, 1, 0)
                 cache = emit.scratch(UNUSED_CACHE_BASE, [1, SLOT_BYTES], torch.uint8, q_in, name=UNUSED_CACHE_NAME)
@@ -219,9 +256,12 @@ class FuseDsv4PrepPass(PrepfusePass):
             positions, table = emit_table(emit, rope, tokens, device)
             args = dict(q=q_in, kv=kv_in, q_out=q_out, k_cache=cache, slot_mapping=slots, positions=positions,
                         cos_sin_cache=table, eps=eps, block_size=block_size, wrap_indices=True)
-            outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
+            if kv is not None and kv.full_row is not None:
+                new_q, new_cache = _full_row_call(emit, args, kv.full_row, cache)
+            else:
+                outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
+                new_q, new_cache = outs["q_out"], outs["k_cache"]
             if q is not None:
-                new_q = outs["q_out"]
                 q_view = new_q if padded == q.heads else emit.node(aten.slice.Tensor, new_q, 1, 0, q.heads)
                 q_view = _as_prepared(emit, q_view, p)
                 checked.append(Checked("q_out", p.node, q_view))
@@ -231,8 +271,9 @@ class FuseDsv4PrepPass(PrepfusePass):
                         checked.append(Checked("q_out (padded)", pd.node, new_q))
                         written.append((pd.node, new_q))
             if kv is not None:
-                checked.append(Checked("k_cache", kv.after, outs["k_cache"], decode=_fp8_ds_mla(block_size)))
-                written.append((kv.after, outs["k_cache"]))
+                decode = _fp8_ds_mla(block_size) if kv.data is not None else None
+                checked.append(Checked("k_cache", kv.after, new_cache, decode=decode))
+                written.append((kv.after, new_cache))
             return checked, written
         return emit_it
 
@@ -263,10 +304,33 @@ def _emit_slots(emit, rows: ByteRows):
     return emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, rows.block, rows.block_size), rows.row)
 
 
-def _slots(kv: KvSide | None):
-    if kv is None:
-        return None
-    return val(kv.root).shape[0] * kv.data.block_size
+def _row_roles(w: RowsWrite) -> list[str]:
+    """The roles of a full-row write's value dims: the 512 values (``head``), tokens (an
+    indexed dim, or one of more than one position), or a dim of one."""
+    last = len(shape(w.target)) - 1
+    return ["head" if (kind, d) == ("dim", last) else
+            "tokens" if kind == "index" or not same_size(shape(w.target)[d], 1) else "one" for kind, d in w.value_dims]
+
+
+def _full_row_call(emit, args: dict, view: CacheView, cache) -> tuple:
+    """The full-row op's call writing ``view``'s ``[blocks, block_size, 512]`` rows of the
+    cache (the graph input itself, or a strided view of it); ``(q_out, the cache after)``."""
+    args = dict(args, kv_scale=None, q_scale_inv=None)
+    sizes, strides = [view.sizes[0], view.sizes[1], HEAD_DIM], [view.strides[0], view.strides[1], 1]
+    root = val(view.write.root)
+    if view.write.target is view.write.root and list(root.shape) == sizes and list(root.stride()) == strides:
+        outs = emit.functional_call(DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, args)
+        return outs["q_out"], outs["k_cache"]
+    args.pop("k_cache")
+    plain, new = viewed_call(emit, DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, args,
+                             {"k_cache": (cache, root.as_strided(sizes, strides, view.offset))})
+    return plain["q_out"], new[cache]
+
+
+def _pattern(q, kv) -> str:
+    """The report's name of a call: which sides, and the full-row cache where it writes one."""
+    sides = "dsv4_q+kv" if q and kv else ("dsv4_q" if q else "dsv4_kv")
+    return sides + ("_full_row" if kv is not None and kv.full_row is not None else "")
 
 
 def _fp8_ds_mla(block_size: int):

@@ -32,11 +32,12 @@ import torch.fx
 
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_calls
-from prepfuse.fx_passes.fusion.gqa_calls import CacheView, Math, cache_view, emit_slots, math_candidates
+from prepfuse.fx_passes.rewrite.cache_views import CacheView, cache_view, emit_slots, probe_roles
+from prepfuse.fx_passes.fusion.gqa_calls import Math, math_candidates
 from prepfuse.fx_passes.matching import MATCHING_MODULES, head_copies
 from prepfuse.fx_passes.matching.layouts import Layout
 from prepfuse.fx_passes.matching.nodes import (
-    NoMatch, aten, concrete, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
+    NoMatch, aten, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
 )
 from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, leaves, operands
 from prepfuse.fx_passes.matching.rope_operands import emit_rope, per_token_operands, rope_forms
@@ -247,7 +248,7 @@ class FuseGqaPrepPass(PrepfusePass):
         scales = (_scale(k), _scale(v))
         _expect_no_runtime_floats(k, scales)
         probes_out = [k.write.after, v.write.after] if not shared else [shared[1]]
-        probes = Probes(probes_out + [q.prepared for q in qs], **self._roles(k), mode=self.validate, memo=self.memo)
+        probes = Probes(probes_out + [q.prepared for q in qs], **probe_roles(k.view), mode=self.validate, memo=self.memo)
         ropes = rope_forms(per_token_operands(k.operands, weight_like), k.tokens, k.head_dim, probes.equal_parts,
                            lambda n: probes.equal_parts(n, pairs=True))
         expect(ropes, f"rope: no cos/sin the op can read among what the rows written at {where(k.write.write)} mix in")
@@ -279,24 +280,6 @@ class FuseGqaPrepPass(PrepfusePass):
         pattern = ("gqa_qknorm_rope_kv" if best.norm != "none" else "gqa_rope_kv") + (
             "+separate" if _separate(k) else "")
         self.log.matched(self.name, pattern, q.prepared, final.note(best.describe()))
-
-    def _roles(self, k: KvWrite) -> dict:
-        w, view = k.write, k.view
-        kinds = [(w.indices[w.dims.index(d)].node if d in w.dims else None) for d in view.token_dims]
-        roles, extra = {}, {}
-        if len(kinds) == 2 and all(n is not None for n in kinds):
-            s = gqa_calls._same_slot(kinds[0], kinds[1], view.sizes[1])
-            if s is not None:
-                roles[s] = "slots"
-            else:
-                roles.update({kinds[0]: "slot_block", kinds[1]: "slot_row"})
-        elif len(kinds) == 1 and kinds[0] is not None:
-            roles[kinds[0]] = "slots"
-        elif len(kinds) == 2 and kinds[1] is not None:  # a sequence's positions
-            roles[kinds[1]] = "sequence_slots" if len(shape(kinds[1])) == 2 else "slots"
-            extra["slots"] = concrete(view.sizes[1])
-        return {"roles": roles, "slots": extra.get("slots", view.slots), "block_size": concrete(view.sizes[1])}
-
 
 def _expect_no_runtime_floats(k: KvWrite, scales) -> None:
     """Decline where k's math reads a runtime float other than a kv scale (``regions``); a

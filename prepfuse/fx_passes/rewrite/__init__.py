@@ -4,11 +4,12 @@ the region they would replace, on probes, and the one that agrees put into the g
 - ``probes.py``, ``compare.py``: probe values, the region run once, candidates compared;
 - ``search.py``: candidate calls tried on the probes, the first that agrees kept;
 - ``emitter.py``: what every rewrite inserts (fake values, the functional call);
+- ``cache_views.py``: a rows write's paged cache as a call writes it, and each token's slot;
 - ``scratch_buffers.py``: output buffers from the scratch arena.
 """
 
-from prepfuse.fx_passes.rewrite import compare, emitter, probes, scratch_buffers, search
+from prepfuse.fx_passes.rewrite import cache_views, compare, emitter, probes, scratch_buffers, search
 
-REWRITE_MODULES = (probes, compare, search, emitter, scratch_buffers)
+REWRITE_MODULES = (probes, compare, search, emitter, scratch_buffers, cache_views)
 
 __all__ = ["REWRITE_MODULES"]

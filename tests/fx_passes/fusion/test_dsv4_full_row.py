@@ -1,0 +1,113 @@
+"""DeepSeek-V4's prep writing vLLM's bf16 full-row cache, however the rows are written.
+
+q normed and rotated (``models.dsv4.dsv4_q_prep``), kv rotated and written whole as bf16
+rows into ``[blocks, block_size, 512]``: by (block, row), through the flat view by slot,
+by ``index_copy_`` into the flat view, and the first ``len(slots)`` of more tokens (data
+parallel padding). Each fuses both sides into one ``dsv4_qnorm_rope_kv_full_row_insert``
+call; q equals eager within 2^-6 of each row's largest value, the written rows likewise,
+every other cache row bit for bit. kv rotated by halves where q is rotated by pairs is other
+math: q fuses alone, the kv write is declined naming the cache, and stays Inductor's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prepfuse.backend import PrepfuseBackend
+from prepfuse.models.dsv4 import DSV4_SPELLINGS, Dsv4Spelling, cos_sin, dsv4_q_prep, rope, split_rope_dims
+from prepfuse.testing import max_row_rel_diff
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+
+T, H, HP, BLOCKS, BLOCK, EPS = 6, 3, 4, 4, 8, 1e-6
+SPELLING = DSV4_SPELLINGS[0]
+NEOX = Dsv4Spelling("neox", rope="neox")
+
+
+def rotated_rows(kv, positions, n):
+    """kv's first ``n`` rows with their last 64 dims rotated, bf16."""
+    nope, pe = split_rope_dims(kv[:n].float(), SPELLING)
+    cos, sin = cos_sin(TABLE, positions[:n])
+    return torch.cat((nope, rope(pe, cos, sin, SPELLING)), -1).to(kv.dtype)
+
+
+def by_block_and_row(q, kv, positions, slots, cache):
+    cache[slots // BLOCK, slots % BLOCK] = rotated_rows(kv, positions, slots.shape[0])
+    return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
+
+
+def by_slot_of_the_flat_view(q, kv, positions, slots, cache):
+    cache.view(-1, 512)[slots] = rotated_rows(kv, positions, slots.shape[0])
+    return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
+
+
+def by_index_copy(q, kv, positions, slots, cache):
+    cache.view(-1, 512).index_copy_(0, slots, rotated_rows(kv, positions, slots.shape[0]))
+    return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
+
+
+def first_rows_of_padded_tokens(q, kv, positions, slots, cache):
+    """Two more tokens than slots: the first ``len(slots)`` rows are written."""
+    cache[slots[:-2] // BLOCK, slots[:-2] % BLOCK] = rotated_rows(kv, positions, slots.shape[0] - 2)
+    return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
+
+
+def neox_kv(q, kv, positions, slots, cache):
+    """kv's rotation by halves (NeoX) where q's is GPT-J's: other math than the op's."""
+    nope, pe = split_rope_dims(kv.float(), SPELLING)
+    cos, sin = cos_sin(TABLE, positions)
+    rows = torch.cat((nope, rope(pe, cos, sin, NEOX)), -1).to(kv.dtype)
+    cache[slots // BLOCK, slots % BLOCK] = rows
+    return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
+
+
+TABLE = None  # the fp32 [P, 64] cos/sin table, set by inputs()
+
+
+def inputs(seed=5):
+    global TABLE
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(64, 32, generator=gen) * 6.28
+    TABLE = torch.cat((angles.cos(), angles.sin()), -1)
+    q = torch.randn(T, H, 512, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(T, 512, generator=gen).to(torch.bfloat16)
+    positions = torch.arange(T) + 5
+    slots = torch.randperm(BLOCKS * BLOCK, generator=gen)[:T]
+    cache = torch.randn(BLOCKS, BLOCK, 512, generator=gen).to(torch.bfloat16)
+    return q, kv, positions, slots, cache
+
+
+def compiled_and_eager(fn):
+    q, kv, positions, slots, cache = inputs()
+    got, want = cache.clone(), cache.clone()
+    backend = PrepfuseBackend()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(q, kv, positions, slots, got)
+    ref = fn(q, kv, positions, slots, want)
+    return backend.reports, (out, got), (ref, want), slots
+
+
+@pytest.mark.parametrize("fn", [by_block_and_row, by_slot_of_the_flat_view, by_index_copy, first_rows_of_padded_tokens])
+def test_both_sides_fuse_into_the_full_row_op(fn):
+    reports, (out, got), (ref, want), slots = compiled_and_eager(fn)
+    assert reports.pattern_counts().get("dsv4_q+kv_full_row") == 1, reports.format(verbose=True)
+    assert max_row_rel_diff([out], [ref]) <= 2**-6
+    written = torch.zeros(BLOCKS * BLOCK, dtype=torch.bool)
+    written[slots[: (slots.shape[0] - 2 if fn is first_rows_of_padded_tokens else None)]] = True
+    rows, ref_rows = got.flatten(0, 1), want.flatten(0, 1)
+    assert max_row_rel_diff([rows[written]], [ref_rows[written]]) <= 2**-6
+    assert torch.equal(rows[~written], ref_rows[~written])
+
+
+def test_rows_of_other_math_are_declined_and_stay_inductors():
+    """q fuses alone; the kv write is declined naming the cache, its bytes Inductor's."""
+    reports, (out, got), (ref, _), _ = compiled_and_eager(neox_kv)
+    counts = reports.pattern_counts()
+    assert counts.get("dsv4_q") == 1 and "dsv4_q+kv_full_row" not in counts, reports.format(verbose=True)
+    assert any("k_cache differs" in m.why for m in reports.near_misses()), reports.format(verbose=True)
+    assert max_row_rel_diff([out], [ref]) <= 2**-6
+    torch._dynamo.reset()
+    q, kv, positions, slots, cache = inputs()
+    inductor = cache.clone()
+    torch.compile(neox_kv, backend="inductor", fullgraph=True)(q, kv, positions, slots, inductor)
+    assert torch.equal(got, inductor)
