@@ -11,7 +11,8 @@ step's k rows into the paged fp8_ds_mla cache as the engine does (UE8M0-scaled e
 codes and the bf16 RoPE values, ``models.dsv4.write_fp8_ds_mla_rows``), then attends over
 the step's tokens (one kv head for every q head; the sinks are the engine kernel's
 business). ``DSV4_BF16_ENGINE_ATTENTION`` writes the rows whole into vLLM's bf16 full-row cache
-``[blocks, block_size, 512]`` instead. Layers are sliding-window ones (no compressor: one cache
+``[blocks, block_size, 512]`` instead, ``DSV4_FP8_ENGINE_ATTENTION`` into its per-tensor e4m3 one
+(``rows / k_scale``, saturated; the scale a buffer of the attention module, as engines keep it). Layers are sliding-window ones (no compressor: one cache
 row a token).
 
 ``transformers`` is a test dependency: this module imports it when a client is built.
@@ -25,11 +26,12 @@ from torch import nn
 from prepfuse.models.dsv4 import fp8_ds_mla_cache, write_fp8_ds_mla_rows
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import NOPE_DIM
 
-__all__ = ["DSV4_ENGINE_ATTENTION", "DSV4_BF16_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client",
+__all__ = ["DSV4_ENGINE_ATTENTION", "DSV4_BF16_ENGINE_ATTENTION", "DSV4_FP8_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client",
            "register_dsv4_engine_attention"]
 
 DSV4_ENGINE_ATTENTION = "prepfuse_fp8_ds_mla"
 DSV4_BF16_ENGINE_ATTENTION = "prepfuse_dsv4_bf16_rows"
+DSV4_FP8_ENGINE_ATTENTION = "prepfuse_dsv4_fp8_rows"
 
 
 def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -51,6 +53,16 @@ def _bf16_rows_attention(module, query, key, value, attention_mask, scaling=None
     return _attend(query, key, value, scaling)
 
 
+def _fp8_rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The same over a per-tensor e4m3 full-row cache: each row over the module's
+    ``k_scale``, saturated at 448."""
+    batch, _, seq, head_dim = key.shape
+    rows, slots, block_size = key.transpose(1, 2).reshape(batch * seq, head_dim), kwargs["slot_mapping"], kwargs["block_size"]
+    codes = (rows.float() / module.k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    kwargs["k_cache"][slots // block_size, slots % block_size] = codes
+    return _attend(query, key, value, scaling)
+
+
 def _attend(query, key, value, scaling):
     heads = query.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -59,11 +71,12 @@ def _attend(query, key, value, scaling):
 
 
 def register_dsv4_engine_attention() -> None:
-    """Register both engine attention functions with transformers (idempotent)."""
+    """Register the engine attention functions with transformers (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(DSV4_ENGINE_ATTENTION, _fp8_ds_mla_attention)
     AttentionInterface.register(DSV4_BF16_ENGINE_ATTENTION, _bf16_rows_attention)
+    AttentionInterface.register(DSV4_FP8_ENGINE_ATTENTION, _fp8_rows_attention)
 
 
 class HfDsv4Layers(nn.Module):
@@ -90,15 +103,16 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
                          block_size: int = 16, num_blocks: int = 4, seed: int = 0, cache: str = "fp8_ds_mla"):
     """``(module, (x, position_ids, slot_mapping, caches, block_size))``: bf16 layers with
     random weights (norm weights around 1), one step of ``num_tokens`` tokens at positions
-    ``3 ..`` and distinct random slots, fresh caches: fp8_ds_mla, or (``cache="bf16"``)
-    random bf16 full rows."""
+    ``3 ..`` and distinct random slots, fresh caches: fp8_ds_mla, or random full rows, bf16
+    (``cache="bf16"``) or e4m3 (``cache="fp8"``, each layer's ``k_scale`` 0.02)."""
     from transformers import DeepseekV4Config
 
     register_dsv4_engine_attention()
     config = DeepseekV4Config(hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
                               head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=128,
                               layer_types=["sliding_attention"] * num_layers)
-    config._attn_implementation = {"fp8_ds_mla": DSV4_ENGINE_ATTENTION, "bf16": DSV4_BF16_ENGINE_ATTENTION}[cache]
+    config._attn_implementation = {"fp8_ds_mla": DSV4_ENGINE_ATTENTION, "bf16": DSV4_BF16_ENGINE_ATTENTION,
+                                   "fp8": DSV4_FP8_ENGINE_ATTENTION}[cache]
     g = torch.Generator().manual_seed(seed)
     module = HfDsv4Layers(config, num_layers)
     with torch.no_grad():
@@ -108,11 +122,14 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     module = module.to(torch.bfloat16).eval()
+    for layer in module.layers:  # an engine's per-layer kv scale, fp32 (after the bf16 cast)
+        layer.register_buffer("k_scale", torch.tensor([0.02]))
     x = torch.randn(1, num_tokens, hidden, generator=g).to(torch.bfloat16)
     position_ids = (torch.arange(num_tokens) + 3).unsqueeze(0)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
-    if cache == "bf16":
-        caches = [torch.randn(num_blocks, block_size, 512, generator=g).to(torch.bfloat16) for _ in range(num_layers)]
+    if cache in ("bf16", "fp8"):
+        dtype = torch.bfloat16 if cache == "bf16" else torch.float8_e4m3fn
+        caches = [torch.randn(num_blocks, block_size, 512, generator=g).to(dtype) for _ in range(num_layers)]
     else:
         caches = [fp8_ds_mla_cache(num_blocks, block_size) for _ in range(num_layers)]
     return module, (x, position_ids, slots, caches, block_size)

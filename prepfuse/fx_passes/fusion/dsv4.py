@@ -3,9 +3,9 @@
 The kv side is found from its cache writes: 576-byte rows (448 e4m3 NoPE codes, 64 RoPE
 values as bf16 bytes) and their 8 scale bytes, written at the same slots into the blocks
 of a 2-d uint8 graph input (``writes.byte_rows``: through a view of the block rows or by
-byte columns), vLLM's fp8_ds_mla cache; or whole bf16 rows of 512 values written into a
-paged cache (``rewrite/cache_views``: ``[blocks, block_size, 512]`` or any view of it), vLLM's
-bf16 full-row cache, which ``prepfuse::dsv4_qnorm_rope_kv_full_row_insert`` writes. The q side is the prepared q: heads of 512 values of a projection, carried
+byte columns), vLLM's fp8_ds_mla cache; or whole rows of 512 values, bf16 or e4m3 over one
+scale, written into a paged cache (``rewrite/cache_views``: ``[blocks, block_size, 512]`` or any
+view of it), vLLM's full-row caches, which ``prepfuse::dsv4_qnorm_rope_kv_full_row_insert`` writes. The q side is the prepared q: heads of 512 values of a projection, carried
 per token and head (``sources.prepared``) to a step that reads them (attention, or the
 head padding FlashMLA wants: ``dsv4_padding``), their math reading per-token cos/sin.
 
@@ -42,7 +42,7 @@ from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_r
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.sources import prepared, projection_starts, row_sources, weight_like
 from prepfuse.fx_passes.matching.writes import (
-    ByteRows, RowsWrite, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
+    ByteRows, RowsWrite, before_cast, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
 )
 from prepfuse.fx_passes.rewrite import REWRITE_MODULES
 from prepfuse.fx_passes.rewrite.compare import Checked
@@ -52,6 +52,7 @@ from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, SLOT_BYTES
 
+FULL_ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  # a full-row cache's rows, as the op writes them
 Q_SCRATCH_NAME = "prepfuse_q_out_scratch"
 Q_SCRATCH_BASE = "dsv4_qnorm_rope_kv_insert.q_out"
 # a q-only call's one-slot cache: never written (no slots), arena memory so no allocation per call
@@ -69,6 +70,7 @@ class KvSide:
     data: ByteRows | None = None  # fp8_ds_mla: the 576-byte rows
     scales: ByteRows | None = None  # and their scale bytes
     full_row: CacheView | None = None  # a full-row cache: the rows written whole
+    scale: torch.fx.Node | None = None  # an e4m3 full-row cache: the one-value scale of its rows
 
     @property
     def anchor(self):
@@ -84,6 +86,11 @@ class KvSide:
         if self.data is not None:
             return [first_rows(self.data.write), self.scales.rows]
         return [first_rows(self.full_row.write)]
+
+    def scale_semantics(self) -> tuple:
+        """How the rows may use the scale: ``rows / scale`` or ``rows * scale`` (an e4m3
+        full-row cache); none otherwise."""
+        return ("divide", "multiply") if self.scale is not None else (None,)
 
     def probe_limits(self) -> dict:
         """``Probes``'s roles and limits for the slots."""
@@ -139,7 +146,7 @@ class FuseDsv4PrepPass(PrepfusePass):
         for node, w in rows_writes(graph).items():
             if isinstance(w, NoMatch):
                 continue
-            if val(w.target).dtype == torch.bfloat16 and shape(w.values)[-1:] == (HEAD_DIM,):
+            if val(w.target).dtype in FULL_ROW_DTYPES and shape(w.values)[-1:] == (HEAD_DIM,):
                 self.attempt(lambda w=w: found.append(self._full_row_side(w)), "dsv4_kv_full_row", node)
                 continue
             if val(w.root).dtype != torch.uint8 or val(w.root).dim() != 2:
@@ -166,14 +173,21 @@ class FuseDsv4PrepPass(PrepfusePass):
         return KvSide(root, after, sources, region, ops, data=data, scales=scales)
 
     def _full_row_side(self, w: RowsWrite) -> KvSide:
-        """Whole rows of 512 bf16 values a token, written into a paged cache (one head)."""
+        """Whole rows of 512 values a token, bf16 or e4m3 with one scale, written into a
+        paged cache (one head)."""
         roles = _row_roles(w)
         expect(roles.count("tokens") == 1, f"write: the rows written at {where(w.write)} address tokens along "
                                            f"{roles.count('tokens')} dims; one token dim expected")
         view = cache_view(w, roles, 1, HEAD_DIM)
         sources, region, ops = row_sources([first_rows(w)], HEAD_DIM, avoid={w.root})
         expect(sources, f"write: the rows written at {where(w.write)} are not made of one [T, 512] tensor")
-        return KvSide(w.root, w.after, sources, region, ops, full_row=view)
+        scale = None
+        if val(w.target).dtype == torch.float8_e4m3fn:
+            scales = [n for n in ops if _is_scale(n)]
+            expect(len(scales) == 1, f"fp8: the e4m3 rows written at {where(w.write)} use {len(scales)} one-value "
+                                     "scales; the op takes one")
+            scale = scales[0]
+        return KvSide(w.root, w.after, sources, region, ops, full_row=view, scale=scale)
 
     def _q_sides(self, graph, kv_starts) -> list[QSide]:
         found = []
@@ -207,8 +221,9 @@ class FuseDsv4PrepPass(PrepfusePass):
                       if 0 < e < 0.1] or [0.0]
         kv_sources = kv.sources if kv else [None]
         q_nodes = q.candidates if q else [None]
-        cands = [Candidate(f"{_describe(q, kv, r, e)}", self._emitter_of(q, p, kv, s, r, e))
-                 for s in kv_sources for r in ropes for e in eps_values for p in q_nodes
+        semantics = kv.scale_semantics() if kv else (None,)
+        cands = [Candidate(f"{_describe(q, kv, r, e, m)}", self._emitter_of(q, p, kv, s, r, e, m))
+                 for m in semantics for s in kv_sources for r in ropes for e in eps_values for p in q_nodes
                  if q is None or s is None or same_size(_tokens(s), _tokens(q.start.node))]
         expect(cands, "q and kv have different token counts")
         agreed = first_agreeing(probes, cands, lambda: Emitter(graph, point, source=(q.candidates[0].node if q
@@ -218,13 +233,13 @@ class FuseDsv4PrepPass(PrepfusePass):
         self.log.matched(self.name, _pattern(q, kv), q.candidates[0].node if q else kv.anchor,
                          agreed.note(agreed.candidate.name))
 
-    def _emitter_of(self, q, p, kv, kv_src, rope, eps):
+    def _emitter_of(self, q, p, kv, kv_src, rope, eps, scaling=None):
         def emit_it(emit: Emitter):
             # what the call computes must not read a float only the run knows (its fp8 range, eps)
             if q is not None:
                 expect_no_runtime_floats(backward([p.node], cut={q.start.node}))
             if kv is not None:
-                expect_no_runtime_floats(backward(kv.rows, cut={kv_src}))
+                expect_no_runtime_floats(backward(kv.rows, cut={kv_src}), {kv.scale} - {None})
             device = val(q.start.source if q else kv.rows[0]).device
             checked, written = [], []
             if q is not None:
@@ -257,7 +272,8 @@ class FuseDsv4PrepPass(PrepfusePass):
             args = dict(q=q_in, kv=kv_in, q_out=q_out, k_cache=cache, slot_mapping=slots, positions=positions,
                         cos_sin_cache=table, eps=eps, block_size=block_size, wrap_indices=True)
             if kv is not None and kv.full_row is not None:
-                new_q, new_cache = _full_row_call(emit, args, kv.full_row, cache)
+                kv_scale = kv.scale if scaling != "multiply" else emit.node(aten.reciprocal.default, kv.scale)
+                new_q, new_cache = _full_row_call(emit, args, kv.full_row, cache, kv_scale)
             else:
                 outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
                 new_q, new_cache = outs["q_out"], outs["k_cache"]
@@ -272,7 +288,9 @@ class FuseDsv4PrepPass(PrepfusePass):
                         written.append((pd.node, new_q))
             if kv is not None:
                 decode = _fp8_ds_mla(block_size) if kv.data is not None else None
-                checked.append(Checked("k_cache", kv.after, new_cache, decode=decode))
+                before = before_cast(kv.full_row.write.values) if kv.scale is not None else None
+                checked.append(Checked("k_cache", kv.after, new_cache, decode=decode,
+                                       before_cast=((before, None),) if before is not None else ()))
                 written.append((kv.after, new_cache))
             return checked, written
         return emit_it
@@ -312,10 +330,10 @@ def _row_roles(w: RowsWrite) -> list[str]:
             "tokens" if kind == "index" or not same_size(shape(w.target)[d], 1) else "one" for kind, d in w.value_dims]
 
 
-def _full_row_call(emit, args: dict, view: CacheView, cache) -> tuple:
+def _full_row_call(emit, args: dict, view: CacheView, cache, kv_scale) -> tuple:
     """The full-row op's call writing ``view``'s ``[blocks, block_size, 512]`` rows of the
     cache (the graph input itself, or a strided view of it); ``(q_out, the cache after)``."""
-    args = dict(args, kv_scale=None, q_scale_inv=None)
+    args = dict(args, kv_scale=kv_scale, q_scale_inv=None)
     sizes, strides = [view.sizes[0], view.sizes[1], HEAD_DIM], [view.strides[0], view.strides[1], 1]
     root = val(view.write.root)
     if view.write.target is view.write.root and list(root.shape) == sizes and list(root.stride()) == strides:
@@ -345,7 +363,13 @@ def _fp8_ds_mla(block_size: int):
     return decode
 
 
-def _describe(q, kv, rope, eps) -> str:
+def _describe(q, kv, rope, eps, scaling=None) -> str:
     sides = "q and kv" if q and kv else ("q" if q else "kv")
     text = f"DeepSeek-V4 {sides}, GPT-J RoPE on {rope.describe()}"
-    return text + (f", RMSNorm eps {eps:g}" if q else "")
+    text += f", RMSNorm eps {eps:g}" if q else ""
+    return text + {None: "", "divide": ", e4m3 rows / kv_scale", "multiply": ", e4m3 rows * a scale"}[scaling]
+
+
+def _is_scale(n) -> bool:
+    v = val(n)
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.numel() == 1 and v.dim() <= 1

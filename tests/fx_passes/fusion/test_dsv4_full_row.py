@@ -5,7 +5,9 @@ rows into ``[blocks, block_size, 512]``: by (block, row), through the flat view 
 by ``index_copy_`` into the flat view, and the first ``len(slots)`` of more tokens (data
 parallel padding). Each fuses both sides into one ``dsv4_qnorm_rope_kv_full_row_insert``
 call; q equals eager within 2^-6 of each row's largest value, the written rows likewise,
-every other cache row bit for bit. kv rotated by halves where q is rotated by pairs is other
+every other cache row bit for bit. Per-tensor e4m3 rows (``rows / scale`` or ``rows * inv``,
+saturated) fuse too; rows cast without a clamp fuse where torch's cast saturates, and are other
+math where it makes NaN. kv rotated by halves where q is rotated by pairs is other
 math: q fuses alone, the kv write is declined naming the cache, and stays Inductor's.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prepfuse._compat import e4m3_cast_overflow
 from prepfuse.backend import PrepfuseBackend
 from prepfuse.models.dsv4 import DSV4_SPELLINGS, Dsv4Spelling, cos_sin, dsv4_q_prep, rope, split_rope_dims
 from prepfuse.testing import max_row_rel_diff
@@ -53,6 +56,27 @@ def first_rows_of_padded_tokens(q, kv, positions, slots, cache):
     return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
 
 
+def e4m3_rows_divided(q, kv, positions, slots, cache, scale):
+    """vLLM's per-tensor fp8 full-row cache: the rotated rows over one scale, saturated."""
+    rows = rotated_rows(kv, positions, slots.shape[0]).float() / scale
+    cache[slots // BLOCK, slots % BLOCK] = rows.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
+
+
+def e4m3_rows_times_inverse(q, kv, positions, slots, cache, scale):
+    """The same with the inverse scale given (``rows * inv``), through the flat view."""
+    rows = rotated_rows(kv, positions, slots.shape[0]).float() * scale
+    cache.view(-1, 512)[slots] = rows.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
+
+
+def e4m3_rows_not_saturated(q, kv, positions, slots, cache, scale):
+    """No clamp: what a row past 448 becomes is the cast's (``_compat.e4m3_cast_overflow``)."""
+    rows = rotated_rows(kv, positions, slots.shape[0]).float() / scale
+    cache[slots // BLOCK, slots % BLOCK] = rows.to(torch.float8_e4m3fn)
+    return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
+
+
 def neox_kv(q, kv, positions, slots, cache):
     """kv's rotation by halves (NeoX) where q's is GPT-J's: other math than the op's."""
     nope, pe = split_rope_dims(kv.float(), SPELLING)
@@ -78,12 +102,14 @@ def inputs(seed=5):
     return q, kv, positions, slots, cache
 
 
-def compiled_and_eager(fn):
+def compiled_and_eager(fn, *scale):
     q, kv, positions, slots, cache = inputs()
+    if scale:
+        cache = cache.float().to(torch.float8_e4m3fn)
     got, want = cache.clone(), cache.clone()
     backend = PrepfuseBackend()
-    out = torch.compile(fn, backend=backend, fullgraph=True)(q, kv, positions, slots, got)
-    ref = fn(q, kv, positions, slots, want)
+    out = torch.compile(fn, backend=backend, fullgraph=True)(q, kv, positions, slots, got, *scale)
+    ref = fn(q, kv, positions, slots, want, *scale)
     return backend.reports, (out, got), (ref, want), slots
 
 
@@ -97,6 +123,31 @@ def test_both_sides_fuse_into_the_full_row_op(fn):
     rows, ref_rows = got.flatten(0, 1), want.flatten(0, 1)
     assert max_row_rel_diff([rows[written]], [ref_rows[written]]) <= 2**-6
     assert torch.equal(rows[~written], ref_rows[~written])
+
+
+@pytest.mark.parametrize("fn,scale", [(e4m3_rows_divided, 0.02), (e4m3_rows_times_inverse, 50.0)],
+                         ids=["divided", "times_inverse"])
+def test_e4m3_full_rows_fuse(fn, scale):
+    """Per-tensor e4m3 rows: the op's product with the rounded reciprocal against the code's
+    quotient, each written value within one e4m3 step of eager's, every other row bit for bit."""
+    reports, (out, got), (ref, want), slots = compiled_and_eager(fn, torch.tensor([scale]))
+    assert reports.pattern_counts().get("dsv4_q+kv_full_row") == 1, reports.format(verbose=True)
+    assert max_row_rel_diff([out], [ref]) <= 2**-6
+    rows, ref_rows = got.flatten(0, 1).float(), want.flatten(0, 1).float()
+    written = torch.zeros(rows.shape[0], dtype=torch.bool)
+    written[slots] = True
+    assert ((rows[written] - ref_rows[written]).abs() <= ref_rows[written].abs() * 2**-3 + 2**-9).all()
+    assert torch.equal(got.flatten(0, 1)[~written].view(torch.uint8), want.flatten(0, 1)[~written].view(torch.uint8))
+
+
+def test_e4m3_rows_cast_without_a_clamp_fuse_only_where_the_cast_saturates():
+    """The op saturates; a bare cast is the same math where torch's cast saturates too (the
+    CPU's), else NaN past 464, other math, declined by the edge probe's overflowing rows."""
+    saturates = e4m3_cast_overflow("cpu") == "saturate"
+    reports, _, _, _ = compiled_and_eager(e4m3_rows_not_saturated, torch.tensor([0.02]))
+    assert ("dsv4_q+kv_full_row" in reports.pattern_counts()) == saturates, reports.format(verbose=True)
+    if not saturates:
+        assert any("k_cache differs" in m.why for m in reports.near_misses()), reports.format(verbose=True)
 
 
 def test_rows_of_other_math_are_declined_and_stay_inductors():
