@@ -28,10 +28,16 @@ Options are ``PrepfuseOptions`` less those that patch Inductor's config, which i
 (``inductor_config``, ``auto_functionalized_v2``, ``splitting_ops``, ``cudagraphs``). A graph
 served from vLLM's FX graph cache ran no pass and gets no report; reports stay in the process
 that compiles (vLLM's engine process): the pass crosses processes as its options alone.
+
+Importing this module also declares vLLM's cache write, ``vllm::unified_kv_cache_update(key,
+value, layer_name)``, an engine write (``prepfuse.fx_passes.matching.engine_writes``): a
+GQA preparation whose k and v go to it fuses into the by-layer op, which finds the layer's
+cache and slots in vLLM's forward context when it runs (``vllm_engine_write``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from typing import Any, Callable, Mapping
@@ -49,7 +55,12 @@ except ModuleNotFoundError as err:
     raise ImportError("prepfuse.integrations.vllm needs vLLM (pip install vllm); prepfuse itself does not: "
                       "without vLLM use backend='prepfuse' or prepfuse.backend.post_grad_pass") from err
 
-__all__ = ["PrepfuseVllmPass"]
+from prepfuse.integrations.vllm_cache import BY_LAYER_OP, vllm_engine_write  # noqa: E402 - needs vLLM, checked above
+
+# the namespace of the by-layer op the integration emits, defunctionalized with prepfuse's own
+BY_LAYER_NAMESPACE = BY_LAYER_OP.namespace
+
+__all__ = ["PrepfuseVllmPass", "vllm_engine_write"]
 
 # options whose effect is an Inductor config patch: vLLM's config holds those
 _SET_IN_VLLM = {
@@ -74,6 +85,8 @@ class PrepfuseVllmPass(InductorPass):
         for name, why in _SET_IN_VLLM.items():
             if getattr(self.options, name) != getattr(default, name):
                 raise ValueError(f"{name}: not a prepfuse option inside vLLM: {why}")
+        if BY_LAYER_NAMESPACE not in self.options.namespaces:  # the by-layer op on vLLM's key is prepfuse's
+            self.options = dataclasses.replace(self.options, namespaces=(*self.options.namespaces, BY_LAYER_NAMESPACE))
         self.manager = post_grad_pass(self.options, on_report)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -81,7 +94,8 @@ class PrepfuseVllmPass(InductorPass):
 
     def uuid(self) -> str:
         return InductorPass.hash_dict({
-            "integration": InductorPass.hash_source(inspect.getsource(sys.modules[__name__])),
+            "integration": InductorPass.hash_source(inspect.getsource(sys.modules[__name__]),
+                                                    inspect.getsource(sys.modules[vllm_engine_write.__module__])),
             "prepfuse": self.manager.uuid(),
         })
 

@@ -32,6 +32,7 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import (
     gqa_qknorm_rope_kv_insert_reference,
     gqa_qknorm_rope_kv_insert_triton,
 )
+from prepfuse.ops.gqa_qknorm_rope_kv_insert_by_layer import GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER, define_by_layer_op
 from prepfuse.ops.gqa_separate_qknorm_rope_kv_insert import (
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
     gqa_separate_qknorm_rope_kv_insert_reference,
@@ -57,6 +58,8 @@ __all__ = [
     "GQA_QKNORM_ROPE_KV_INSERT",
     "gqa_qknorm_rope_kv_insert_reference",
     "gqa_qknorm_rope_kv_insert_triton",
+    "GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER",
+    "define_by_layer_op",
     "GQA_SEPARATE_QKNORM_ROPE_KV_INSERT",
     "gqa_separate_qknorm_rope_kv_insert_reference",
     "gqa_separate_qknorm_rope_kv_insert_triton",

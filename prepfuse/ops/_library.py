@@ -21,8 +21,15 @@ from prepfuse.ops._checks import check_written_apart
 NAMESPACE = "prepfuse"
 log = logging.getLogger("prepfuse.ops")
 
-# One fragment for the whole package; ops add their own definitions to it.
-_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+# One fragment per namespace (prepfuse's own, and an engine integration's); ops add their
+# definitions to it.
+_LIBS = {NAMESPACE: torch.library.Library(NAMESPACE, "FRAGMENT")}
+
+
+def _library(namespace: str) -> torch.library.Library:
+    if namespace not in _LIBS:
+        _LIBS[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return _LIBS[namespace]
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,10 @@ def define_op(
     index_check: Callable | None = None,
     triton: Callable | None = None,
     fake: Callable | None = None,
+    namespace: str = NAMESPACE,
 ) -> DefinedOp:
-    """Register ``prepfuse::<schema>`` once per process; build every impl from the checks.
+    """Register ``<namespace>::<schema>`` (``prepfuse::`` unless an integration names its
+    own) once per process; build every impl from the checks.
 
     ``check`` validates dtypes, shapes, devices and strides (ValueError naming the
     argument) and runs first in every impl, the fake one included; ``index_check`` reads
@@ -65,33 +74,36 @@ def define_op(
     must make one: ``prepfuse::scratch``).
     """
     name = schema.split("(", 1)[0]
-    parsed = torch._C.parse_schema(f"{NAMESPACE}::{schema}").arguments
+    qualname = f"{namespace}::{name}"
+    parsed = torch._C.parse_schema(f"{namespace}::{schema}").arguments
     arg_names = [a.name for a in parsed]
     written = [a.name for a in parsed if a.alias_info is not None and a.alias_info.is_write]
     defaults = {a.name: a.default_value for a in parsed if a.has_default_value()}
-    checked_reference = _checked(name, arg_names, check, index_check, reference, written, defaults)
-    fake = fake or _checked(name, arg_names, check, None, None, written, defaults)
-    if _is_defined(name):
-        existing = str(getattr(torch.ops, NAMESPACE).__getattr__(name).default._schema)
-        expected = f"{NAMESPACE}::{schema}"
+    checked_reference = _checked(qualname, arg_names, check, index_check, reference, written, defaults)
+    fake = fake or _checked(qualname, arg_names, check, None, None, written, defaults)
+    packet = lambda: getattr(getattr(torch.ops, namespace), name)  # noqa: E731
+    if _is_defined(qualname):
+        existing = str(packet().default._schema)
+        expected = f"{namespace}::{schema}"
         if existing != expected:
             raise RuntimeError(
-                f"{NAMESPACE}::{name} is already registered with schema {existing!r}; "
+                f"{qualname} is already registered with schema {existing!r}; "
                 f"this process asked for {expected!r}"
             )
-        return DefinedOp(getattr(getattr(torch.ops, NAMESPACE), name), checked_reference, fake)
-    _LIB.define(schema)
-    _LIB.impl(name, checked_reference, "CompositeExplicitAutograd")
-    _LIB.impl(name, _not_differentiable(name, arg_names), "Autograd")
+        return DefinedOp(packet(), checked_reference, fake)
+    lib = _library(namespace)
+    lib.define(schema)
+    lib.impl(name, checked_reference, "CompositeExplicitAutograd")
+    lib.impl(name, _not_differentiable(qualname, arg_names), "Autograd")
     if triton is not None:
-        cuda = _checked(name, arg_names, check, index_check, triton, written, defaults) if has_triton() else \
-            _reference_with_warning(name, checked_reference)
-        _LIB.impl(name, cuda, "CUDA")
-    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
-    return DefinedOp(getattr(getattr(torch.ops, NAMESPACE), name), checked_reference, fake)
+        cuda = _checked(qualname, arg_names, check, index_check, triton, written, defaults) if has_triton() else \
+            _reference_with_warning(qualname, checked_reference)
+        lib.impl(name, cuda, "CUDA")
+    torch.library.register_fake(qualname, fake, lib=lib)
+    return DefinedOp(packet(), checked_reference, fake)
 
 
-def _checked(name: str, arg_names: list[str], check: Callable | None, index_check: Callable | None,
+def _checked(qualname: str, arg_names: list[str], check: Callable | None, index_check: Callable | None,
              impl: Callable | None, written: list[str] = (), defaults: dict | None = None) -> Callable:
     """``impl(*args)`` after ``check``, the aliasing check of the ``written`` arguments
     (``_checks.check_written_apart``) and ``index_check``, each given the arguments it names.
@@ -103,7 +115,7 @@ def _checked(name: str, arg_names: list[str], check: Callable | None, index_chec
     for fn, wanted in shape_checks + value_checks:
         unknown = set(wanted) - set(arg_names)
         if unknown:
-            raise TypeError(f"{NAMESPACE}::{name}: {fn.__name__} takes {sorted(unknown)}, which the schema does not have")
+            raise TypeError(f"{qualname}: {fn.__name__} takes {sorted(unknown)}, which the schema does not have")
     written = list(written)
 
     def run(*args, **kwargs):
@@ -111,7 +123,7 @@ def _checked(name: str, arg_names: list[str], check: Callable | None, index_chec
         for key, value in defaults.items():
             named.setdefault(key, value)
         if len(args) > len(arg_names) or set(named) != set(arg_names):
-            raise TypeError(f"{NAMESPACE}::{name}: expected the arguments ({', '.join(arg_names)}), "
+            raise TypeError(f"{qualname}: expected the arguments ({', '.join(arg_names)}), "
                             f"got {len(args)} positional and {sorted(kwargs)}")
         for fn, wanted in shape_checks:
             fn(**{p: named[p] for p in wanted})
@@ -121,11 +133,11 @@ def _checked(name: str, arg_names: list[str], check: Callable | None, index_chec
             fn(**{p: named[p] for p in wanted})
         return impl(*(named[n] for n in arg_names)) if impl is not None else None
 
-    run.__name__ = f"{name}_{getattr(impl, '__name__', 'fake')}"
+    run.__name__ = f"{qualname.split('::')[1]}_{getattr(impl, '__name__', 'fake')}"
     return run
 
 
-def _not_differentiable(name: str, arg_names: list[str]) -> Callable:
+def _not_differentiable(qualname: str, arg_names: list[str]) -> Callable:
     """The ops' autograd kernel, one for every device: an inference op writes its outputs in
     place and has no backward, so a call that autograd would have to record (grad mode on,
     an input that requires grad) is a RuntimeError naming that input; any other call goes on
@@ -140,35 +152,34 @@ def _not_differentiable(name: str, arg_names: list[str]) -> Callable:
             for arg, value in named.items():
                 if isinstance(value, torch.Tensor) and value.requires_grad:
                     raise RuntimeError(
-                        f"{NAMESPACE}::{name}: {arg} requires grad; the op is not differentiable (it writes "
+                        f"{qualname}: {arg} requires grad; the op is not differentiable (it writes "
                         "its outputs in place for inference): call it under torch.no_grad() or "
                         "torch.inference_mode(), or pass detached tensors")
         if packet is None:
-            packet = getattr(getattr(torch.ops, NAMESPACE), name).default
+            namespace, name = qualname.split("::")
+            packet = getattr(getattr(torch.ops, namespace), name).default
         with torch._C._AutoDispatchBelowAutograd():
             return packet(*args, **kwargs)
 
     return autograd
 
 
-def _reference_with_warning(name: str, reference: Callable) -> Callable:
+def _reference_with_warning(qualname: str, reference: Callable) -> Callable:
     """The reference as the CUDA impl, saying so once: nothing silent."""
     warned = False
 
     def fallback(*args):
         nonlocal warned
         if not warned:
-            log.warning("%s::%s falls back to the PyTorch reference on CUDA: triton is not installed", NAMESPACE, name)
+            log.warning("%s falls back to the PyTorch reference on CUDA: triton is not installed", qualname)
             warned = True
         return reference(*args)
 
     return fallback
 
 
-def _is_defined(name: str) -> bool:
-    return torch._C._dispatch_has_kernel(f"{NAMESPACE}::{name}") or bool(
-        torch._C._jit_get_schemas_for_operator(f"{NAMESPACE}::{name}")
-    )
+def _is_defined(qualname: str) -> bool:
+    return torch._C._dispatch_has_kernel(qualname) or bool(torch._C._jit_get_schemas_for_operator(qualname))
 
 
 def ops_in(namespace: str) -> list[torch._ops.OpOverload]:

@@ -51,6 +51,11 @@ class GqaInputs:
             self.fp8_saturate, self.wrap_indices, self.v_scale,
         )
 
+    def by_layer_args(self, layer_name: str, engine: str) -> tuple:
+        """The by-layer op's arguments: the caches and slots left to ``engine``'s resolver."""
+        args = self.args()
+        return (*args[:4], layer_name, engine, *args[7:])
+
     @property
     def head_dim(self) -> int:
         return self.q_out.shape[2]

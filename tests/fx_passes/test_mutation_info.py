@@ -37,9 +37,11 @@ from prepfuse.ops import (
     DSV4_QNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT,
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
+    GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER,
     SCRATCH,
     registered_ops,
 )
+from prepfuse.ops.engine_caches import EngineCaches, register_resolver
 from prepfuse.testing import make_dsv4_full_row_inputs, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
 from prepfuse.testing.functionalization import check_functionalization
 
@@ -55,9 +57,18 @@ REGISTERED_OP_INPUTS: dict[torch._ops.OpOverload, Callable[[], tuple]] = {
     # k_cache and v_cache are two views of one [NB, 2, BS, Hkv, D] buffer: one shared base
     GQA_QKNORM_ROPE_KV_INSERT: lambda: make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5).args(),
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT: lambda: make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5).separate_args(),
+    GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER: lambda: _by_layer_sample(),
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: make_dsv4_indexer_inputs("fp8", 7, 3, 16, "cpu", num_k=5).args(),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: make_dsv4_indexer_inputs("mxfp4", 7, 3, 16, "cpu", num_k=5).args(),
 }
+
+
+def _by_layer_sample() -> tuple:
+    """The by-layer op's arguments, its caches and slots found by a resolver registered here."""
+    inputs = make_gqa_inputs(7, 3, 1, 64, 16, "cpu", num_inserted=5)
+    register_resolver("prepfuse_mutation_info_test::kv", lambda key: EngineCaches(
+        inputs.k_cache, inputs.v_cache, inputs.slot_mapping))
+    return inputs.by_layer_args("layers.0", "prepfuse_mutation_info_test::kv")
 
 
 def test_dsv4_indexer_mutated_args_follow_the_schema():

@@ -13,7 +13,7 @@ from prepfuse.testing import make_dsv4_inputs, make_gqa_inputs
 def test_cuda_fallback_to_the_reference_warns_once(caplog):
     """Where triton cannot be imported, the CUDA impl is the reference, and says so once."""
     calls = []
-    fallback = _library._reference_with_warning("some_op", lambda *args: calls.append(args))
+    fallback = _library._reference_with_warning("prepfuse::some_op", lambda *args: calls.append(args))
     with caplog.at_level(logging.WARNING, logger="prepfuse.ops"):
         fallback(torch.zeros(1), 1.0)
         fallback(torch.zeros(1), 2.0)

@@ -30,11 +30,13 @@ from prepfuse.ops import (
     DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT,
     DSV4_QNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT,
+    GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER,
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
     NAMESPACE,
     SCRATCH,
     registered_ops,
 )
+from prepfuse.ops.engine_caches import EngineCaches, register_resolver
 from prepfuse.scratch import ScratchArena, use_arena
 from prepfuse.testing import (
     make_dsv4_full_row_inputs, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs, with_cos_sin_operands,
@@ -155,7 +157,8 @@ def _dsv4_full_row_opcheck_samples() -> list[tuple]:
     return [bf16.args(), fp8.args(), mixed.args()]
 
 
-def _gqa_opcheck_samples() -> list[tuple]:
+def _gqa_samples() -> tuple:
+    """(qwen3, llama, single): the GQA ops' sample inputs."""
     # Qwen3 style: norm weights, NeoX RoPE, bf16 caches, 7 tokens, 3 q heads on 1 kv head
     qwen3 = make_gqa_inputs(7, 3, 1, 64, 16, "cpu")
     # Llama style: no norm (the None optionals), GPT-J RoPE, partial rotary, fp8 caches
@@ -165,6 +168,11 @@ def _gqa_opcheck_samples() -> list[tuple]:
         cache_dtype=torch.float8_e4m3fn, num_inserted=5,
     )
     single = make_gqa_inputs(1, 2, 1, 64, 64, "cpu", skip_fraction=0.0)
+    return qwen3, llama, single
+
+
+def _gqa_opcheck_samples() -> list[tuple]:
+    qwen3, llama, single = _gqa_samples()
     # the two-table operand: per-token bf16 cos and sin, positions None (a model's own values)
     operands, _ = with_cos_sin_operands(qwen3, dtype=torch.bfloat16, per_token=True)
     return [qwen3.args(), llama.args(), single.args(), operands.args()]
@@ -181,6 +189,20 @@ def _gqa_separate_opcheck_samples() -> list[tuple]:
     operands, _ = with_cos_sin_operands(llama, row_padding=3)  # fp32 views of a table, row stride wider
     return [qwen3.separate_args(), llama.separate_args(token_padding=64), single.separate_args(),
             operands.separate_args()]
+
+
+def _by_layer(inputs, name: str) -> tuple:
+    """``inputs`` as the by-layer op's arguments, its caches and slots found by a resolver
+    registered under ``name``."""
+    register_resolver(name, lambda key: EngineCaches(inputs.k_cache, inputs.v_cache, inputs.slot_mapping))
+    return inputs.by_layer_args("layers.0", name)
+
+
+def _gqa_by_layer_opcheck_samples() -> list[tuple]:
+    # the fused op's samples, the caches and slots found at run time by the engine's resolver
+    qwen3, llama, single = _gqa_samples()
+    return [_by_layer(qwen3, "prepfuse_opcheck::qwen3"), _by_layer(llama, "prepfuse_opcheck::llama"),
+            _by_layer(single, "prepfuse_opcheck::single")]
 
 
 def _dsv4_indexer_opcheck_samples(fmt: str) -> list[tuple]:
@@ -208,6 +230,7 @@ OPCHECK_SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[tuple]]] = {
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_opcheck_samples("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_opcheck_samples,
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT: _gqa_separate_opcheck_samples,
+    GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER: _gqa_by_layer_opcheck_samples,
     SCRATCH: _scratch_opcheck_samples,
 }
 
@@ -269,6 +292,15 @@ def _gqa_separate_bad_shapes() -> tuple[tuple, tuple, str]:
     return good, tuple(bad), r"k: dimension 1 must be Hkv \* D, from k_cache's heads"
 
 
+def _gqa_by_layer_bad_shapes() -> tuple[tuple, tuple, str]:
+    """(valid args, args whose q_out has one head fewer than qkv's q, expected message)."""
+    inputs = make_gqa_inputs(7, 3, 1, 64, 16, "cpu")
+    good = _by_layer(inputs, "prepfuse_opcheck::shapes")
+    bad = list(good)
+    bad[3] = good[3][:, :2]
+    return good, tuple(bad), r"q_out: dimension 1 must be num_q_heads"
+
+
 def _dsv4_indexer_bad_shapes(fmt: str) -> tuple[tuple, tuple, str]:
     """(valid args, args whose weights_out has one head fewer than q, expected message)."""
     inputs = make_dsv4_indexer_inputs(fmt, 7, 3, 16, "cpu", num_k=5)
@@ -291,6 +323,7 @@ FAKE_SHAPE_CHECKS: dict[torch._ops.OpOverload, Callable[[], tuple[tuple, tuple, 
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: _dsv4_indexer_bad_shapes("mxfp4"),
     GQA_QKNORM_ROPE_KV_INSERT: _gqa_bad_shapes,
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT: _gqa_separate_bad_shapes,
+    GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER: _gqa_by_layer_bad_shapes,
     SCRATCH: _scratch_bad_shapes,
 }
 

@@ -24,17 +24,16 @@ admits that and nothing structural (``rewrite/compare.py``).
 
 from __future__ import annotations
 
-from math import isfinite
 from dataclasses import dataclass
+from math import isfinite
 
 import torch
 import torch.fx
 
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import gqa_calls
-from prepfuse.fx_passes.rewrite.cache_views import CacheView, cache_view, emit_slots, probe_roles
 from prepfuse.fx_passes.fusion.gqa_calls import Math, math_candidates
-from prepfuse.fx_passes.matching import MATCHING_MODULES, head_copies
+from prepfuse.fx_passes.matching import MATCHING_MODULES, engine_writes, head_copies
 from prepfuse.fx_passes.matching.layouts import Layout
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
@@ -47,6 +46,8 @@ from prepfuse.fx_passes.matching.sources import (
 )
 from prepfuse.fx_passes.matching.writes import RowsWrite, before_cast, first_rows, rows_writes
 from prepfuse.fx_passes.rewrite import REWRITE_MODULES
+from prepfuse.fx_passes.rewrite.by_layer import settle
+from prepfuse.fx_passes.rewrite.cache_views import CacheView, cache_view, emit_slots, probe_roles
 from prepfuse.fx_passes.rewrite.compare import Checked
 from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout, viewed_call
 from prepfuse.fx_passes.rewrite.probes import Probes
@@ -102,14 +103,30 @@ class FuseGqaPrepPass(PrepfusePass):
 
     def settings(self) -> tuple:
         return (str(GQA_QKNORM_ROPE_KV_INSERT._schema), str(GQA_SEPARATE_QKNORM_ROPE_KV_INSERT._schema),
-                str(SCRATCH._schema))
+                str(SCRATCH._schema), engine_writes.declarations())
 
     def run(self, graph: torch.fx.Graph) -> int:
-        copies = self._head_copies(graph)
+        lifted = engine_writes.lift(graph, lambda node, why: self.log.declined(self.name, PATTERN, node, why))
         try:
-            return self._run(graph)
+            copies = self._head_copies(graph)
+            try:
+                return self._run(graph)
+            finally:
+                head_copies.undo(copies)
         finally:
-            head_copies.undo(copies)
+            for write in (w for one in lifted for w in one.writes):
+                self.replaced.pop(write, None)  # the probe form goes with ``settle``
+            settle(graph, lifted, self._engine_declined)
+
+    def _engine_declined(self, one: engine_writes.Lifted) -> None:
+        """An engine write no call fused: said against the engine's call, with the reason
+        given at its lifted k or v write (which ``settle`` removes)."""
+        anchors = {w.format_node() for w in one.writes}
+        mine = [e for e in self.log.events if e.kind == "declined" and e.where in anchors]
+        self.log.events = [e for e in self.log.events if e not in mine]
+        why = mine[-1].why if mine else "no GQA preparation (q, rotated k, v of one projection) writes its rows"
+        self.log.declined(self.name, PATTERN, one.node, f"engine write {one.engine.name} at {where(one.node)}: "
+                                                        f"not fused ({why}); left to the engine")
 
     def _head_copies(self, graph) -> list:
         """Copies of heads laid out strided apart in a projection (GPT-NeoX's per-head q|k|v),

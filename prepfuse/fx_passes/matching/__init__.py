@@ -4,6 +4,7 @@ projection columns and the operands its math reads.
 - ``nodes.py``: what a node is (op, fake value, sizes compared without guards, source line);
 - ``canonical.py``: one form per concept, the graph pass before any family;
 - ``writes.py``: every cache write as rows written at indices (``RowsWrite``), byte rows;
+- ``engine_writes.py``: an engine's declared cache-write op, lifted into that form for probing;
 - ``layouts.py``, ``axes.py``: logical axes through views and per-head steps;
 - ``regions.py``: a region's nodes back to its leaves, its operands and constants;
 - ``sources.py``: the projection columns written values come from;
@@ -17,9 +18,10 @@ uuids: editing one invalidates Inductor's cache for every pass that uses it.
 """
 
 from prepfuse.fx_passes.matching import (
-    axes, canonical, head_copies, layouts, nodes, regions, rope_operands, sources, writes,
+    axes, canonical, engine_writes, head_copies, layouts, nodes, regions, rope_operands, sources, writes,
 )
 
-MATCHING_MODULES = (nodes, canonical, writes, layouts, axes, regions, sources, head_copies, rope_operands)
+MATCHING_MODULES = (nodes, canonical, writes, engine_writes, layouts, axes, regions, sources, head_copies,
+                    rope_operands)
 
 __all__ = ["MATCHING_MODULES"]

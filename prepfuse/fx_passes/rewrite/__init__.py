@@ -5,11 +5,12 @@ the region they would replace, on probes, and the one that agrees put into the g
 - ``search.py``: candidate calls tried on the probes, the first that agrees kept;
 - ``emitter.py``: what every rewrite inserts (fake values, the functional call);
 - ``cache_views.py``: a rows write's paged cache as a call writes it, and each token's slot;
-- ``scratch_buffers.py``: output buffers from the scratch arena.
+- ``scratch_buffers.py``: output buffers from the scratch arena;
+- ``by_layer.py``: a fused engine write's call in the engine's by-layer form.
 """
 
-from prepfuse.fx_passes.rewrite import cache_views, compare, emitter, probes, scratch_buffers, search
+from prepfuse.fx_passes.rewrite import by_layer, cache_views, compare, emitter, probes, scratch_buffers, search
 
-REWRITE_MODULES = (probes, compare, search, emitter, scratch_buffers, cache_views)
+REWRITE_MODULES = (probes, compare, search, emitter, scratch_buffers, cache_views, by_layer)
 
 __all__ = ["REWRITE_MODULES"]
