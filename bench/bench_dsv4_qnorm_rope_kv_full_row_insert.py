@@ -5,8 +5,11 @@ Run from the repository root on a CUDA machine::
     PYTHONPATH=. python bench/bench_dsv4_qnorm_rope_kv_full_row_insert.py --out-dir $OUT
 
 Rows: the full-row op in vLLM's two formats ("bf16": bf16 q_out and cache; "fp8": e4m3 q_out and
-cache, one scale each) and the fp8_ds_mla op ("ds_mla") on the same q and kv, q padded to FlashMLA's
-and FlashInfer's 64 or 128 heads, block size 64, about 10% of slots skipped. Each is the op through
+cache, one scale each), q unpadded as vLLM calls its full-cache ops, and the fp8_ds_mla op
+("ds_mla") with q padded to FlashMLA's 64 or 128 heads, block size 64, about 10% of slots
+skipped. Where vLLM's op library is present (``vllm_ops``) each row also times vLLM's op for that
+format on the same inputs (``vllm_us_median``, its gate against prepfuse's reference in
+``vllm_correct``). Each is the op through
 the dispatcher, CUDA-graph replay medians with the shared method (``harness``: back-to-back calls
 a graph, input sets rotated so big calls find a cold L2, index checks off as under capture), the
 bytes the call must move and the share of the copy bandwidth measured in the same run. Writes
@@ -17,6 +20,7 @@ against the reference runs first at every shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -27,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402  (also puts the repository on sys.path)
+import vllm_ops  # noqa: E402
 
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096)  # inputs are drawn on the host: 16384 x 128 heads takes minutes
 DEFAULT_HEADS = (16, 64, 128)
@@ -42,11 +47,11 @@ def make(fmt: str, num_tokens: int, num_heads: int):
     )
     from prepfuse.testing import compare_dsv4, compare_dsv4_full_row, make_dsv4_full_row_inputs, make_dsv4_inputs
 
-    padded = 64 if num_heads <= 64 else 128
     if fmt == "ds_mla":
+        padded = 64 if num_heads <= 64 else 128
         inputs = make_dsv4_inputs(num_tokens, num_heads, padded, BLOCK_SIZE, "cuda")
         return inputs, DSV4_QNORM_ROPE_KV_INSERT, dsv4_qnorm_rope_kv_insert_reference, compare_dsv4
-    inputs = make_dsv4_full_row_inputs(num_tokens, num_heads, padded, BLOCK_SIZE, "cuda", fmt=fmt)
+    inputs = make_dsv4_full_row_inputs(num_tokens, num_heads, num_heads, BLOCK_SIZE, "cuda", fmt=fmt)
     return (inputs, DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, dsv4_qnorm_rope_kv_full_row_insert_reference,
             compare_dsv4_full_row)
 
@@ -60,6 +65,26 @@ def bytes_moved(inputs) -> int:
             + inputs.q_out.numel() * inputs.q_out.element_size() + tp * row)
 
 
+def vllm_launch(vllm, fmt: str):
+    """vLLM's op for ``fmt`` as a function of the inputs, or None."""
+    if vllm is None:
+        return None
+    return vllm.dsv4_fp8_ds_mla_insert if fmt == "ds_mla" else vllm.dsv4_full_row_insert
+
+
+def vllm_gate(launch, fmt, inputs, want, compare) -> bool:
+    """vLLM's outputs on fresh copies against prepfuse's reference, by the same bound."""
+    got = inputs.fresh_outputs()
+    if fmt == "bf16":
+        got = dataclasses.replace(got, q=got.q.clone())
+        got.q_out.copy_(launch(got))
+    elif fmt == "ds_mla":
+        got.q_out.copy_(launch(got))
+    else:
+        launch(got)
+    return compare(want, got).within_spec()
+
+
 def run(args) -> tuple[dict, Path]:
     info = harness.device_info()
     out_dir = Path(args.out_dir)
@@ -67,9 +92,11 @@ def run(args) -> tuple[dict, Path]:
     path = out_dir / f"dsv4_qnorm_rope_kv_full_row_insert_{info['device_slug']}.json"
     harness.spin_up_clocks()
     copy = harness.measure_copy_bandwidth(4 << 30)
+    vllm = vllm_ops.load()
+    print(f"vLLM ops: {vllm.path if vllm else vllm_ops.absent_reason()}", flush=True)
     data = {"what": "DeepSeek-V4 prep: full-row caches beside fp8_ds_mla", "block_size": BLOCK_SIZE,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
-            "copy": copy, "rows": []}
+            "copy": copy, "vllm": vllm_ops.column_info(), "rows": []}
     for h in args.heads:
         for t in args.tokens:
             line = []
@@ -90,8 +117,18 @@ def run(args) -> tuple[dict, Path]:
                            "correct": correct, "bytes": nbytes, **harness.time_graphs(graphs, args.target_ms, 10, 200)}
                 row["GBps"] = nbytes / row["us_median"] / 1e3
                 row["frac_of_copy_bw"] = row["GBps"] / copy["GBps"]
+                text = f"{fmt} {row['us_median']:8.2f} us ({row['frac_of_copy_bw']:.0%})"
+                launch = vllm_launch(vllm, fmt)
+                if launch is not None and (fmt != "ds_mla" or vllm_ops.dsv4_fits(t, inputs.q_out.shape[1])):
+                    row["vllm_correct"] = vllm_gate(launch, fmt, inputs, want, compare)
+                    with harness.IndexChecksOff():
+                        vgraphs = harness.capture_graphs(launch, [c.fresh_outputs() for c in copies], warmup=3)
+                        row["vllm_us_median"] = harness.time_graphs(vgraphs, args.target_ms, 10, 200)["us_median"]
+                    row["speedup_vs_vllm"] = row["vllm_us_median"] / row["us_median"]
+                    text += f" vLLM {row['vllm_us_median']:7.2f} ({row['speedup_vs_vllm']:.2f}x{'' if row['vllm_correct'] else ' GATE'})"
+                    del vgraphs
                 data["rows"].append(row)
-                line.append(f"{fmt} {row['us_median']:8.2f} us ({row['frac_of_copy_bw']:.0%})")
+                line.append(text)
                 del graphs, copies
                 torch.cuda.empty_cache()
             print(f"H={h:3d} T={t:5d}: " + "  ".join(line), flush=True)

@@ -31,7 +31,8 @@ LIB_NAME = "vllm_ops_sm90.so"
 VLLM_VERSION = "0.33.0"
 LIB_CAPABILITY = (9, 0)  # the tool keeps sm_90 device code only
 OPS = {  # namespace -> ops the callables launch
-    "_C": ("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", "fused_qk_norm_rope", "rotary_embedding", "rms_norm"),
+    "_C": ("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert",
+           "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert", "fused_qk_norm_rope", "rotary_embedding", "rms_norm"),
     "_C_cache_ops": ("reshape_and_cache_flash",),
 }
 # GQA paths: "fused" is what vLLM runs with its QK-norm + RoPE fusion pass (fused_qk_norm_rope,
@@ -268,6 +269,23 @@ class VllmOps:
         return torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
             inputs.q, inputs.kv, inputs.k_cache, inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache,
             hp, inputs.eps, inputs.block_size)
+
+    @staticmethod
+    def dsv4_full_row_insert(inputs) -> torch.Tensor:
+        """DeepSeek-V4's prep into a full-row cache, for prepfuse.testing.Dsv4FullRowInputs of
+        unpadded q (vLLM's call; FlashInfer's padding is a later copy): bf16 rewrites ``inputs.q``
+        in place and returns it, per-tensor fp8 writes ``inputs.q_out`` (e4m3) and returns it.
+        ``inputs.kv_scale`` is vLLM's ``fp8_scale`` (rows times its reciprocal), ``q_scale_inv``
+        its ``q_scale_inv``; ``inputs.k_cache`` is [NB, block_size, 512]."""
+        if inputs.k_cache.dtype == torch.bfloat16:
+            torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert(
+                inputs.q, inputs.kv, inputs.k_cache, inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache,
+                inputs.eps, inputs.block_size)
+            return inputs.q
+        torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(
+            inputs.q, inputs.kv, inputs.q_out, inputs.k_cache, inputs.slot_mapping, inputs.positions,
+            inputs.cos_sin_cache, inputs.kv_scale, inputs.q_scale_inv, inputs.eps, inputs.block_size)
+        return inputs.q_out
 
     def gqa(self, call: GqaCall, path: str = "fused") -> torch.Tensor:
         """Qwen3 / Llama attention-input prep as vLLM runs it (``GQA_PATHS``): q and k

@@ -55,8 +55,8 @@ def test_dsv4_matches_vllm(ops, num_tokens, num_heads, padded_heads):
     theirs.q_out.copy_(ops.dsv4_fp8_ds_mla_insert(theirs))
     comparison = compare_dsv4(theirs, ours)
     report = f"seed={seed}: {comparison}"
-    # the RoPE bf16 bytes, the scale bytes (and their zero pad byte), the bytes of other slots: equal
-    assert comparison.cache_non_fp8_mismatches == 0, report
+    # fp8 codes at most one apart; the RoPE bf16 and scale bytes within the spec's few per
+    # million below (an H200 saw 3 to 23 differing bytes at T >= 4096: up to 4.5 per million)
     assert comparison.cache_max_code_diff <= 1, report
     assert comparison.q_nope_max_ulp <= 1, report
     # the spec's bound between two implementations: one ULP, one code, a few per million
