@@ -225,10 +225,19 @@ def _broadcast_sizes(parts, rank):
     return sizes
 
 
+def _numel(node) -> int:
+    n = 1
+    for size in shape(node):
+        n *= concrete(size)
+    return n
+
+
 def probe_roles(view: CacheView) -> dict:
     """The probes' roles and limits for a write's slots (``Probes``'s keyword arguments):
     one slot tensor split ``s // bs, s % bs``, a (block, row) pair drawn as distinct pairs,
-    a pool's slot, or a sequence's positions."""
+    a block per row of positions (distinct blocks, distinct positions within each), a pool's
+    slot, or a sequence's positions. Distinct, because off the CPU a position written twice
+    holds either row."""
     w = view.write
     kinds = [(w.indices[w.dims.index(d)].node if d in w.dims else None) for d in view.token_dims]
     roles, extra = {}, {}
@@ -236,8 +245,10 @@ def probe_roles(view: CacheView) -> dict:
         s = _same_slot(kinds[0], kinds[1], view.sizes[1])
         if s is not None:
             roles[s] = "slots"
-        else:
+        elif _numel(kinds[0]) == _numel(kinds[1]):
             roles.update({kinds[0]: "slot_block", kinds[1]: "slot_row"})
+        else:  # one block index per row of positions (``cache[arange(B)[:, None], pos]``)
+            roles.update({kinds[0]: "sequence_blocks", kinds[1]: "sequence_rows"})
     elif len(kinds) == 1 and kinds[0] is not None:
         roles[kinds[0]] = "slots"
     elif len(kinds) == 2 and kinds[1] is not None:  # a sequence's positions

@@ -9,7 +9,8 @@ same leaves) and compares each of its outputs with the region's (``compare.py``)
 
 Probe values follow the leaf's role. A family names the roles it knows (``slots``: the
 cache's slots; ``positions``: rows of a table; ``slot_block``/``slot_row``: a page table's
-indices, drawn as distinct (block, row) pairs; ``sequence_slots``: each sequence's own
+indices, drawn as distinct (block, row) pairs; ``sequence_blocks``/``sequence_rows``: one
+block per row of positions, distinct blocks and distinct positions within each; ``sequence_slots``: each sequence's own
 positions; ``bf16_values``: fp32 values the code had rounded to bf16 where the graph lost
 the rounding), and may give a role to a node inside the region, which then counts as a
 leaf of both sides. The rest is read off the leaf: a written graph input is a cache
@@ -186,7 +187,7 @@ class Probes:
                     role = self.roles.get(node) or _role(node)
                     cache[node] = _probe_value(node, role, self.limits, probe, gen)
                     if probe == 1 and self.limits.repeats and role not in ("cache", "slots", "weight", "scale",
-                                                                          "table") and not (role or "").startswith("slot"):
+                                                                          "table") and not (role or "").startswith(("slot", "sequence")):
                         cache[node] = _same_last_token(cache[node], self._inserted())
         return {n: cache[n] for n in nodes}
 
@@ -319,6 +320,22 @@ def _values(role, sizes, dtype, limits: _Limits, probe: int, gen) -> torch.Tenso
         # index_copy_ takes a negative index only on the CPU (CUDA's kernel does not wrap it)
         return torch.stack([_slots(sizes[1], limits.slots, probe, gen, False, from_end=limits.repeats)
                             for _ in range(sizes[0])]).to(dtype)
+    if role in ("sequence_blocks", "sequence_rows"):  # [B, 1] blocks, [B, T] rows: distinct pairs
+        if limits.slots is None or limits.block_size is None or sizes[-1] > limits.block_size:
+            raise NoMatch(f"{sizes} positions do not fit a block ({limits.block_size} positions)")
+        blocks = limits.slots // limits.block_size
+        if role == "sequence_blocks":
+            if n > blocks:
+                raise NoMatch(f"{n} sequences do not fit the cache ({blocks})")
+            drawn = torch.randperm(blocks, generator=torch.Generator().manual_seed(_SEED + 97 * probe))[:n]
+            if probe == 1 and n >= 2 and limits.repeats:  # a block counted from the end
+                drawn[0] -= blocks
+            return drawn.reshape(sizes).to(dtype)
+        lead = n // max(sizes[-1], 1)
+        rows = torch.stack([torch.randperm(limits.block_size, generator=gen)[:sizes[-1]] for _ in range(lead)])
+        if probe == 1 and rows.numel() and limits.repeats:  # a position counted from its sequence's end
+            rows[0, 0] -= limits.block_size
+        return rows.reshape(sizes).to(dtype)
     if role in ("slot_block", "slot_row"):  # one permutation of the slots for both: distinct pairs
         if limits.slots is None or limits.block_size is None or n > limits.slots:
             raise NoMatch(f"{n} block/row pairs do not fit the cache ({limits.slots} slots)")

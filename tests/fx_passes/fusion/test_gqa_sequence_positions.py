@@ -194,3 +194,21 @@ def test_sequences_picked_by_an_index_fuse():
     assert backend.reports[0].matched_counts.get(PASS, 0) == 1, backend.reports.format(verbose=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(q, q_ref)
+
+
+@pytest.mark.parametrize("probe", [0, 1])
+def test_the_probes_write_each_sequences_position_once_off_the_cpu(probe):
+    """Off the CPU a position written twice holds either row, so the probes must not draw one
+    (they once drew blocks [0, 0, 1] for three sequences, and a CUDA compile then declined).
+    A block per sequence and the positions of each: every (block, position) pair distinct, on
+    the draw CUDA makes (no repeats) and on the CPU's edge probe (a position from the end)."""
+    from prepfuse.fx_passes.rewrite.probes import _Limits, _values
+
+    batch, tokens = 3, 5
+    for repeats in (False, True):
+        limits = _Limits(slots=4 * S, block_size=S, repeats=repeats)
+        gen = torch.Generator().manual_seed(7)
+        blocks = _values("sequence_blocks", [batch, 1], torch.int64, limits, probe, gen)
+        rows = _values("sequence_rows", [batch, tokens], torch.int64, limits, probe, gen)
+        pairs = {(int(b) % 4, int(r) % S) for b, row in zip(blocks[:, 0], rows) for r in row}
+        assert len(pairs) == batch * tokens, (blocks.tolist(), rows.tolist())
