@@ -17,10 +17,13 @@ graph nothing fuses in runs as before):
   with an index that is one position per row (``slots[:, None, None].expand(..)``) become
   the ``index_put`` the cache-write reader reads (``writes.py``), as slice assignment and
   ``cache[idx] = rows`` already are;
-- **one write per tensor written**: ``cache[slots] = cat((k, v), dim=1)`` (k|v heads side by
-  side in one buffer), or rows whose k heads were overwritten in place (lightllm's
-  ``cache_kv[:, :Hk] = rope(norm(..))``), becomes the write of each piece into its slice of
-  the cache, ``cache[:, :Hk][slots] = k`` then ``cache[:, Hk:][slots] = v``: the same bytes;
+- **one write per tensor written** (``written_pieces.py``): ``cache[slots] = cat((k, v), dim=1)``
+  (k|v heads side by side in one buffer), rows whose k heads were overwritten in place
+  (lightllm's ``cache_kv[:, :Hk] = rope(norm(..))``), or a slice write of a packed row whose
+  k was overwritten in place (flash-attention's ``kv[:, :, 0] = rope(..)`` then
+  ``kv_cache[b0:b1, s0:s1, ...] = kv``), becomes the write of each piece into its slice (or
+  select) of the cache, ``cache[:, :Hk][slots] = k`` then ``cache[:, Hk:][slots] = v``: the
+  same bytes;
 - **a cache is its own bytes**: a write into a bitcast view (``cache.view(torch.int16)[s] =
   k.view(torch.int16)``, TensorRT-LLM's and text-generation-inference's spelling) becomes the
   write of the values into the cache itself;
@@ -68,9 +71,11 @@ PURE_STEPS = (
 def canonicalize(graph: torch.fx.Graph) -> dict[str, int]:
     """Rewrite ``graph`` into its canonical form; returns how often each rule applied."""
     counts = {"aliases": _no_aliases(graph), "selections": _one_selection(graph), "squares": _one_square(graph),
-              "writes": _one_write_form(graph), "written cats": one_write_per_piece(graph),
-              "bitcast writes": _bitcast_writes(graph), "copies": _plain_copies(graph),
-              "reads through scatters": reads_through_scatters(graph)}
+              "writes": _one_write_form(graph), "bitcast writes": _bitcast_writes(graph),
+              "copies": _plain_copies(graph), "reads through scatters": reads_through_scatters(graph)}
+    counts["written pieces"] = one_write_per_piece(graph)  # reads the values as the reads above leave them
+    if counts["written pieces"]:  # the pieces' new reads of what a scatter left
+        counts["reads through scatters"] += reads_through_scatters(graph)
     counts["merged steps"] = merge_repeated_steps(graph)
     remove_dead([n for n in graph.nodes if n.op == "call_function" and not n.users])
     return counts
