@@ -33,10 +33,11 @@ PARAMS = [pytest.param(n, marks=TWO_FP8_WRITES) if n == "trtllm-llama-fp8" else 
 # the cases whose two layers fuse today (docs/corpus_references.md): each by a different way of
 # reaching the op's operands (complex and GPT-J RoPE, a norm after RoPE, views rotated in place,
 # a reshaped fp8 bitcast write, the model's own copy of heads strided apart, k|v heads in one row
-# written together, a write through an unsqueezed bitcast view of one request's cache)
+# written together, a write through an unsqueezed bitcast view of one request's cache, k and v
+# written as one packed [B, S, 2, Hkv, D] slice)
 FUSES_EVERY_LAYER = {"llama-ref-complex", "llama4-norm-after-rope", "llama2c-real-gptj", "litgpt-qwen3",
                      "tgi-llama-fp8", "tgi-gemma3", "torchtitan-qwen3", "lightllm-qwen3",
-                     "trtllm-qwen3", "gemma-pytorch-gemma3", "megatron-dynamic-paged"}
+                     "trtllm-qwen3", "gemma-pytorch-gemma3", "megatron-dynamic-paged", "flash-attn-partial-kv-cache"}
 
 
 def run(case, backend, seed):
@@ -86,14 +87,14 @@ def test_reference_spelling_compiles(name):
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=0.05, atol=0.05, msg=f"seed={seed}")
 
 
-@pytest.mark.parametrize("name,says", [("flash-attn-partial-kv-cache", "go into a 5-d buffer")])
+@pytest.mark.parametrize("name,says", [("lmdeploy-llama", "lmdeploy.py:78 `k_caches[boff, fill_start:fill_end]")])
 def test_a_write_no_family_takes_is_declined_by_name(name, says):
-    """A cache write of heads the op cannot address (flash-attention's packed [B, S, 2, H, D]
-    cache) declines with where and why, never in silence."""
+    """A cache write no call can take (lmdeploy's rows, gathered per sequence before the
+    write) declines with where and why, never in silence."""
     torch._dynamo.reset()
     model, (x, step, caches) = build_reference_client(CASES[name], seed=0)
     backend = PrepfuseBackend()
     with torch.no_grad():
         torch.compile(model, backend=backend, fullgraph=True)(x, step, caches)
     whys = [r.why for r in backend.reports.near_misses("fuse_gqa_prep")]
-    assert whys and all(w.startswith("write: ") and says in w for w in whys), whys
+    assert any(w.startswith("write: ") and says in w for w in whys), whys

@@ -2,7 +2,8 @@
 projection columns and the operands its math reads.
 
 - ``nodes.py``: what a node is (op, fake value, sizes compared without guards, source line);
-- ``canonical.py``: one form per concept, the graph pass before any family;
+- ``canonical.py``: one form per concept, the graph pass before any family (its rule of one
+  write per piece in ``written_pieces.py``);
 - ``writes.py``: every cache write as rows written at indices (``RowsWrite``), byte rows;
 - ``engine_writes.py``: an engine's declared cache-write op, lifted into that form for probing;
 - ``layouts.py``, ``axes.py``: logical axes through views and per-head steps;
@@ -19,9 +20,10 @@ uuids: editing one invalidates Inductor's cache for every pass that uses it.
 
 from prepfuse.fx_passes.matching import (
     axes, canonical, engine_writes, head_copies, layouts, nodes, regions, rope_operands, sources, writes,
+    written_pieces,
 )
 
 MATCHING_MODULES = (nodes, canonical, writes, engine_writes, layouts, axes, regions, sources, head_copies,
-                    rope_operands)
+                    rope_operands, written_pieces)
 
 __all__ = ["MATCHING_MODULES"]

@@ -112,24 +112,43 @@ MAX_COLUMN_VIEWS = 64
 
 
 def _viewed_column_ranges(source: torch.fx.Node) -> list[Start]:
-    """Views of a 2-d ``source`` that keep its tokens as their first dim and hold one range
-    of its columns per token in order, however the views are spelled
-    (``qkv.view(T, 2, H, D)[:, 0]``: columns ``[W_q, W_q + H * D)``), read off the offset and
-    strides ``replayed_views`` gives them. Concrete sizes only (a symbolic one is left to
-    ``column_starts``'s own cases)."""
+    """Views of a 2-d ``source`` that keep its tokens, in order, as their leading dims (``[T,
+    ..]``, a batch's ``[B, T, ..]``) and hold one range of its columns per token, however the
+    views are spelled (``qkv.view(T, 2, H, D)[:, 0]``: columns ``[W_q, W_q + H * D)``), read off
+    the offset and strides ``replayed_views`` gives them. Concrete sizes only (a symbolic one
+    is left to ``column_starts``'s own cases)."""
     sizes = shape(source)
     if len(sizes) != 2 or not all(isinstance(x, int) for x in sizes):
         return []
     tokens, width = sizes
     found = []
     for node, out, _ in replayed_views(source):
+        lead = _token_lead(out, tokens, width)
+        row = out[(0,) * lead] if lead else None
         first = out.storage_offset()
-        if out.dim() >= 2 and out.shape[0] == tokens and out.stride(0) == width and first + out[0].numel() <= width \
-                and out[0].is_contiguous():
-            found.append(Start(source, node, first, out[0].numel(), token_dims=1))
+        if row is not None and row.dim() and first + row.numel() <= width and row.is_contiguous():
+            found.append(Start(source, node, first, row.numel(), token_dims=lead))
         if len(found) >= MAX_COLUMN_VIEWS:
             break
     return found
+
+
+def _token_lead(out: torch.Tensor, tokens: int, width: int) -> int:
+    """How many leading dims of ``out`` hold its ``tokens`` tokens, ``width`` apart in order
+    (their size-1 dims aside); 0 where none do."""
+    count = 1
+    for lead in range(1, out.dim()):
+        count *= out.shape[lead - 1]
+        if count > tokens:
+            return 0
+        if count == tokens:
+            step = width
+            for d in reversed([d for d in range(lead) if out.shape[d] != 1]):
+                if out.stride(d) != step:
+                    return 0
+                step *= out.shape[d]
+            return lead
+    return 0
 
 
 def replayed_views(source: torch.fx.Node, views=COLUMN_VIEWS):

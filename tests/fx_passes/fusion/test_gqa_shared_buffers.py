@@ -4,7 +4,9 @@ Engines keep a layer's k and v in one tensor and take the parts in the model: vL
 ``[2, blocks, block, Hkv, D]`` by ``unbind(0)`` or ``kv_cache[0]``, Megatron's
 ``[2, layers, blocks, block, Hkv, D]`` by ``memory_buffer[0, layer]``, lightllm's token pool
 ``[layers, slots, 2 * Hkv, D]`` written ``kv_buffer[layer][slots] = cat((k, v), 1)`` (k heads,
-then v heads, one row), TensorRT-LLM's ``[requests, 2, S, Hkv, D]`` by ``[request, 0].unsqueeze(0)``. Each fuses into one call writing both parts, every byte of the buffer
+then v heads, one row), TensorRT-LLM's ``[requests, 2, S, Hkv, D]`` by ``[request, 0].unsqueeze(0)``, flash-attention's
+``[B, S, 2, Hkv, D]`` written ``kv_cache[b0:b1, s0:s1, ...] = kv`` (k rotated in place, ``kv[:, :, 0] =
+rope(kv[:, :, 0])``, or k and v stacked). Each fuses into one call writing both parts, every byte of the buffer
 as eager leaves it (the math rotates in fp32, as the op does), and with k and v from one kv
 projection without q the three-source op reads that projection's column ranges.
 """
@@ -88,6 +90,23 @@ def request_of_block_tensor(qkv, w, table, positions, slots, kv_cache):
     return q
 
 
+def packed_in_place(qkv, w, table, positions, slots, kv_cache):
+    """flash-attention's ``[B, S, 2, Hkv, D]`` cache: k rotated in place in the kv rows, the
+    step's rows written by slice assignment at positions 3 .. 3 + T - 1."""
+    q, kv = qkv[:, : HQ * D].contiguous(), qkv[:, HQ * D :].contiguous().view(1, T, 2, HKV, D)
+    q, k, _ = prepared(q.view(T, HQ, D), kv[0, :, 0], kv[0, :, 1], *w, table, positions)
+    kv[:, :, 0] = k[None]
+    kv_cache[0:1, 3 : 3 + T, ...] = kv
+    return q
+
+
+def packed_cat(qkv, w, table, positions, slots, kv_cache):
+    """Sequence 1 of a packed cache written ``cat((k[:, None], v[:, None]), 1)``: a stack of k and v."""
+    q, k, v = prepared(*split_qkv(qkv), *w, table, positions)
+    kv_cache[1, 3 : 3 + T] = torch.cat((k[:, None], v[:, None]), dim=1)
+    return q
+
+
 CASES = {  # the function, its buffer's shape, the pattern it fuses as
     "vllm-unbind": (vllm_unbind, (2, BLOCKS, BLOCK, HKV, D), "gqa_qknorm_rope_kv"),
     "vllm-index": (vllm_index, (2, BLOCKS, BLOCK, HKV, D), "gqa_qknorm_rope_kv"),
@@ -96,6 +115,8 @@ CASES = {  # the function, its buffer's shape, the pattern it fuses as
     "request-of-block-tensor": (request_of_block_tensor, (2, 2, BLOCKS * BLOCK, HKV, D), "gqa_qknorm_rope_kv"),
     "kv-projection-in-place": (kv_projection_in_place, (LAYERS, BLOCKS * BLOCK, 2 * HKV, D),
                                "gqa_qknorm_rope_kv+separate"),
+    "packed-k-rotated-in-place": (packed_in_place, (1, BLOCKS * BLOCK, 2, HKV, D), "gqa_qknorm_rope_kv+separate"),
+    "packed-cat": (packed_cat, (2, BLOCKS * BLOCK, 2, HKV, D), "gqa_qknorm_rope_kv"),
 }
 
 

@@ -196,7 +196,7 @@ def test_a_row_of_k_and_v_heads_is_two_writes_of_the_same_bytes():
 
     inputs = (torch.randn(2, 16, 6, 4), torch.randn(5, 2, 4), torch.randn(5, 4, 4), torch.tensor([3, 9, 0, 15, 3]))
     want, got, counts, graph = _written_buffer(write, *inputs)
-    assert counts["written cats"] == 1 and count(graph, aten.cat.default) == 0
+    assert counts["written pieces"] == 1 and count(graph, aten.cat.default) == 0
     assert count(graph, aten.index_put.default) == 2
     assert torch.equal(got, want)  # a repeated slot keeps the last token's row in both
 
@@ -209,7 +209,7 @@ def test_rows_whose_heads_were_overwritten_in_place_are_written_piece_by_piece()
 
     inputs = (torch.randn(16, 6, 4), torch.randn(5, 6, 4), torch.randn(5, 2, 4), torch.tensor([3, 9, 0, 15, 7]))
     want, got, counts, graph = _written_buffer(write, *inputs)
-    assert counts["written cats"] == 1 and count(graph, aten.index_put.default) == 2
+    assert counts["written pieces"] == 1 and count(graph, aten.index_put.default) == 2
     assert torch.equal(got, want)
 
 
@@ -219,5 +219,31 @@ def test_a_cat_of_a_rows_values_stays_one_write():
 
     inputs = (torch.randn(16, 2, 8), torch.randn(5, 2, 4), torch.randn(5, 2, 4), torch.tensor([3, 9, 0, 15, 7]))
     want, got, counts, graph = _written_buffer(write, *inputs)
-    assert counts["written cats"] == 0 and count(graph, aten.index_put.default) == 1
+    assert counts["written pieces"] == 0 and count(graph, aten.index_put.default) == 1
+    assert torch.equal(got, want)
+
+
+def test_a_packed_slice_write_with_k_overwritten_in_place_is_a_write_per_part():
+    def write(cache, kv, k):  # flash-attention: [B, S, 2, Hkv, D], k rows replaced, one slice written
+        kv = kv.clone()
+        kv[:, :, 0] = k
+        cache[0:2, 3:8, ...] = kv
+
+    inputs = (torch.randn(3, 16, 2, 2, 4), torch.randn(2, 5, 2, 2, 4), torch.randn(2, 5, 2, 4))
+    want, got, counts, graph = _written_buffer(write, *inputs)
+    assert counts["written pieces"] == 1 and count(graph, aten.select_scatter.default) == 2
+    writes = [n for n in graph.nodes if n.op == "call_function" and n.target is aten.slice_scatter.default
+              and n.args[0].target is aten.select.int]
+    assert [w.args[2:] for w in writes] == [(1, 3, 8)] * 2  # k into [:, :, 0], v into [:, :, 1], each by slice
+    assert torch.equal(got, want)
+
+
+def test_a_stack_of_k_and_v_is_a_write_per_index():
+    def write(cache, k, v, slots):
+        cache[slots] = torch.stack((k, v), dim=1)
+
+    inputs = (torch.randn(16, 2, 3, 4), torch.randn(5, 3, 4), torch.randn(5, 3, 4), torch.tensor([3, 9, 0, 15, 3]))
+    want, got, counts, graph = _written_buffer(write, *inputs)
+    assert counts["written pieces"] == 1 and count(graph, aten.stack.default) == 0
+    assert count(graph, aten.index_put.default) == 2
     assert torch.equal(got, want)
