@@ -47,6 +47,7 @@ from prepfuse._compat import current_compile_id
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.graph_print import normalized_graph
 from prepfuse.fx_passes.placement import PlacementPolicy, placement_uuid, plan_and_check, raise_on_problems
+from prepfuse.fx_passes.matching import MATCHING_MODULES
 from prepfuse.fx_passes.matching.canonical import canonicalize
 from prepfuse.fx_passes.rewrite.scratch_buffers import returned_scratch, scratch_to_pool_buffers
 from prepfuse.fx_passes.report import GraphReport
@@ -152,7 +153,8 @@ class PrepfusePassManager(CustomGraphPass):
     def _compute_uuid(self) -> str:
         digest = hashlib.sha256()
         digest.update(inspect.getsource(sys.modules[__name__]).encode())
-        digest.update(inspect.getsource(sys.modules[canonicalize.__module__]).encode())
+        for module in MATCHING_MODULES:  # the canonical form the manager makes, and what it reads
+            digest.update(inspect.getsource(module).encode())
         for p in self.passes:
             digest.update(f"{p.name}:{p.uuid()};".encode())
         if self.placement is not None:
