@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 COLUMNS = {"fused": "prepfuse", "vllm": "vLLM", "vllm-default": "vLLM (no fusion pass)", "compile": "torch.compile"}
+COLORS = {"fused": "tab:blue", "vllm": "tab:orange", "vllm-default": "tab:red", "compile": "tab:green"}
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 
 
@@ -76,7 +77,7 @@ def plot(found: list[tuple[str, dict]], path: Path, device: str) -> None:
         for impl, label in COLUMNS.items():
             if impl in s:
                 ts = sorted(s[impl])
-                ax.plot(ts, [s[impl][t] for t in ts], marker="o", label=label)
+                ax.plot(ts, [s[impl][t] for t in ts], marker="o", label=label, color=COLORS[impl])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens T")

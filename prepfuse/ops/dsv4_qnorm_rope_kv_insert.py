@@ -164,11 +164,15 @@ if has_triton():
             stored = (heads < HP)[:, None]
             # padded heads' values are +0.0: times 1, never times a negative or NaN scale
             mult = tl.where(real, q_scale_inv, 1.0)[:, None]
-            tl.store(out_rows + d[None, :], _stored(y, mult, Q_FP8, SOFT_ROUNDING), mask=stored & (d < 448)[None, :])
-            rot = _rope_pairs(pe * rstd[:, None], cos, sin, SOFT_ROUNDING)
-            # padded heads: +0.0 exactly (0 * cos with cos < 0 would store -0.0)
-            rot = tl.where(real[:, None], rot, 0.0)
-            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], _stored(rot, mult, Q_FP8, SOFT_ROUNDING), mask=stored)
+            nope = _stored(y, mult, Q_FP8, SOFT_ROUNDING)
+            rot = _stored(_rope_pairs(pe * rstd[:, None], cos, sin, SOFT_ROUNDING), mult, Q_FP8, SOFT_ROUNDING)
+            # padded heads: +0.0 exactly, chosen after the rounding (0 * cos with cos < 0 would
+            # store -0.0, and triton 3.6's e4m3 conversion of a [2, 512] block on one warp gave
+            # the zero rows of a program mixing real and padded heads other codes on an H100)
+            tl.store(out_rows + d[None, :], tl.where(real[:, None], nope, tl.zeros_like(nope)),
+                     mask=stored & (d < 448)[None, :])
+            tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], tl.where(real[:, None], rot, tl.zeros_like(rot)),
+                     mask=stored)
 
     @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
