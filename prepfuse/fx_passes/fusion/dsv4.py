@@ -190,6 +190,8 @@ class FuseDsv4PrepPass(PrepfusePass):
         return KvSide(w.root, w.after, sources, region, ops, full_row=view, scale=scale)
 
     def _q_sides(self, graph, kv_starts) -> list[QSide]:
+        if not any(_heads_of_512(n) for n in graph.nodes):
+            return []  # a q side is a node of [.., heads, 512]: no graph without one has any
         found = []
         for start in projection_starts(graph, HEAD_DIM, (torch.bfloat16, torch.float16), avoid=kv_starts):
             cands = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=(torch.bfloat16, torch.float16))
@@ -301,6 +303,13 @@ def _as_prepared(emit, q_view, p):
     from prepfuse.fx_passes.rewrite.emitter import as_layout
 
     return as_layout(emit, q_view, p.layout, p.node)
+
+
+def _heads_of_512(node: torch.fx.Node) -> bool:
+    """Whether ``node`` could be a prepared q (``_q_sides``'s candidates): a tensor of three
+    or more dims whose last is DeepSeek-V4's head dim."""
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dim() >= 3 and same_size(v.shape[-1], HEAD_DIM)
 
 
 def _tokens(node):
