@@ -5,7 +5,8 @@ values as bf16 bytes) and their 8 scale bytes, written at the same slots into th
 of a 2-d uint8 graph input (``writes.byte_rows``: through a view of the block rows or by
 byte columns), vLLM's fp8_ds_mla cache; or whole rows of 512 values, bf16 or e4m3 over one
 scale, written into a paged cache (``rewrite/cache_views``: ``[blocks, block_size, 512]`` or any
-view of it), vLLM's full-row caches, which ``prepfuse::dsv4_qnorm_rope_kv_full_row_insert`` writes. The q side is the prepared q: heads of 512 values of a projection, carried
+view of it), vLLM's full-row caches, which ``prepfuse::dsv4_qnorm_rope_kv_full_row_insert``
+writes. The q side is the prepared q: heads of 512 values of a projection, carried
 per token and head (``sources.prepared``) to a step that reads them (attention, or the
 head padding FlashMLA wants: ``dsv4_padding``), their math reading per-token cos/sin.
 
@@ -31,20 +32,20 @@ import torch.fx
 
 from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import dsv4_padding
-from prepfuse.fx_passes.rewrite.cache_views import CacheView, cache_view, emit_slots, probe_roles
 from prepfuse.fx_passes.fusion.dsv4_padding import head_padding
 from prepfuse.fx_passes.matching import MATCHING_MODULES
 from prepfuse.fx_passes.matching.axes import base_columns
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, concrete, expect, graph_order, prims, same_size, shape, val, where,
 )
-from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats
+from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, is_scale
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.sources import prepared, projection_starts, row_sources, weight_like
 from prepfuse.fx_passes.matching.writes import (
     ByteRows, RowsWrite, before_cast, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
 )
 from prepfuse.fx_passes.rewrite import REWRITE_MODULES
+from prepfuse.fx_passes.rewrite.cache_views import CacheView, cache_view, emit_slots, probe_roles
 from prepfuse.fx_passes.rewrite.compare import Checked
 from prepfuse.fx_passes.rewrite.emitter import Emitter, viewed_call
 from prepfuse.fx_passes.rewrite.probes import Probes
@@ -183,7 +184,7 @@ class FuseDsv4PrepPass(PrepfusePass):
         expect(sources, f"write: the rows written at {where(w.write)} are not made of one [T, 512] tensor")
         scale = None
         if val(w.target).dtype == torch.float8_e4m3fn:
-            scales = [n for n in ops if _is_scale(n)]
+            scales = [n for n in ops if is_scale(n)]
             expect(len(scales) == 1, f"fp8: the e4m3 rows written at {where(w.write)} use {len(scales)} one-value "
                                      "scales; the op takes one")
             scale = scales[0]
@@ -241,7 +242,7 @@ class FuseDsv4PrepPass(PrepfusePass):
             if q is not None:
                 expect_no_runtime_floats(backward([p.node], cut={q.start.node}))
             if kv is not None:
-                expect_no_runtime_floats(backward(kv.rows, cut={kv_src}), {kv.scale} - {None})
+                expect_no_runtime_floats(backward(kv.rows, cut={kv_src}), [kv.scale])
             device = val(q.start.source if q else kv.rows[0]).device
             checked, written = [], []
             if q is not None:
@@ -377,8 +378,3 @@ def _describe(q, kv, rope, eps, scaling=None) -> str:
     text = f"DeepSeek-V4 {sides}, GPT-J RoPE on {rope.describe()}"
     text += f", RMSNorm eps {eps:g}" if q else ""
     return text + {None: "", "divide": ", e4m3 rows / kv_scale", "multiply": ", e4m3 rows * a scale"}[scaling]
-
-
-def _is_scale(n) -> bool:
-    v = val(n)
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.numel() == 1 and v.dim() <= 1

@@ -38,7 +38,7 @@ from prepfuse.fx_passes.matching.layouts import Layout
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
 )
-from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, leaves, operands
+from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, is_scale, operands
 from prepfuse.fx_passes.matching.rope_operands import emit_rope, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.sources import (
     Start, Traced, column_starts, copy_start, dim_roles, heads_of, is_copy, prepared, projection_input, token_dims_order,
@@ -263,7 +263,7 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(readers, "write: nothing reads the written cache or the prepared q")
         point = min(readers, key=order.__getitem__)
         scales = (_scale(k), _scale(v))
-        _expect_no_runtime_floats(k, scales)
+        expect_no_runtime_floats(k.region, scales)  # k's math: its kv scales are the call's
         probes_out = [k.write.after, v.write.after] if not shared else [shared[1]]
         probes = Probes(probes_out + [q.prepared for q in qs], **probe_roles(k.view), mode=self.validate, memo=self.memo)
         ropes = rope_forms(per_token_operands(k.operands, weight_like), k.tokens, k.head_dim, probes.equal_parts,
@@ -297,13 +297,6 @@ class FuseGqaPrepPass(PrepfusePass):
         pattern = ("gqa_qknorm_rope_kv" if best.norm != "none" else "gqa_rope_kv") + (
             "+separate" if _separate(k) else "")
         self.log.matched(self.name, pattern, q.prepared, final.note(best.describe()))
-
-def _expect_no_runtime_floats(k: KvWrite, scales) -> None:
-    """Decline where k's math reads a runtime float other than a kv scale (``regions``); a
-    scale computed from a 0-d input (``scale.reciprocal()``) is a scale."""
-    scales = {n for s in scales if s is not None for n in (s, *leaves(backward([s])))}
-    expect_no_runtime_floats(k.region, scales)
-
 
 def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, checked_kv, with_q: bool):
     """The emit function of one candidate call."""
@@ -422,13 +415,8 @@ def _weight(ops) -> torch.fx.Node | None:
     return found[0] if len(found) == 1 else None
 
 
-def _is_scale(n) -> bool:
-    v = val(n)
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.numel() == 1 and v.dim() <= 1
-
-
 def _scale(w: KvWrite) -> torch.fx.Node | None:
-    found = [n for n in w.operands if _is_scale(n)]
+    found = [n for n in w.operands if is_scale(n)]
     return found[0] if len(found) == 1 else None
 
 

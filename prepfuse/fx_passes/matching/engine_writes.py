@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
-from prepfuse.fx_passes.matching.nodes import aten, concrete, shape, val, where
+from prepfuse.fx_passes.matching.nodes import aten, call_node, concrete, shape, val, where
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER
 from prepfuse.ops.engine_caches import EngineCaches, register_resolver
 
@@ -169,15 +169,11 @@ def _lift_one(graph, engine: EngineWrite, node: torch.fx.Node, layout: CacheLayo
             last = graph.placeholder(f"prepfuse_engine_{part}")
         last.meta["val"] = fake.clone() if part != "slots" else fake
         inputs.append(last)
-    writes = []
     with graph.inserting_before(node):
         slots = inputs[2]
-        block = graph.call_function(aten.div.Tensor_mode, (slots, bs), {"rounding_mode": "floor"})
-        row = graph.call_function(aten.remainder.Scalar, (slots, bs))
-        for n in (block, row):
-            n.meta["val"] = val(slots)
-        for cache, rows in zip(inputs[:2], (k, v)):
-            put = graph.call_function(aten.index_put.default, (cache, [block, row], rows))
-            put.meta.update({"val": val(cache), "stack_trace": node.meta.get("stack_trace")})
-            writes.append(put)
-    return Lifted(engine, node, tuple(inputs), tuple(writes))
+        block = call_node(graph, aten.div.Tensor_mode, (slots, bs), {"rounding_mode": "floor"})
+        row = call_node(graph, aten.remainder.Scalar, (slots, bs))
+        writes = tuple(call_node(graph, aten.index_put.default, (cache, [block, row], rows),
+                                 meta={"stack_trace": node.meta.get("stack_trace")})
+                       for cache, rows in zip(inputs[:2], (k, v)))
+    return Lifted(engine, node, tuple(inputs), writes)

@@ -27,7 +27,7 @@ import torch.fx
 from prepfuse.fx_passes.matching.axes import ELEMENTWISE, _REDUCTIONS, _TAIL_STEPS
 from prepfuse.fx_passes.matching.nodes import VIEW_OPS, WRITE_VIEWS, NoMatch, aten, graph_order, prims, val, where
 
-__all__ = ["PREP_STEPS", "is_leaf", "backward", "leaves", "depends_on", "operands", "constants",
+__all__ = ["PREP_STEPS", "is_leaf", "backward", "leaves", "depends_on", "operands", "constants", "is_scale",
            "expect_no_runtime_floats"]
 
 # steps a region may hold: elementwise math, per-head steps, views, gathers, writes, creation
@@ -138,12 +138,19 @@ def constants(region: list[torch.fx.Node], sources: set, memo: dict) -> list[flo
     return seen
 
 
+def is_scale(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is one float value a tensor holds: a per-tensor scale operand."""
+    v = val(node)
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.numel() == 1 and v.dim() <= 1
 
-def expect_no_runtime_floats(region: list[torch.fx.Node], allowed=frozenset()) -> None:
-    """Decline where ``region`` reads a one-value float graph input not in ``allowed``: a
+
+def expect_no_runtime_floats(region: list[torch.fx.Node], scales=()) -> None:
+    """Decline where ``region`` reads a one-value float graph input other than the call's
+    ``scales`` (or what one is computed from, ``scale.reciprocal()`` of a 0-d input): a
     Python float (eps, an fp8 range, a RoPE scaling) that ``dynamic=True`` made an input
     (Dynamo's ``specialize_float`` off). The op would need it as a number, which only the
     run knows; a probe value for it says nothing about the run's."""
+    allowed = {n for s in scales if s is not None for n in (s, *leaves(backward([s])))}
     for n in leaves(region):
         v = val(n)
         if n.op == "placeholder" and n not in allowed and isinstance(v, torch.Tensor) and v.dim() == 0 \

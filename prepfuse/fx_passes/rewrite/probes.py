@@ -10,9 +10,9 @@ same leaves) and compares each of its outputs with the region's (``compare.py``)
 Probe values follow the leaf's role. A family names the roles it knows (``slots``: the
 cache's slots; ``positions``: rows of a table; ``slot_block``/``slot_row``: a page table's
 indices, drawn as distinct (block, row) pairs; ``sequence_blocks``/``sequence_rows``: one
-block per row of positions, distinct blocks and distinct positions within each; ``sequence_slots``: each sequence's own
-positions; ``bf16_values``: fp32 values the code had rounded to bf16 where the graph lost
-the rounding), and may give a role to a node inside the region, which then counts as a
+block per row of positions, distinct blocks and distinct positions within each;
+``sequence_slots``: each sequence's own positions; ``bf16_values``: fp32 values the code
+had rounded to bf16 where the graph lost the rounding), and may give a role to a node inside the region, which then counts as a
 leaf of both sides. The rest is read off the leaf: a written graph input is a cache
 (random valid values, so rows the call must not write are compared too); an int input
 used as an index draws below the indexed size; a one-value float is a positive scale; a
@@ -186,8 +186,9 @@ class Probes:
                     gen = torch.Generator().manual_seed(_SEED + 7919 * probe + _stable_id(node))
                     role = self.roles.get(node) or _role(node)
                     cache[node] = _probe_value(node, role, self.limits, probe, gen)
-                    if probe == 1 and self.limits.repeats and role not in ("cache", "slots", "weight", "scale",
-                                                                          "table") and not (role or "").startswith(("slot", "sequence")):
+                    drawn_as_indices = (role or "").startswith(("slot", "sequence"))
+                    if probe == 1 and self.limits.repeats and not drawn_as_indices \
+                            and role not in ("cache", "slots", "weight", "scale", "table"):
                         cache[node] = _same_last_token(cache[node], self._inserted())
         return {n: cache[n] for n in nodes}
 
