@@ -37,8 +37,7 @@ DSV4_FP8_ENGINE_ATTENTION = "prepfuse_dsv4_fp8_rows"
 def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The engine's attention: k's rows into the fp8_ds_mla cache at the step's slots, then
     causal SDPA over the step's tokens with the one kv head repeated for every q head."""
-    batch, _, seq, head_dim = key.shape
-    rows = key.transpose(1, 2).reshape(batch * seq, head_dim)
+    rows = _rows(key)
     write_fp8_ds_mla_rows(rows[:, :NOPE_DIM].float(), rows[:, NOPE_DIM:], kwargs["k_cache"], kwargs["slot_mapping"],
                           kwargs["block_size"])
     return _attend(query, key, value, scaling)
@@ -46,21 +45,27 @@ def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=Non
 
 def _bf16_rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The engine's attention over a bf16 full-row cache: k's rows written whole at the
-    step's slots (``cache[slot // bs, slot % bs] = row``), then the same attention."""
-    batch, _, seq, head_dim = key.shape
-    rows, slots, block_size = key.transpose(1, 2).reshape(batch * seq, head_dim), kwargs["slot_mapping"], kwargs["block_size"]
-    kwargs["k_cache"][slots // block_size, slots % block_size] = rows
+    step's slots, then the same attention."""
+    _write_full_rows(_rows(key), **kwargs)
     return _attend(query, key, value, scaling)
 
 
 def _fp8_rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The same over a per-tensor e4m3 full-row cache: each row over the module's
     ``k_scale``, saturated at 448."""
-    batch, _, seq, head_dim = key.shape
-    rows, slots, block_size = key.transpose(1, 2).reshape(batch * seq, head_dim), kwargs["slot_mapping"], kwargs["block_size"]
-    codes = (rows.float() / module.k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    kwargs["k_cache"][slots // block_size, slots % block_size] = codes
+    _write_full_rows((_rows(key).float() / module.k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), **kwargs)
     return _attend(query, key, value, scaling)
+
+
+def _rows(key):
+    """k's ``[B, 1, S, 512]`` head as ``[B * S, 512]`` rows, one a token."""
+    batch, _, seq, head_dim = key.shape
+    return key.transpose(1, 2).reshape(batch * seq, head_dim)
+
+
+def _write_full_rows(rows, *, k_cache, slot_mapping, block_size, **_):
+    """A full-row cache's rows at the step's slots: ``cache[slot // bs, slot % bs] = row``."""
+    k_cache[slot_mapping // block_size, slot_mapping % block_size] = rows
 
 
 def _attend(query, key, value, scaling):
