@@ -287,6 +287,21 @@ class VllmOps:
             inputs.cos_sin_cache, inputs.kv_scale, inputs.q_scale_inv, inputs.eps, inputs.block_size)
         return inputs.q_out
 
+    def dsv4_outputs(self, inputs):
+        """vLLM's DeepSeek-V4 op for the cache ``inputs`` holds (fp8_ds_mla: a 2-d uint8 cache;
+        else full rows) run on fresh outputs of ``inputs``, its q in their ``q_out``, to compare
+        with prepfuse's: where vLLM returns q (fp8_ds_mla's padded q; the bf16 full-row op
+        rewrites q in place, so on a copy of q) it is copied there."""
+        got = inputs.fresh_outputs()
+        if got.k_cache.dim() == 2:
+            got.q_out.copy_(self.dsv4_fp8_ds_mla_insert(got))
+        elif got.k_cache.dtype == torch.bfloat16:
+            got = dataclasses.replace(got, q=got.q.clone())
+            got.q_out.copy_(self.dsv4_full_row_insert(got))
+        else:
+            self.dsv4_full_row_insert(got)
+        return got
+
     def gqa(self, call: GqaCall, path: str = "fused") -> torch.Tensor:
         """Qwen3 / Llama attention-input prep as vLLM runs it (``GQA_PATHS``): q and k
         normed (with weights) and roped, k and v written into the paged caches at the
