@@ -23,6 +23,7 @@ from prepfuse.fx_passes.matching import rope_operands
 from prepfuse.fx_passes.rewrite.compare import Checked, compare
 from prepfuse.fx_passes.rewrite.probes import NUM_PROBES, Mismatch
 from prepfuse.fx_passes.fusion import dsv4, dsv4_indexer, gqa
+from prepfuse.ops.dsv4_indexer_common import mxfp4_quant_reference
 from tests.fx_passes.fusion import test_dsv4 as dsv4_tests
 from tests.fx_passes.fusion import test_dsv4_indexer as indexer_tests
 from tests.fx_passes.fusion import test_gqa as gqa_tests
@@ -218,3 +219,38 @@ def test_a_saturated_fp8_row_is_bounded_by_its_values_before_the_cast():
     with pytest.raises(Mismatch, match="k_cache differs"):
         check(_fp8([1.0] * 8 + [22.0]).reshape(1, -1), _fp8([1.0] * 8 + [36.0]).reshape(1, -1), checked=before,
               values={rows: torch.tensor([2300.0])})
+
+
+def _mxfp4_q_checked():
+    return Checked("q_out", "region_q", "call_q", decode=dsv4_indexer._mxfp4_q, scales=("region_scales", "call_scales"))
+
+
+def test_mxfp4_codes_are_compared_as_values_with_their_block_scales():
+    """A rotated block whose amax sits a hair above 6 * 2^k before the code's bf16 rounding
+    (which Inductor drops on CUDA) has scale 2^(k+1) in the graph and 2^k in the op: its codes
+    differ by a factor of two (code 2 against 4: two steps as nibbles), its values by at most
+    one step of the coarser grid. A value off by more (the wrong pairs rotated) is not."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 128)
+    x[:, 64] = 3.0 * (1 + 2.0**-12)  # block 2's amax: above 6 * 2^-1, and 3.0 once rounded to bf16
+    x[:, 65] = 1.0  # code 2 at scale 2^0 in the graph, code 4 at scale 2^-1 in the op
+    unrounded, rounded = mxfp4_quant_reference(x), mxfp4_quant_reference(x.bfloat16().float())
+    assert not torch.equal(unrounded[1], rounded[1])  # block 2's scale byte moved
+    assert int(((unrounded[0] & 0xF).int() - (rounded[0] & 0xF).int()).abs().max()) > 1  # beyond one nibble step
+    region = {"region_scales": unrounded[1]}
+    call = {"call_scales": rounded[1]}
+    compare(_mxfp4_q_checked(), rounded[0], unrounded[0], 0, region, call)
+    swapped = x.bfloat16().float()
+    swapped[:, 64:] = swapped[:, 64:].roll(1, dims=-1)  # the wrong pairs
+    wrong = mxfp4_quant_reference(swapped)
+    with pytest.raises(Mismatch, match=r"q_out \(rotated values\) differs"):
+        compare(_mxfp4_q_checked(), wrong[0], unrounded[0], 0, region, {"call_scales": wrong[1]})
+    minus_zero = rounded[0].clone()
+    row, col = (int(i) for i in ((minus_zero[:, 32:] & 0xF) == 0).nonzero()[0])  # a rotated +0 (low nibble)
+    minus_zero[row, 32 + col] |= 0x8  # made -0
+    with pytest.raises(Mismatch, match="a zero's sign exact"):  # a rounding never moves it: a sign rule
+        compare(_mxfp4_q_checked(), minus_zero, rounded[0], 0, {"region_scales": rounded[1]}, call)
+    bad_nope = rounded[0].clone()
+    bad_nope[0, 0] ^= 0x1  # an unrotated block is the bf16 input scaled: bit for bit
+    with pytest.raises(Mismatch, match=r"q_out \(unrotated blocks\) differs"):
+        compare(_mxfp4_q_checked(), bad_nope, unrounded[0], 0, region, call)

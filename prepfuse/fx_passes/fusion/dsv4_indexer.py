@@ -45,12 +45,12 @@ from prepfuse.fx_passes.matching.writes import (
     ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
 )
 from prepfuse.fx_passes.rewrite import REWRITE_MODULES
-from prepfuse.fx_passes.rewrite.compare import Checked, Exact
+from prepfuse.fx_passes.rewrite.compare import Checked, Exact, Quantized
 from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout
 from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_INDEXER_ROPE_MXFP4_INSERT, SCRATCH
-from prepfuse.ops.dsv4_indexer_common import HEAD_DIM, MXFP4_BLOCKS, MXFP4_PACKED, ROPE_DIM
+from prepfuse.ops.dsv4_indexer_common import HEAD_DIM, MXFP4_BLOCK, MXFP4_BLOCKS, MXFP4_PACKED, ROPE_DIM
 
 __all__ = ["FORMATS", "IndexerFormat", "FuseDsv4IndexerPrepPass", "FuseDsv4IndexerMxfp4PrepPass"]
 
@@ -297,11 +297,16 @@ class _FuseDsv4IndexerPass(PrepfusePass):
                         wrap_indices=True)
             new = emit.functional_call(fmt.op, args)
             if q is not None:
+                outs = {name: as_layout(emit, new[name], p.layout, p.node) for name, p in q.outputs.items()}
                 for name, p in q.outputs.items():
-                    out = as_layout(emit, new[name], p.layout, p.node)
-                    decode = None if val(out).dtype != torch.uint8 else (_nibbles if name == "q_out" else _block_scales)
-                    checked.append(Checked(name, p.node, out, decode=decode))
-                    written.append((p.node, out))
+                    if val(outs[name]).dtype != torch.uint8:
+                        checked.append(Checked(name, p.node, outs[name]))
+                    elif name == "q_out":  # MXFP4 nibbles, read with their blocks' scale bytes
+                        scales = (q.outputs["q_scale"].node, outs["q_scale"])
+                        checked.append(Checked(name, p.node, outs[name], decode=_mxfp4_q, scales=scales))
+                    else:
+                        checked.append(Checked(name, p.node, outs[name], decode=_block_scales))
+                    written.append((p.node, outs[name]))
             if weights is not None:
                 w_out = new["weights_out"]
                 if tuple(shape(w_out)) != tuple(shape(weights[0])):
@@ -417,13 +422,33 @@ def _token_size(emit, node):
     return emit.count(node, range(lead))
 
 
-def _nibbles(packed: torch.Tensor) -> dict:
-    """Packed e2m1 bytes: the blocks of unrotated dims (0..63, bytes 0..31) bit for bit (the
-    bf16 input scaled by a power of two: only the tie and sign rules can differ there), the
-    rotated ones as their two nibbles, each within one step."""
+# e2m1 magnitude codes 0..7: the value each stands for, and the grid's step up from it
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_STEPS = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0)
+
+
+def _mxfp4_values(packed: torch.Tensor, scale_bytes: torch.Tensor) -> Quantized:
+    """Packed e2m1 bytes ``[..., 16 n]`` (even element in the low nibble, bit 3 the sign) with
+    their blocks' UE8M0 bytes ``[..., n]`` as values ``[..., n, 32]`` and their steps (a 0xFF
+    block, non-finite, is NaN)."""
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    nibbles = nibbles.unflatten(-1, (scale_bytes.shape[-1], MXFP4_BLOCK))
+    magnitude = nibbles & 7
+    sign = 1.0 - 2.0 * (nibbles >> 3).float()
+    scale = torch.exp2(scale_bytes.float() - 127.0)
+    scale = torch.where(scale_bytes == 0xFF, torch.full_like(scale, float("nan")), scale).unsqueeze(-1)
+    values, steps = torch.tensor(_E2M1_VALUES), torch.tensor(_E2M1_STEPS)
+    return Quantized(values[magnitude] * sign * scale, steps[magnitude] * scale)
+
+
+def _mxfp4_q(packed: torch.Tensor, scale_bytes: torch.Tensor) -> dict:
+    """MXFP4 codes: the blocks of unrotated dims (0..63, bytes 0..31) bit for bit (the bf16
+    input scaled by a power of two: only the tie and sign rules can differ there), the rotated
+    ones as the values they stand for (``compare.Quantized``)."""
     nope = (HEAD_DIM - ROPE_DIM) // 2
-    rotated = packed[..., nope:]
-    return {"unrotated blocks": Exact(packed[..., :nope]), "low nibbles": rotated & 0xF, "high nibbles": rotated >> 4}
+    nope_blocks = nope // (MXFP4_BLOCK // 2)
+    return {"unrotated blocks": Exact(packed[..., :nope]),
+            "rotated values": _mxfp4_values(packed[..., nope:], scale_bytes[..., nope_blocks:])}
 
 
 def _block_scales(scales: torch.Tensor) -> dict:
@@ -442,8 +467,9 @@ def _cache_decoder(fmt: IndexerFormat, block_size: int):
         if fmt.name == "fp8":
             return {"codes": data.contiguous().view(torch.float8_e4m3fn),
                     "scales": scales.contiguous().view(torch.float32), "rest": rest}
-        return {**{f"codes ({k})": v for k, v in _nibbles(data.contiguous()).items()},
-                **{f"scales ({k})": v for k, v in _block_scales(scales.contiguous()).items()}, "rest": rest}
+        data, scales = data.contiguous(), scales.contiguous()
+        return {**{f"codes ({k})": v for k, v in _mxfp4_q(data, scales).items()},
+                **{f"scales ({k})": v for k, v in _block_scales(scales).items()}, "rest": rest}
     return decode
 
 

@@ -18,7 +18,13 @@ outputs are compared within a bound, per output:
   e4m3 codes, a DeepSeek-V4 cache row) is compared as the values it decodes to;
 - a decoded part marked ``Exact`` bit for bit: values no spelling of the math rounds
   differently before they are encoded (an MXFP4 block of unrotated dims is its bf16 input,
-  scaled by a power of two), where a tie rule or a sign rule is all that can differ.
+  scaled by a power of two), where a tie rule or a sign rule is all that can differ;
+- a decoded part marked ``Quantized`` (block-scaled codes as the values they stand for, each
+  with its grid step) within the coarser side's step plus ``2^-6`` of its block's largest
+  magnitude: a bf16 rounding the code has and the graph lost (Inductor drops
+  ``.to(bf16).float()`` on CUDA) moves a value by at most half a step on each side, and where it
+  moves a block's amax across a power of two, the block's scale moves with all its codes. The
+  sign of a zero counts: a rounding never moves it, so it is the code's sign rule.
 
 A structural mistake (a head or a row in the wrong place, the wrong pairs rotated) moves
 whole rows by far more.
@@ -34,7 +40,7 @@ import torch.fx
 
 from prepfuse.fx_passes.matching.nodes import NoMatch
 
-__all__ = ["Checked", "Exact", "Mismatch", "compare", "FLOAT_BOUND"]
+__all__ = ["Checked", "Exact", "Mismatch", "Quantized", "compare", "FLOAT_BOUND"]
 
 FLOAT_BOUND = 2.0**-6
 
@@ -60,6 +66,16 @@ class Exact:
 
 
 @dataclass(frozen=True)
+class Quantized:
+    """A decoded part of block-scaled codes compared as values (see the module docstring):
+    ``value`` [..., block] what each code stands for, its block's scale applied; ``step`` the
+    distance from that value to the next one its grid holds, at the same scale."""
+
+    value: torch.Tensor
+    step: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Checked:
     """One output both sides produce: the region's node and the call's."""
 
@@ -72,6 +88,9 @@ class Checked:
     # fp8 values before their cast: (rows, scale) node pairs of the region, the values
     # rows / scale (scale None: rows as they are), for the bound of a row the cast saturated
     before_cast: tuple[tuple[torch.fx.Node, torch.fx.Node], ...] = ()
+    # (region, call) nodes of the scale bytes the output's codes are read with: ``decode`` then
+    # takes (bytes, scale bytes), each side its own
+    scales: tuple[torch.fx.Node, torch.fx.Node] | None = None
 
 
 def _largest_before_cast(pairs, values: dict) -> float | None:
@@ -88,20 +107,28 @@ def _largest_before_cast(pairs, values: dict) -> float | None:
     return largest
 
 
-def compare(c: Checked, got, want, probe: int, values: dict) -> None:
-    """Raise ``probes.Mismatch`` where ``got`` (the call's) is not ``want`` (the region's)."""
+def compare(c: Checked, got, want, probe: int, values: dict, call_values: dict | None = None) -> None:
+    """Raise ``probes.Mismatch`` where ``got`` (the call's) is not ``want`` (the region's);
+    ``values`` holds the region's values, ``call_values`` the call's (for ``Checked.scales``)."""
     def fail(message: str, bad: int = 1, total: int = 1):
         raise Mismatch(message, probe, bad, total, c.name)
 
     if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
         fail(f"{c.name} is not one tensor on both sides")
     if c.decode is not None and not isinstance(c.decode, torch.dtype):
-        got_parts, want_parts = c.decode(got.cpu()), c.decode(want.cpu())
+        if c.scales is not None:
+            region_scales, call_scales = values[c.scales[0]].cpu(), (call_values or {})[c.scales[1]].cpu()
+            got_parts, want_parts = c.decode(got.cpu(), call_scales), c.decode(want.cpu(), region_scales)
+        else:
+            got_parts, want_parts = c.decode(got.cpu()), c.decode(want.cpu())
         if isinstance(got_parts, dict):  # a buffer of several encodings: each part by its own rule
             for part in got_parts:
                 got_part, want_part = got_parts[part], want_parts[part]
                 if isinstance(got_part, Exact):
                     _compare_exact(f"{c.name} ({part})", got_part.value, want_part.value, probe)
+                    continue
+                if isinstance(got_part, Quantized):
+                    _compare_quantized(f"{c.name} ({part})", got_part, want_part, probe)
                     continue
                 compare(Checked(f"{c.name} ({part})", c.region, c.call), got_part, want_part, probe, values)
             return
@@ -156,6 +183,24 @@ def _compare_exact(name: str, got: torch.Tensor, want: torch.Tensor, probe: int)
         raise Mismatch(f"{name} differs at {list(index)}: got 0x{int(a[index]):02x}, the code gives "
                        f"0x{int(b[index]):02x} ({int(bad.sum())} of {bad.numel()} bytes differ where every spelling "
                        f"of the math gives the same bytes, on the {what})", probe, int(bad.sum()), bad.numel(), name)
+
+
+def _compare_quantized(name: str, got: Quantized, want: Quantized, probe: int) -> None:
+    a, b = got.value.float(), want.value.float()
+    if a.shape != b.shape:
+        raise Mismatch(f"{name} has shape {tuple(a.shape)}, the code's {tuple(b.shape)}", probe, 1, 1, name)
+    largest = b.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1, keepdim=True) if b.dim() else b.abs()
+    allowed = torch.maximum(got.step, want.step) + FLOAT_BOUND * largest
+    bad = ((a - b).abs() > allowed) | (a.isnan() != b.isnan())
+    bad &= ~(a.isnan() & b.isnan())
+    bad |= (a == 0) & (b == 0) & (a.signbit() != b.signbit())
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        what = "unit-scale probe" if probe == 0 else "edge-value probe"
+        raise Mismatch(f"{name} differs at {list(index)}: got {_item(a, index)}, the code gives {_item(b, index)} "
+                       f"({int(bad.sum())} of {bad.numel()} values outside the bound one step of the coarser grid "
+                       f"plus 2^-6 of the block's largest |value|, a zero's sign exact, on the {what})", probe,
+                       int(bad.sum()), bad.numel(), name)
 
 
 def _nan_past_448_step(got, want, a, b) -> torch.Tensor:

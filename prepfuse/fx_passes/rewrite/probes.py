@@ -174,7 +174,7 @@ class Probes:
             known.update(self._values(extra, probe))
             call = _run(call_nodes, known, "the fused call")
             for c in checked:
-                compare(c, call[c.call], region[c.region], probe, {**known, **region})
+                compare(c, call[c.call], region[c.region], probe, {**known, **region}, call)
         return self.count
 
     # ----------------------------------------------------------------------------------

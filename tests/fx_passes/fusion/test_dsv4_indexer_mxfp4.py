@@ -172,8 +172,8 @@ def test_dynamic_token_count():
     assert "sym_size" in report.graph and "weights=arg" in report.graph
 
 
-# where Inductor drops the bf16 round trip (torch 2.11), the real spellings' graph is this
-# look-alike's, and the pass fuses it (``dsv4_indexer_patterns.rope_tail``)
+# where Inductor drops the bf16 round trip (CUDA), the real spellings' graph is this
+# look-alike's, and the pass fuses it within the probes' bounds (``compare.Quantized``)
 
 @pytest.mark.parametrize("name", [n for n in LOOKALIKES if n != "no_bf16_round"])
 def test_lookalikes_are_left_alone(name, caplog):
@@ -196,10 +196,12 @@ def test_lookalikes_are_left_alone(name, caplog):
 
 
 def test_quantising_the_unrounded_rotation_fuses_within_one_code():
-    """Quantising the fp32 rotation without ``.to(bf16).float()``: the op rounds to bf16
-    first, which moves a rotated value's code by at most one step; the unrotated blocks are
-    the same bytes either way. Within the probes' bounds, so the pass fuses it, and the
-    fused op gives the rounded spelling's eager result exactly."""
+    """Quantising the fp32 rotation without ``.to(bf16).float()`` (every real spelling's graph
+    on CUDA, where Inductor drops the round trip): the op rounds to bf16 first, which moves a
+    rotated value by at most one step of its grid (and a block's scale by a power of two, with
+    its codes, where the rounding moves the amax across one); the unrotated blocks are the same
+    bytes either way. Within the probes' bounds, so the pass fuses it, and the fused op gives
+    the rounded spelling's eager result exactly."""
     spelling = LOOKALIKES["no_bf16_round"]
     inputs = make_inputs()
     r = run(prep(spelling), inputs)
