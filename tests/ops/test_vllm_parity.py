@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from prepfuse.ops import DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, DSV4_QNORM_ROPE_KV_INSERT, GQA_QKNORM_ROPE_KV_INSERT
+from prepfuse.ops import (
+    DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, DSV4_QNORM_ROPE_KV_INSERT, GQA_QKNORM_ROPE_KV_INSERT,
+    dsv4_qnorm_rope_kv_insert_reference,
+)
 from prepfuse.testing import (
     compare_dsv4, compare_dsv4_full_row, make_dsv4_full_row_inputs, make_dsv4_inputs, make_gqa_inputs,
     seeded_generator,
@@ -25,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import vllm_ops  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+# the DeepSeek-V4 spec's rate of differing values per million, between two implementations
+# (each within the spec's 10 of the reference)
+BETWEEN_TWO = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +66,27 @@ def test_dsv4_matches_vllm(ops, num_tokens, num_heads, padded_heads):
     # million below (an H200 saw 3 to 23 differing bytes at T >= 4096: up to 4.5 per million)
     assert comparison.cache_max_code_diff <= 1, report
     assert comparison.q_nope_max_ulp <= 1, report
-    # the spec's bound between two implementations: one ULP, one code, a few per million
-    assert comparison.within_spec(), report
+    # the spec's bound (one ULP, one code, a few per million) holds each implementation to the
+    # reference; two of them differ where either does, so twice the rate (an H100 saw 42 one-ULP
+    # q values in 4.2M at T=64, H=128: 10 per million, the one-sided limit)
+    assert comparison.within_spec(per_million=BETWEEN_TWO), report
 
 
 def test_dsv4_rows_past_the_inserted_ones(ops):
-    """Slots for the first T' < T rows only (data-parallel padding): no other byte written."""
+    """Slots for the first T' < T rows only (data-parallel padding): neither op writes a cache
+    byte that the reference leaves as it was, and what they write is within the spec."""
     generator, seed = seeded_generator()
     inputs = make_dsv4_inputs(61, 16, 64, 64, "cuda", generator=generator, num_inserted=50)
-    ours = inputs.fresh_outputs()
+    ours, reference = inputs.fresh_outputs(), inputs.fresh_outputs()
     DSV4_QNORM_ROPE_KV_INSERT(*ours.args())
-    comparison = compare_dsv4(ops.dsv4_outputs(inputs), ours)
-    assert comparison.cache_non_fp8_mismatches == 0 and comparison.within_spec(), f"seed={seed}: {comparison}"
+    dsv4_qnorm_rope_kv_insert_reference(*reference.args())
+    theirs = ops.dsv4_outputs(inputs)
+    untouched = reference.k_cache == inputs.fresh_outputs().k_cache
+    for name, outputs in (("prepfuse", ours), ("vLLM", theirs)):
+        written = int((outputs.k_cache[untouched] != reference.k_cache[untouched]).sum())
+        assert written == 0, f"seed={seed}: {name} wrote {written} bytes outside the inserted rows"
+    comparison = compare_dsv4(theirs, ours)
+    assert comparison.within_spec(per_million=BETWEEN_TWO), f"seed={seed}: {comparison}"
 
 
 # --------------------------------------------------------------------------------------
