@@ -168,7 +168,8 @@ def render_markdown(data: dict, json_name: str) -> str:
             f"{'pass' if r['correct'] else 'FAIL'} | - | - | - |")
     slower = slower_rows(data)
     timed = [r for r in data["rows"] if "speedup_vs_vllm" in r]
-    lines += ["", f"prepfuse is faster in {len(timed) - len(slower)} of {len(timed)} timed rows."]
+    lines += ["", f"prepfuse is faster in {len(timed) - len(slower)} of {len(timed)} timed rows." if timed
+              else "No row timed vLLM's op."]
     if slower:
         lines.append("Where it is not: " + "; ".join(
             f"{FORMAT_NAMES[r['format']]} H={r['H']} T={r['T']} {r['us_median']:.2f} us against {r['vllm_us_median']:.2f} "

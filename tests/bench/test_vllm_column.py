@@ -1,6 +1,7 @@
 """The vLLM column without a GPU: ``bench/vllm_ops.py`` says why it is absent instead of
 failing, unpacks a carried library, holds GQA writes to its bound, and the DeepSeek-V4 and GQA
-pages render result files with the column and without it (committed pages unchanged)."""
+pages render result files with the column and without it (committed pages unchanged), and
+the full-row page names every row where vLLM's op was faster."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import bench_dsv4_qnorm_rope_kv_full_row_insert as full_row  # noqa: E402
 import bench_dsv4_qnorm_rope_kv_insert as dsv4  # noqa: E402
 import bench_gqa_qknorm_rope_kv_insert as gqa  # noqa: E402
 import vllm_ops  # noqa: E402
@@ -159,6 +161,22 @@ def test_gqa_page_with_and_without_the_column():
     rows = [line for line in md.splitlines() if line.startswith("| qwen3-8b |")]
     assert rows and all(line.count("|") == header.count("|") for line in rows)
     assert all("| 1.5x | pass/pass |" in line for line in rows)
+
+
+def test_full_row_page_is_the_committed_one_and_names_the_slower_rows():
+    stem = "dsv4_qnorm_rope_kv_full_row_insert_nvidia-h100-80gb-hbm3"
+    data = json.loads((RESULTS / f"{stem}.json").read_text())
+    md = full_row.render_markdown(data, f"{stem}.json")
+    assert md == (DOCS / "benchmarks_full_row.md").read_text()
+    assert len(table_widths(md)) == 1
+    slower = full_row.slower_rows(data)
+    assert slower and all(r["vllm_us_median"] < r["us_median"] for r in slower)
+    assert md.count(" slower, ") == len(slower)
+    absent = {**data, "vllm": {"absent": "vLLM's op library needs a CUDA device"},
+              "rows": [{k: v for k, v in r.items() if not k.startswith(("vllm", "speedup"))} for r in data["rows"]]}
+    plain = full_row.render_markdown(absent, f"{stem}.json")
+    assert "absent (vLLM's op library needs a CUDA device)" in plain and "| - | - | - |" in plain
+    assert "No row timed vLLM's op." in plain and "faster in" not in plain
 
 
 def test_vllm_rows_only_where_vllm_has_the_form():
