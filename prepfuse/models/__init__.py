@@ -2,9 +2,10 @@
 unfused spellings.
 
 One module per family (``dsv4``, ``gqa``, ``dsv4_indexer`` with its MXFP4 format in
-``dsv4_indexer_mxfp4``): the spelling table and look-alikes the passes are tested against,
-the example modules the demo compiles, and ``<family>_prep_unfused``, the op's reference
-math unfused and capturable, which the benchmarks time as their baseline.
+``dsv4_indexer_mxfp4`` and its example module in ``dsv4_indexer_block``): the spelling table
+and look-alikes the passes are tested against, the example modules the demo compiles, and
+``<family>_prep_unfused``, the op's reference math unfused and capturable, which the
+benchmarks time as their baseline.
 """
 
 from prepfuse.models.dsv4 import (

@@ -12,8 +12,10 @@ codes and the bf16 RoPE values, ``models.dsv4.write_fp8_ds_mla_rows``), then att
 the step's tokens (one kv head for every q head; the sinks are the engine kernel's
 business). ``DSV4_BF16_ENGINE_ATTENTION`` writes the rows whole into vLLM's bf16 full-row cache
 ``[blocks, block_size, 512]`` instead, ``DSV4_FP8_ENGINE_ATTENTION`` into its per-tensor e4m3 one
-(``rows / k_scale``, saturated; the scale a buffer of the attention module, as engines keep it). Layers are sliding-window ones (no compressor: one cache
-row a token).
+(``rows / k_scale``, saturated; the scale a buffer of the attention module, as engines keep it),
+and ``DSV4_FP8_Q_ENGINE_ATTENTION`` there too with q cast to e4m3 first (``q * q_scale_inv``,
+saturated, as vLLM's fp8 full-cache path hands its attention an e4m3 q). Layers are
+sliding-window ones (no compressor: one cache row a token).
 
 ``transformers`` is a test dependency: this module imports it when a client is built.
 """
@@ -26,12 +28,13 @@ from torch import nn
 from prepfuse.models.dsv4 import fp8_ds_mla_cache, write_fp8_ds_mla_rows
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import NOPE_DIM
 
-__all__ = ["DSV4_ENGINE_ATTENTION", "DSV4_BF16_ENGINE_ATTENTION", "DSV4_FP8_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client",
-           "register_dsv4_engine_attention"]
+__all__ = ["DSV4_ENGINE_ATTENTION", "DSV4_BF16_ENGINE_ATTENTION", "DSV4_FP8_ENGINE_ATTENTION",
+           "DSV4_FP8_Q_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client", "register_dsv4_engine_attention"]
 
 DSV4_ENGINE_ATTENTION = "prepfuse_fp8_ds_mla"
 DSV4_BF16_ENGINE_ATTENTION = "prepfuse_dsv4_bf16_rows"
 DSV4_FP8_ENGINE_ATTENTION = "prepfuse_dsv4_fp8_rows"
+DSV4_FP8_Q_ENGINE_ATTENTION = "prepfuse_dsv4_fp8_rows_fp8_q"
 
 
 def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -55,6 +58,14 @@ def _fp8_rows_attention(module, query, key, value, attention_mask, scaling=None,
     ``k_scale``, saturated at 448."""
     _write_full_rows((_rows(key).float() / module.k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), **kwargs)
     return _attend(query, key, value, scaling)
+
+
+def _fp8_rows_fp8_q_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The e4m3 full-row cache with an e4m3 q: q times the module's ``q_scale_inv``,
+    saturated, cast; the attention reads it back over the same scale."""
+    q_fp8 = (query.float() * module.q_scale_inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    _write_full_rows((_rows(key).float() / module.k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), **kwargs)
+    return _attend((q_fp8.float() / module.q_scale_inv).to(query.dtype), key, value, scaling)
 
 
 def _rows(key):
@@ -82,6 +93,7 @@ def register_dsv4_engine_attention() -> None:
     AttentionInterface.register(DSV4_ENGINE_ATTENTION, _fp8_ds_mla_attention)
     AttentionInterface.register(DSV4_BF16_ENGINE_ATTENTION, _bf16_rows_attention)
     AttentionInterface.register(DSV4_FP8_ENGINE_ATTENTION, _fp8_rows_attention)
+    AttentionInterface.register(DSV4_FP8_Q_ENGINE_ATTENTION, _fp8_rows_fp8_q_attention)
 
 
 class HfDsv4Layers(nn.Module):
@@ -109,7 +121,8 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
     """``(module, (x, position_ids, slot_mapping, caches, block_size))``: bf16 layers with
     random weights (norm weights around 1), one step of ``num_tokens`` tokens at positions
     ``3 ..`` and distinct random slots, fresh caches: fp8_ds_mla, or random full rows, bf16
-    (``cache="bf16"``) or e4m3 (``cache="fp8"``, each layer's ``k_scale`` 0.02)."""
+    (``cache="bf16"``) or e4m3 (``cache="fp8"``, each layer's ``k_scale`` 0.02; ``"fp8_q"``: and q
+    cast to e4m3 with each layer's ``q_scale_inv`` 20)."""
     from transformers import DeepseekV4Config
 
     register_dsv4_engine_attention()
@@ -117,7 +130,7 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
                               head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=128,
                               layer_types=["sliding_attention"] * num_layers)
     config._attn_implementation = {"fp8_ds_mla": DSV4_ENGINE_ATTENTION, "bf16": DSV4_BF16_ENGINE_ATTENTION,
-                                   "fp8": DSV4_FP8_ENGINE_ATTENTION}[cache]
+                                   "fp8": DSV4_FP8_ENGINE_ATTENTION, "fp8_q": DSV4_FP8_Q_ENGINE_ATTENTION}[cache]
     g = torch.Generator().manual_seed(seed)
     module = HfDsv4Layers(config, num_layers)
     with torch.no_grad():
@@ -127,12 +140,13 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     module = module.to(torch.bfloat16).eval()
-    for layer in module.layers:  # an engine's per-layer kv scale, fp32 (after the bf16 cast)
+    for layer in module.layers:  # an engine's per-layer kv and q scales, fp32 (after the bf16 cast)
         layer.register_buffer("k_scale", torch.tensor([0.02]))
+        layer.register_buffer("q_scale_inv", torch.tensor([20.0]))
     x = torch.randn(1, num_tokens, hidden, generator=g).to(torch.bfloat16)
     position_ids = (torch.arange(num_tokens) + 3).unsqueeze(0)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
-    if cache in ("bf16", "fp8"):
+    if cache in ("bf16", "fp8", "fp8_q"):
         dtype = torch.bfloat16 if cache == "bf16" else torch.float8_e4m3fn
         caches = [torch.randn(num_blocks, block_size, 512, generator=g).to(dtype) for _ in range(num_layers)]
     else:

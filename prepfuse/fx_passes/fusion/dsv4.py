@@ -8,7 +8,10 @@ scale, written into a paged cache (``rewrite/cache_views``: ``[blocks, block_siz
 view of it), vLLM's full-row caches, which ``prepfuse::dsv4_qnorm_rope_kv_full_row_insert``
 writes. The q side is the prepared q: heads of 512 values of a projection, carried
 per token and head (``sources.prepared``) to a step that reads them (attention, or the
-head padding FlashMLA wants: ``dsv4_padding``), their math reading per-token cos/sin.
+head padding FlashMLA wants: ``dsv4_padding``), their math reading per-token cos/sin; bf16,
+or e4m3 over one scale (vLLM's fp8 full-row path writes q so, ``q * q_scale_inv`` or
+``q / q_scale``, the probes deciding which), which the full-row op writes beside a full-row
+cache.
 
 Which values the op reads (the q projection's heads; the kv the rows are made of, which an
 upstream norm may have produced), and how it reads cos/sin, is decided on probes
@@ -56,6 +59,7 @@ from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NO
 FULL_ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  # a full-row cache's rows, as the op writes them
 Q_SCRATCH_NAME = "prepfuse_q_out_scratch"
 Q_SCRATCH_BASE = "dsv4_qnorm_rope_kv_insert.q_out"
+Q_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)  # a prepared q, as the code leaves it
 # a q-only call's one-slot cache: never written (no slots), arena memory so no allocation per call
 UNUSED_CACHE_NAME = "prepfuse_unused_cache_scratch"
 UNUSED_CACHE_BASE = "dsv4_qnorm_rope_kv_insert.unused_k_cache"
@@ -195,7 +199,7 @@ class FuseDsv4PrepPass(PrepfusePass):
             return []  # a q side is a node of [.., heads, 512]: no graph without one has any
         found = []
         for start in projection_starts(graph, HEAD_DIM, (torch.bfloat16, torch.float16), avoid=kv_starts):
-            cands = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=(torch.bfloat16, torch.float16))
+            cands = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=Q_DTYPES)
                      if per_token_operands(p.operands, weight_like) and len(shape(p.node)) >= 3
                      and shape(p.node)[-1] == HEAD_DIM]
             if cands:
@@ -225,8 +229,9 @@ class FuseDsv4PrepPass(PrepfusePass):
         kv_sources = kv.sources if kv else [None]
         q_nodes = q.candidates if q else [None]
         semantics = kv.scale_semantics() if kv else (None,)
-        cands = [Candidate(f"{_describe(q, kv, r, e, m)}", self._emitter_of(q, p, kv, s, r, e, m))
+        cands = [Candidate(f"{_describe(q, kv, r, e, m, qm)}", self._emitter_of(q, p, kv, s, r, e, m, qm))
                  for m in semantics for s in kv_sources for r in ropes for e in eps_values for p in q_nodes
+                 for qm in _q_scale_semantics(p)
                  if q is None or s is None or same_size(_tokens(s), _tokens(q.start.node))]
         expect(cands, "q and kv have different token counts")
         agreed = first_agreeing(probes, cands, lambda: Emitter(graph, point, source=(q.candidates[0].node if q
@@ -236,11 +241,15 @@ class FuseDsv4PrepPass(PrepfusePass):
         self.log.matched(self.name, _pattern(q, kv), q.candidates[0].node if q else kv.anchor,
                          agreed.note(agreed.candidate.name))
 
-    def _emitter_of(self, q, p, kv, kv_src, rope, eps, scaling=None):
+    def _emitter_of(self, q, p, kv, kv_src, rope, eps, scaling=None, q_scaling=None):
         def emit_it(emit: Emitter):
+            q_scale = _q_scale(p) if q_scaling is not None else None
+            expect(q_scale is None or (kv is not None and kv.full_row is not None),
+                   "q: an e4m3 q is written by the full-row op, beside a bf16 or e4m3 full-row cache; "
+                   "this call writes none")
             # what the call computes must not read a float only the run knows (its fp8 range, eps)
             if q is not None:
-                expect_no_runtime_floats(backward([p.node], cut={q.start.node}))
+                expect_no_runtime_floats(backward([p.node], cut={q.start.node}), [q_scale])
             if kv is not None:
                 expect_no_runtime_floats(backward(kv.rows, cut={kv_src}), [kv.scale])
             device = val(q.start.source if q else kv.rows[0]).device
@@ -253,8 +262,10 @@ class FuseDsv4PrepPass(PrepfusePass):
                 padded = pads[0].padded_heads if pads else q.heads
                 buffer = pads[0].buffer if pads and pads[0].buffer is not None and \
                     val(pads[0].buffer).stride(-1) == 1 else None
-                q_out = buffer if buffer is not None else emit.scratch(Q_SCRATCH_BASE, [tokens, padded, HEAD_DIM],
-                                                                       torch.bfloat16, q_in, name=Q_SCRATCH_NAME)
+                q_dtype = torch.float8_e4m3fn if q_scale is not None else torch.bfloat16
+                q_out = buffer if buffer is not None else emit.scratch(
+                    Q_SCRATCH_BASE + (".e4m3" if q_scale is not None else ""), [tokens, padded, HEAD_DIM], q_dtype,
+                    q_in, name=Q_SCRATCH_NAME)
             else:
                 tokens = _token_size(emit, kv_src)
                 q_in = emit.empty([tokens, 0, HEAD_DIM], torch.bfloat16, kv_src)
@@ -276,14 +287,18 @@ class FuseDsv4PrepPass(PrepfusePass):
                         cos_sin_cache=table, eps=eps, block_size=block_size, wrap_indices=True)
             if kv is not None and kv.full_row is not None:
                 kv_scale = kv.scale if scaling != "multiply" else emit.node(aten.reciprocal.default, kv.scale)
-                new_q, new_cache = _full_row_call(emit, args, kv.full_row, cache, kv_scale)
+                q_scale_inv = None if q_scale is None else \
+                    q_scale if q_scaling == "multiply" else emit.node(aten.reciprocal.default, q_scale)
+                new_q, new_cache = _full_row_call(emit, args, kv.full_row, cache, kv_scale, q_scale_inv)
             else:
                 outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
                 new_q, new_cache = outs["q_out"], outs["k_cache"]
             if q is not None:
                 q_view = new_q if padded == q.heads else emit.node(aten.slice.Tensor, new_q, 1, 0, q.heads)
                 q_view = _as_prepared(emit, q_view, p)
-                checked.append(Checked("q_out", p.node, q_view))
+                q_before = before_cast(p.node) if q_scale is not None else None
+                checked.append(Checked("q_out", p.node, q_view,
+                                       before_cast=((q_before, None),) if q_before is not None else ()))
                 written.append((p.node, q_view))
                 for pd in pads:
                     if pd.padded_heads == padded:
@@ -340,10 +355,22 @@ def _row_roles(w: RowsWrite) -> list[str]:
             "tokens" if kind == "index" or not same_size(shape(w.target)[d], 1) else "one" for kind, d in w.value_dims]
 
 
-def _full_row_call(emit, args: dict, view: CacheView, cache, kv_scale) -> tuple:
+def _q_scale_semantics(p) -> tuple:
+    """How an e4m3 prepared q may use its scale (``q * s`` or ``q / s``); none for bf16 q."""
+    return ("multiply", "divide") if p is not None and val(p.node).dtype == torch.float8_e4m3fn else (None,)
+
+
+def _q_scale(p) -> torch.fx.Node:
+    """The one-value scale an e4m3 prepared q's math reads."""
+    scales = [n for n in p.operands if is_scale(n)]
+    expect(len(scales) == 1, f"q: the e4m3 q at {where(p.node)} uses {len(scales)} one-value scales; the op takes one")
+    return scales[0]
+
+
+def _full_row_call(emit, args: dict, view: CacheView, cache, kv_scale, q_scale_inv=None) -> tuple:
     """The full-row op's call writing ``view``'s ``[blocks, block_size, 512]`` rows of the
     cache (the graph input itself, or a strided view of it); ``(q_out, the cache after)``."""
-    args = dict(args, kv_scale=kv_scale, q_scale_inv=None)
+    args = dict(args, kv_scale=kv_scale, q_scale_inv=q_scale_inv)
     sizes, strides = [view.sizes[0], view.sizes[1], HEAD_DIM], [view.strides[0], view.strides[1], 1]
     root = val(view.write.root)
     if view.write.target is view.write.root and list(root.shape) == sizes and list(root.stride()) == strides:
@@ -373,8 +400,9 @@ def _fp8_ds_mla(block_size: int):
     return decode
 
 
-def _describe(q, kv, rope, eps, scaling=None) -> str:
+def _describe(q, kv, rope, eps, scaling=None, q_scaling=None) -> str:
     sides = "q and kv" if q and kv else ("q" if q else "kv")
     text = f"DeepSeek-V4 {sides}, GPT-J RoPE on {rope.describe()}"
     text += f", RMSNorm eps {eps:g}" if q else ""
+    text += {None: "", "divide": ", e4m3 q / q_scale", "multiply": ", e4m3 q * a scale"}[q_scaling]
     return text + {None: "", "divide": ", e4m3 rows / kv_scale", "multiply": ", e4m3 rows * a scale"}[scaling]

@@ -38,7 +38,7 @@ from prepfuse.fx_passes.matching.axes import base_columns
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, expect, graph_order, is_op, prims, same_size, shape, val, where,
 )
-from prepfuse.fx_passes.matching.regions import backward, leaves, operands
+from prepfuse.fx_passes.matching.regions import backward, expect_no_runtime_floats, leaves, operands
 from prepfuse.fx_passes.matching.rope_operands import RopeOperand, emit_table, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.sources import dim_roles, prepared, projection_starts, row_sources, weight_like
 from prepfuse.fx_passes.matching.writes import (
@@ -213,6 +213,9 @@ class _FuseDsv4IndexerPass(PrepfusePass):
             ([k.after] if k else [])
         readers = [u for o in outputs for u in o.users]
         expect(readers, "nothing reads what the preparation makes")
+        sources = ({q.start.node} if q else set()) | (set(k.sources) if k else set()) | \
+            ({weights[1]} if weights else set())
+        expect_no_runtime_floats(backward(outputs, cut=sources))  # the weights scale, the fp8 range: numbers
         order = graph_order(graph)
         point = min(readers, key=order.__getitem__)
         roles = {}

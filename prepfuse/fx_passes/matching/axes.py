@@ -11,7 +11,10 @@ its token and head:
 
 - a view: exactly (``layouts.follow``);
 - elementwise math, broadcasting what does not depend on the source (a weight, cos/sin, a
-  scale): the layout of the operand that has the result's shape;
+  scale, a factor per head): the layout of the operand that has the result's shape. An
+  operand not made from the start that has values of its own for every head and every value
+  inside it is another tensor's heads (k or v against q: the attention contraction Inductor
+  writes as a product and a sum when a size is 1), and the step is not carried;
 - a step that acts inside each head only (a reduction over the head's dims with
   ``keepdim``, slices and cats of the head's values, ``view_as_complex``, a bitcast): the
   leading (token and head) dims are kept and the head's own dims become *opaque* factors
@@ -163,10 +166,11 @@ def carry(start: torch.fx.Node, layout: Layout, head_dim, foreign) -> dict[torch
     order = graph_order(start.graph)
     frontier = sorted(start.users, key=order.__getitem__)
     pending = set(frontier)
+    own = _made_from(start, order)
     while frontier:
         node = frontier.pop(0)
         pending.discard(node)
-        out = _step(node, found, head_dim, foreign)
+        out = _step(node, found, head_dim, foreign, own)
         if out is None:
             continue
         found[node] = out
@@ -229,7 +233,32 @@ def _dims_acted_on(node: torch.fx.Node) -> list[int] | None:
     return []  # view_as_complex / view_as_real / view.dtype / real / imag: the last dims only
 
 
-def _step(node: torch.fx.Node, found: dict, head_dim, foreign) -> Layout | _Pieces | None:
+def _made_from(start: torch.fx.Node, order: dict):
+    """``made(node)``: whether ``node`` reads ``start``'s values, through any steps (a search
+    back that stops at nodes before ``start``, remembering the nodes that do not)."""
+    known = {start: True}
+    floor = order[start]
+
+    def made(node: torch.fx.Node) -> bool:
+        if node in known:
+            return known[node]
+        stack, seen = [node], set()
+        while stack:
+            n = stack.pop()
+            if known.get(n):
+                known[node] = True
+                return True
+            if n in seen or n in known or order.get(n, -1) < floor:
+                continue
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+        known.update(dict.fromkeys(seen, False))
+        return False
+
+    return made
+
+
+def _step(node: torch.fx.Node, found: dict, head_dim, foreign, own=lambda n: True) -> Layout | _Pieces | None:
     """The layout of ``node`` from its carried inputs, or None where it is not carried."""
     if node.op != "call_function":
         return None
@@ -253,7 +282,7 @@ def _step(node: torch.fx.Node, found: dict, head_dim, foreign) -> Layout | _Piec
     if node.target in ELEMENTWISE and isinstance(out, torch.Tensor):
         same = [found[i] for i in carried if len(shape(i)) == out.dim() and
                 all(same_size(a, b) for a, b in zip(shape(i), out.shape))]
-        if not same:
+        if not same or any(_per_head(i, same[0], out.dim(), head_dim) and not own(i) for i in inputs if i not in found):
             return None
         k = lead_count(same[0], head_dim)
         for x in layouts:  # every carried operand (a norm's smaller [.., 1] too) shares the lead dims
@@ -274,6 +303,24 @@ def _step(node: torch.fx.Node, found: dict, head_dim, foreign) -> Layout | _Piec
         if isinstance(out, (tuple, list)):
             return _Pieces(first, carried[0])
     return None
+
+
+def _per_head(operand: torch.fx.Node, layout: Layout, ndim: int, head_dim) -> bool:
+    """Whether ``operand``, broadcast against a result of ``ndim`` dims laid out ``layout``,
+    holds more than one value along a dim of heads (columns ``head_dim`` apart) and along a
+    dim inside the head: heads of its own."""
+    sizes = shape(operand)
+    k = lead_count(layout, head_dim)
+    if not isinstance(val(operand), torch.Tensor) or len(sizes) > ndim or k is None:
+        return False
+    lead = ndim - len(sizes)
+
+    def varies(i):
+        return i >= lead and not _known(sizes[i - lead] == 1)
+
+    heads = [i for i, group in enumerate(layout.dims[:k])
+             if group and all(f.dim == 1 and _known(f.stride % head_dim == 0) for f in group)]
+    return any(map(varies, heads)) and any(map(varies, range(k, ndim)))
 
 
 def _keeps_lead(layout: Layout, node, sizes, head_dim) -> bool:

@@ -396,8 +396,9 @@ class Prepared:
 def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.float32),
              tails: bool = False) -> list[Prepared]:
     """Every node carried from ``start`` (heads of ``head_dim``) that a step outside the
-    carried set reads (attention, a matmul, the graph's output), whole heads per token in
-    some layout, latest first: the candidates for "the prepared q". With ``tails``, after
+    carried set reads (attention, a matmul, the graph's output), or that holds the heads as
+    fp8 (what the code stores, though the reader dequantises it in the graph), whole heads
+    per token in some layout, latest first: the candidates for "the prepared q". With ``tails``, after
     them and marked ``tail``, what those are views or number scalings of (``q =
     rope(q).transpose(1, 2)`` then ``q.mul_(scaling)``): the op's q, with the model's scaling
     left after it."""
@@ -419,7 +420,7 @@ def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.
         return Prepared(node, layout, heads[0], operands(backward([node]), {start.node}, {}), tail)
 
     order = graph_order(start.node.graph)
-    outside = sorted((n for n in carried if not all(u in carried for u in n.users)), key=lambda n: -order[n])
+    outside = sorted((n for n in carried if not all(u in carried for u in n.users) or _fp8(n)), key=lambda n: -order[n])
     read = [p for p in map(as_prepared, outside) if p]
     if not tails:
         return read
@@ -435,15 +436,23 @@ def prepared(start: Start, head_dim: int, tokens, dtypes=(torch.bfloat16, torch.
     return read + found
 
 
+def _fp8(node: torch.fx.Node) -> bool:
+    v = val(node)
+    return isinstance(v, torch.Tensor) and v.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 _TAIL_VIEWS = (*RESHAPES, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
                aten.squeeze.dim, aten.clone.default)
 _TAIL_SCALINGS = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar)
 
 
 def _tail_input(node: torch.fx.Node, carried) -> torch.fx.Node | None:
-    """The carried input of ``node`` where ``node`` is a view of it or it times (or over) a
-    number, and nothing else reads it; else None."""
+    """The carried input of ``node`` where ``node`` is a view of it, it times (or over) a
+    number, or it widened exactly (bf16 to fp32: an attention's ``.float()``), and nothing
+    else reads it; else None."""
     if is_op(node, *_TAIL_VIEWS):
+        source = node.args[0]
+    elif is_op(node, *CONVERTS) and isinstance(node.args[0], torch.fx.Node) and _widens(node.args[0], node):
         source = node.args[0]
     elif is_op(node, *_TAIL_SCALINGS):
         tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
@@ -455,6 +464,12 @@ def _tail_input(node: torch.fx.Node, carried) -> torch.fx.Node | None:
     if not isinstance(source, torch.fx.Node) or source not in carried or len(source.users) != 1:
         return None
     return source
+
+
+def _widens(source: torch.fx.Node, node: torch.fx.Node) -> bool:
+    a, b = val(source), val(node)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == torch.float32)
 
 
 def row_sources(rows: list[torch.fx.Node], head_dim: int, avoid=frozenset()) -> tuple[list[torch.fx.Node], list, list]:

@@ -6,8 +6,8 @@ by ``index_copy_`` into the flat view, and the first ``len(slots)`` of more toke
 parallel padding). Each fuses both sides into one ``dsv4_qnorm_rope_kv_full_row_insert``
 call; q equals eager within 2^-6 of each row's largest value, the written rows likewise,
 every other cache row bit for bit. Per-tensor e4m3 rows (``rows / scale`` or ``rows * inv``,
-saturated) fuse too; rows cast without a clamp fuse where torch's cast saturates, and are other
-math where it makes NaN. kv rotated by halves where q is rotated by pairs is other
+saturated) fuse too, and so does q cast to e4m3 over its own scale beside them; rows cast without
+a clamp fuse where torch's cast saturates, and are other math where it makes NaN. kv rotated by halves where q is rotated by pairs is other
 math: q fuses alone, the kv write is declined naming the cache, and stays Inductor's.
 """
 
@@ -77,6 +77,18 @@ def e4m3_rows_not_saturated(q, kv, positions, slots, cache, scale):
     return dsv4_q_prep(q, positions, TABLE, EPS, HP, SPELLING)
 
 
+def e4m3_q_and_rows(q_scaling):
+    """e4m3 rows over one scale and q cast to e4m3 over its own (``q * q_scale_inv`` or
+    ``q / q_scale``, saturated), as vLLM's fp8 full-cache path leaves both: the e4m3 q returned."""
+    def fn(q, kv, positions, slots, cache, scale, q_scale):
+        rows = rotated_rows(kv, positions, slots.shape[0]).float() / scale
+        cache[slots // BLOCK, slots % BLOCK] = rows.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        prepared = dsv4_q_prep(q, positions, TABLE, EPS, H, SPELLING).float()
+        prepared = prepared * q_scale if q_scaling == "multiply" else prepared / q_scale
+        return prepared.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return fn
+
+
 def neox_kv(q, kv, positions, slots, cache):
     """kv's rotation by halves (NeoX) where q's is GPT-J's: other math than the op's."""
     nope, pe = split_rope_dims(kv.float(), SPELLING)
@@ -138,6 +150,23 @@ def test_e4m3_full_rows_fuse(fn, scale):
     written[slots] = True
     assert ((rows[written] - ref_rows[written]).abs() <= ref_rows[written].abs() * 2**-3 + 2**-9).all()
     assert torch.equal(got.flatten(0, 1)[~written].view(torch.uint8), want.flatten(0, 1)[~written].view(torch.uint8))
+
+
+@pytest.mark.parametrize("q_scaling,q_scale", [("multiply", 20.0), ("divide", 0.05)])
+def test_e4m3_q_fuses_with_e4m3_rows(q_scaling, q_scale):
+    """An e4m3 q beside e4m3 rows: one full-row call writes both (its ``q_scale_inv`` the
+    code's factor, or the reciprocal of its divisor); q within one e4m3 step of eager's (the
+    op rounds once, from fp32, where the code rounds to bf16 first), the rows likewise."""
+    fn = e4m3_q_and_rows(q_scaling)
+    reports, (out, got), (ref, want), slots = compiled_and_eager(fn, torch.tensor([0.02]), torch.tensor([q_scale]))
+    assert reports.pattern_counts().get("dsv4_q+kv_full_row") == 1, reports.format(verbose=True)
+    (report,) = reports
+    assert ("e4m3 q * a scale" if q_scaling == "multiply" else "e4m3 q / q_scale") in report.matches()[0].why
+    assert out.dtype == torch.float8_e4m3fn
+    a, b = out.float(), ref.float()
+    assert ((a - b).abs() <= b.abs() * 2**-3 + b.abs().amax(-1, keepdim=True) * 2**-6).all()
+    rows, ref_rows = got.flatten(0, 1).float(), want.flatten(0, 1).float()
+    assert ((rows[slots] - ref_rows[slots]).abs() <= ref_rows[slots].abs() * 2**-3 + 2**-9).all()
 
 
 def test_e4m3_rows_cast_without_a_clamp_fuse_only_where_the_cast_saturates():

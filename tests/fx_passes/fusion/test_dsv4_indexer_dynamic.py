@@ -4,15 +4,20 @@ weights, k, the slots and the positions), one graph serves every token count, bo
 fuse into the indexer op, no recompile (``fail_on_recompile``), and every cache byte is
 eager's. Under ``dynamic=True`` Dynamo makes the q and k widths symbolic too (they are graph
 inputs here, not a module's weights), and the rewrite declines: the op's head dims are
-constants, and a pass adds no guard."""
+constants, and a pass adds no guard. The indexer as a model holds it
+(``models.dsv4_indexer_block``, projections from the hidden state) fuses under
+``dynamic=True`` in both formats."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from prepfuse.backend import PrepfuseBackend
 from prepfuse.demo.dsv4_indexer import indexer_layers
+from prepfuse.models.dsv4_indexer_block import Dsv4IndexerBlock, indexer_cache
 from prepfuse.models.dsv4_indexer import indexer_fp8_cache
 from prepfuse.testing import make_dsv4_indexer_inputs
 
@@ -63,3 +68,32 @@ def test_dynamic_true_makes_the_head_dims_symbolic_and_declines_by_name():
     assert not backend.reports.pattern_counts().get("dsv4_indexer_q+k")
     whys = [r.why for r in backend.reports.near_misses("fuse_dsv4_indexer_prep")]
     assert whys and all("[Tk, 128]" in w for w in whys), whys
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@torch._dynamo.config.patch(specialize_float=True)
+@torch._inductor.config.patch(fx_graph_cache=False)
+def test_dynamic_true_fuses_the_example_block(fmt):
+    """The indexer as a model holds it (``models.dsv4_indexer_block``: q, k and the head weights
+    projected from the hidden state, so their widths are the weights'): under ``dynamic=True``
+    both layers fuse in one graph for T = 7, 9 and 13 under ``fail_on_recompile``, q, the
+    weights and every cache byte eager's."""
+    block, backend = Dsv4IndexerBlock(fmt, num_layers=LAYERS, num_heads=HEADS, block_size=BLOCK), \
+        PrepfuseBackend({"strict": True, "output_buffers": "graph"})
+    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
+    for tokens in (7, 9, 13):
+        inputs = make_dsv4_indexer_inputs(fmt, tokens, HEADS, BLOCK, "cpu", num_k=tokens, skip_fraction=0.0)
+        caches = [indexer_cache(fmt, inputs.k_cache.shape[0], BLOCK) for _ in range(LAYERS)]
+        eager = [c.clone() for c in caches]
+        x = (torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))).to(torch.bfloat16)
+        rest = (inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache)
+        with torch.compiler.set_stance("fail_on_recompile") if tokens != 7 else contextlib.nullcontext():
+            got = compiled(x, caches, *rest)
+        want = block(x, eager, *rest)
+        for got_layer, want_layer in zip(got, want):
+            for g, w in zip(got_layer, want_layer):
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (tokens, fmt)
+        assert all(torch.equal(c, e) for c, e in zip(caches, eager)), tokens
+    pattern = "dsv4_indexer_q+k" if fmt == "fp8" else "dsv4_indexer_mxfp4_q+k"
+    assert backend.reports.pattern_counts().get(pattern) == LAYERS, backend.reports.format(verbose=True)
+    assert len(backend.reports) == 1

@@ -1,8 +1,7 @@
 """``torch.compile(dynamic=True)`` on the package's GQA example blocks
 (``prepfuse.models.gqa.EXAMPLE_MODELS``): one graph for every token count past 1, both layers
 fused, no recompile (``fail_on_recompile``), and the caches eager's. (Dynamo specializes a
-size of 1 into a graph of its own; there the blocks decline, "no prepared q", which
-``docs/decisions.md`` records as open.) ``specialize_float`` is set for
+size of 1 into a graph of its own: ``test_single_token.py``.) ``specialize_float`` is set for
 the normed blocks: without it Dynamo makes the norms' eps a 0-d graph input, which the op
 cannot take as its constant, and those graphs decline by name
 (``tests/corpus/test_transformers.py::test_dynamic_true_eps_input_is_declined_by_name``); the
