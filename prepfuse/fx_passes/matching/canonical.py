@@ -16,7 +16,9 @@ graph nothing fuses in runs as before):
 - **one write form**: ``index_copy(c, dim, idx, rows)`` and ``scatter(c, dim, idx, rows)``
   with an index that is one position per row (``slots[:, None, None].expand(..)``) become
   the ``index_put`` the cache-write reader reads (``writes.py``), as slice assignment and
-  ``cache[idx] = rows`` already are;
+  ``cache[idx] = rows`` already are; rows that broadcast into the indexed shape over leading
+  dims of one (``cache[slots] = rows`` with one token, whose ``[1, H, D]`` Inductor reshaped
+  to ``[H, D]``) are reshaped to it, so that every write names its token dims;
 - **one write per tensor written** (``written_pieces.py``): ``cache[slots] = cat((k, v), dim=1)``
   (k|v heads side by side in one buffer), rows whose k heads were overwritten in place
   (lightllm's ``cache_kv[:, :Hk] = rope(norm(..))``), or a slice write of a packed row whose
@@ -139,7 +141,9 @@ def _one_position_per_row(index: torch.fx.Node, dim: int) -> torch.fx.Node | Non
 def _one_write_form(graph) -> int:
     done = 0
     for node in list(graph.nodes):
-        if is_op(node, aten.index_copy.default):
+        if is_op(node, aten.index_put.default):
+            done += _full_rank_rows(graph, node)
+        elif is_op(node, aten.index_copy.default):
             cache, dim, idx, rows = node.args[:4]
             dim = dim % len(shape(cache))
             _replace(graph, node, aten.index_put.default, (cache, [None] * dim + [idx], rows))
@@ -154,6 +158,32 @@ def _one_write_form(graph) -> int:
                 _replace(graph, node, aten.index_put.default, (cache, [None] * dim + [idx], rows))
                 done += 1
     return done
+
+
+def _full_rank_rows(graph, put: torch.fx.Node) -> int:
+    """Reshape ``put``'s values to the indexed shape where they broadcast into it over
+    leading dims of one only (the same values, each dim named); 1 if it did."""
+    dst, indices, values = put.args[:3]
+    if not isinstance(values, torch.fx.Node) or not isinstance(indices, (list, tuple)):
+        return 0
+    at = [i for i, ix in enumerate(indices) if ix is not None]
+    if not at or at != list(range(at[0], at[-1] + 1)) or any(not isinstance(indices[i], torch.fx.Node) for i in at):
+        return 0
+    index_shapes = [shape(indices[i]) for i in at]
+    if any(any(not isinstance(d, int) for d in sizes) for sizes in index_shapes):
+        return 0
+    indexed = [*shape(dst)[:at[0]], *torch.broadcast_shapes(*index_shapes), *shape(dst)[at[-1] + 1:]]
+    rows = list(shape(values))
+    lead = len(indexed) - len(rows)
+    if lead <= 0 or any(not (isinstance(d, int) and d == 1) for d in indexed[:lead]) \
+            or any(a is not b and a != b for a, b in zip(indexed[lead:], rows)):
+        return 0
+    with graph.inserting_before(put):
+        full = graph.call_function(aten.reshape.default, (values, indexed))
+    full.meta.update(values.meta)
+    full.meta["val"] = val(values).reshape(indexed)
+    put.update_arg(2, full)
+    return 1
 
 
 def _is_expand_of(index: torch.fx.Node, idx: torch.fx.Node, dim: int) -> bool:

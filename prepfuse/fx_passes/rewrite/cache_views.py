@@ -167,7 +167,7 @@ def emit_slots(emit: Emitter, view: CacheView, value_roles: list[str], token_ord
             count = _count(emit, node, view)
             index = emit.node(aten.add.Tensor, emit.node(aten.mul.Tensor, emit.iota(count, device), node.step), node.start) \
                 if (node.start, node.step) != (0, 1) else emit.iota(count, device)
-            index = placed(index, [index_at[0]])
+            index = placed(index, [index_at.get(0)])  # none at one token: a dim of one
         else:
             pos = next(p for p, i in enumerate(value_token_dims) if write.value_dims[i] == ("dim", dim))
             index = placed(emit.iota(emit.size(write.target, dim), device), [pos])
