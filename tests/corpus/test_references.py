@@ -42,8 +42,9 @@ FUSES_EVERY_LAYER = {"llama-ref-complex", "llama4-norm-after-rope", "llama2c-rea
 
 
 # one token (a decode step of one sequence): size-1 dims that Inductor squeezes or drops from
-# the rows written (``cache[slots] = rows`` reshaped to ``[H, D]``, a slice of one position)
-FUSES_AT_ONE_TOKEN = FUSES_EVERY_LAYER - {"megatron-dynamic-paged"}
+# the rows written (``cache[slots] = rows`` reshaped to ``[H, D]``, a slice of one position) and
+# heads strided apart with no token dim left to copy them by
+FUSES_AT_ONE_TOKEN = FUSES_EVERY_LAYER
 
 
 def run(case, backend, seed, num_tokens=7):

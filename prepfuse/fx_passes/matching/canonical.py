@@ -18,7 +18,7 @@ graph nothing fuses in runs as before):
   the ``index_put`` the cache-write reader reads (``writes.py``), as slice assignment and
   ``cache[idx] = rows`` already are; rows that broadcast into the indexed shape over leading
   dims of one (``cache[slots] = rows`` with one token, whose ``[1, H, D]`` Inductor reshaped
-  to ``[H, D]``) are reshaped to it, so that every write names its token dims;
+  to ``[H, D]``) are given it, so that every write names its token dims;
 - **one write per tensor written** (``written_pieces.py``): ``cache[slots] = cat((k, v), dim=1)``
   (k|v heads side by side in one buffer), rows whose k heads were overwritten in place
   (lightllm's ``cache_kv[:, :Hk] = rope(norm(..))``), or a slice write of a packed row whose
@@ -52,7 +52,7 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.nodes import (
-    CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, prims, remove_dead, scalar, shape, slice_params, val,
+    CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, prims, remove_dead, same_size, scalar, shape, slice_params, val,
 )
 from prepfuse.fx_passes.matching.written_pieces import one_write_per_piece
 
@@ -161,8 +161,9 @@ def _one_write_form(graph) -> int:
 
 
 def _full_rank_rows(graph, put: torch.fx.Node) -> int:
-    """Reshape ``put``'s values to the indexed shape where they broadcast into it over
-    leading dims of one only (the same values, each dim named); 1 if it did."""
+    """Give ``put``'s values the indexed shape where they broadcast into it over leading dims
+    of one only (the same values, each dim named: reshaped where every size is a number,
+    else unsqueezed, naming no symbolic size); 1 if it did."""
     dst, indices, values = put.args[:3]
     if not isinstance(values, torch.fx.Node) or not isinstance(indices, (list, tuple)):
         return 0
@@ -176,12 +177,19 @@ def _full_rank_rows(graph, put: torch.fx.Node) -> int:
     rows = list(shape(values))
     lead = len(indexed) - len(rows)
     if lead <= 0 or any(not (isinstance(d, int) and d == 1) for d in indexed[:lead]) \
-            or any(a is not b and a != b for a, b in zip(indexed[lead:], rows)):
+            or any(not same_size(a, b) for a, b in zip(indexed[lead:], rows)):  # no guard: known sizes
         return 0
-    with graph.inserting_before(put):
-        full = graph.call_function(aten.reshape.default, (values, indexed))
-    full.meta.update(values.meta)
-    full.meta["val"] = val(values).reshape(indexed)
+    full = values
+    if all(isinstance(d, int) for d in indexed):  # a reshape (``_reshape_chains`` folds a reshape of one)
+        with graph.inserting_before(put):
+            full = graph.call_function(aten.reshape.default, (values, indexed))
+        full.meta.update(values.meta)
+        full.meta["val"] = val(values).reshape(indexed)
+    for _ in range(0 if full is not values else lead):  # symbolic sizes: leading ones, no size named
+        with graph.inserting_before(put):
+            full = graph.call_function(aten.unsqueeze.default, (full, 0))
+        full.meta.update(values.meta)
+        full.meta["val"] = val(full.args[0]).unsqueeze(0)
     put.update_arg(2, full)
     return 1
 

@@ -80,8 +80,9 @@ def _strided_heads_order(out: torch.Tensor, tokens: int, width: int, head_dim: i
     while split < len(dims) and count < tokens:
         count *= out.shape[dims[split]]
         split += 1
-    token_dims, head_dims = dims[:split], dims[split:]
-    if count != tokens or not token_dims or len(head_dims) < 2 or out.stride(token_dims[-1]) != width:
+    token_dims, head_dims = dims[:split], dims[split:]  # one token: no token dim but among the ones
+    if count != tokens or (not token_dims and tokens != 1) or len(head_dims) < 2 \
+            or (token_dims and out.stride(token_dims[-1]) != width):
         return None
     if any(out.stride(a) != out.stride(b) * out.shape[b] for a, b in zip(token_dims, token_dims[1:])):
         return None
