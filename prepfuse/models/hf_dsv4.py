@@ -56,16 +56,21 @@ def _bf16_rows_attention(module, query, key, value, attention_mask, scaling=None
 def _fp8_rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The same over a per-tensor e4m3 full-row cache: each row over the module's
     ``k_scale``, saturated at 448."""
-    _write_full_rows((_rows(key).float() / module.k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), **kwargs)
+    _write_full_rows(_e4m3(_rows(key).float() / module.k_scale), **kwargs)
     return _attend(query, key, value, scaling)
 
 
 def _fp8_rows_fp8_q_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The e4m3 full-row cache with an e4m3 q: q times the module's ``q_scale_inv``,
     saturated, cast; the attention reads it back over the same scale."""
-    q_fp8 = (query.float() * module.q_scale_inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    _write_full_rows((_rows(key).float() / module.k_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), **kwargs)
+    q_fp8 = _e4m3(query.float() * module.q_scale_inv)
+    _write_full_rows(_e4m3(_rows(key).float() / module.k_scale), **kwargs)
     return _attend((q_fp8.float() / module.q_scale_inv).to(query.dtype), key, value, scaling)
+
+
+def _e4m3(x):
+    """fp32 values saturated at 448 and cast to e4m3, as engines quantise per tensor."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def _rows(key):

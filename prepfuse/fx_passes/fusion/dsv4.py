@@ -186,12 +186,8 @@ class FuseDsv4PrepPass(PrepfusePass):
         view = cache_view(w, roles, 1, HEAD_DIM)
         sources, region, ops = row_sources([first_rows(w)], HEAD_DIM, avoid={w.root})
         expect(sources, f"write: the rows written at {where(w.write)} are not made of one [T, 512] tensor")
-        scale = None
-        if val(w.target).dtype == torch.float8_e4m3fn:
-            scales = [n for n in ops if is_scale(n)]
-            expect(len(scales) == 1, f"fp8: the e4m3 rows written at {where(w.write)} use {len(scales)} one-value "
-                                     "scales; the op takes one")
-            scale = scales[0]
+        scale = _one_scale(ops, f"fp8: the e4m3 rows written at {where(w.write)}") \
+            if val(w.target).dtype == torch.float8_e4m3fn else None
         return KvSide(w.root, w.after, sources, region, ops, full_row=view, scale=scale)
 
     def _q_sides(self, graph, kv_starts) -> list[QSide]:
@@ -243,7 +239,7 @@ class FuseDsv4PrepPass(PrepfusePass):
 
     def _emitter_of(self, q, p, kv, kv_src, rope, eps, scaling=None, q_scaling=None):
         def emit_it(emit: Emitter):
-            q_scale = _q_scale(p) if q_scaling is not None else None
+            q_scale = _one_scale(p.operands, f"q: the e4m3 q at {where(p.node)}") if q_scaling is not None else None
             expect(q_scale is None or (kv is not None and kv.full_row is not None),
                    "q: an e4m3 q is written by the full-row op, beside a bf16 or e4m3 full-row cache; "
                    "this call writes none")
@@ -360,10 +356,11 @@ def _q_scale_semantics(p) -> tuple:
     return ("multiply", "divide") if p is not None and val(p.node).dtype == torch.float8_e4m3fn else (None,)
 
 
-def _q_scale(p) -> torch.fx.Node:
-    """The one-value scale an e4m3 prepared q's math reads."""
-    scales = [n for n in p.operands if is_scale(n)]
-    expect(len(scales) == 1, f"q: the e4m3 q at {where(p.node)} uses {len(scales)} one-value scales; the op takes one")
+def _one_scale(operands, what: str) -> torch.fx.Node:
+    """The one one-value scale among ``operands`` (an e4m3 side's: rows or q); ``what`` names
+    the side for a decline."""
+    scales = [n for n in operands if is_scale(n)]
+    expect(len(scales) == 1, f"{what} read {len(scales)} one-value scales; the op takes one")
     return scales[0]
 
 

@@ -82,6 +82,11 @@ def _is_tail_group(group, head_dim) -> bool:
     return all(f.dim == OPAQUE or (f.dim == 1 and _known(f.stride * f.size <= head_dim)) for f in group)
 
 
+def is_heads_group(group, head_dim) -> bool:
+    """Whether a dim's factors are columns a whole number of heads apart: a dim of heads."""
+    return all(f.dim == 1 and _known(f.stride % head_dim == 0) for f in group)
+
+
 def lead_count(layout: Layout, head_dim) -> int | None:
     """How many leading dims hold tokens and heads (the rest lie inside one head); None
     when a head's own dim comes before a token or head dim."""
@@ -258,7 +263,7 @@ def _made_from(start: torch.fx.Node, order: dict):
     return made
 
 
-def _step(node: torch.fx.Node, found: dict, head_dim, foreign, own=lambda n: True) -> Layout | _Pieces | None:
+def _step(node: torch.fx.Node, found: dict, head_dim, foreign, own) -> Layout | _Pieces | None:
     """The layout of ``node`` from its carried inputs, or None where it is not carried."""
     if node.op != "call_function":
         return None
@@ -318,8 +323,7 @@ def _per_head(operand: torch.fx.Node, layout: Layout, ndim: int, head_dim) -> bo
     def varies(i):
         return i >= lead and not _known(sizes[i - lead] == 1)
 
-    heads = [i for i, group in enumerate(layout.dims[:k])
-             if group and all(f.dim == 1 and _known(f.stride % head_dim == 0) for f in group)]
+    heads = [i for i, group in enumerate(layout.dims[:k]) if group and is_heads_group(group, head_dim)]
     return any(map(varies, heads)) and any(map(varies, range(k, ndim)))
 
 

@@ -52,7 +52,8 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.nodes import (
-    CONVERTS, RESHAPES, VIEW_OPS, aten, is_op, prims, remove_dead, same_size, scalar, shape, slice_params, val,
+    CONVERTS, RESHAPES, VIEW_OPS, aten, call_node, is_op, prims, remove_dead, same_size, scalar, shape, slice_params,
+    val,
 )
 from prepfuse.fx_passes.matching.written_pieces import one_write_per_piece
 
@@ -179,17 +180,13 @@ def _full_rank_rows(graph, put: torch.fx.Node) -> int:
     if lead <= 0 or any(not (isinstance(d, int) and d == 1) for d in indexed[:lead]) \
             or any(not same_size(a, b) for a, b in zip(indexed[lead:], rows)):  # no guard: known sizes
         return 0
-    full = values
-    if all(isinstance(d, int) for d in indexed):  # a reshape (``_reshape_chains`` folds a reshape of one)
-        with graph.inserting_before(put):
-            full = graph.call_function(aten.reshape.default, (values, indexed))
-        full.meta.update(values.meta)
-        full.meta["val"] = val(values).reshape(indexed)
-    for _ in range(0 if full is not values else lead):  # symbolic sizes: leading ones, no size named
-        with graph.inserting_before(put):
-            full = graph.call_function(aten.unsqueeze.default, (full, 0))
-        full.meta.update(values.meta)
-        full.meta["val"] = val(full.args[0]).unsqueeze(0)
+    with graph.inserting_before(put):
+        if all(isinstance(d, int) for d in indexed):  # a reshape, which ``_reshape_chains`` folds into one before
+            full = call_node(graph, aten.reshape.default, (values, indexed), meta=values.meta)
+        else:  # symbolic sizes: leading ones, no size named
+            full = values
+            for _ in range(lead):
+                full = call_node(graph, aten.unsqueeze.default, (full, 0), meta=values.meta)
     put.update_arg(2, full)
     return 1
 

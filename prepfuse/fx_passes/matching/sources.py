@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from prepfuse.fx_passes.matching.axes import base_columns, base_layout, carry, lead_count
+from prepfuse.fx_passes.matching.axes import base_columns, base_layout, carry, is_heads_group, lead_count
 from prepfuse.fx_passes.matching.layouts import Axis, Layout, _known, _regroup
 from prepfuse.fx_passes.matching.nodes import (
     CONVERTS, RESHAPES, aten, graph_order, is_op, same_size, shape, slice_params, val,
@@ -286,7 +286,7 @@ def dim_roles(layout: Layout, head_dim: int) -> list[str] | None:
             roles.append("head")
         elif all(f.dim == 0 for f in group):
             roles.append("tokens")
-        elif all(f.dim == 1 and _known(f.stride % head_dim == 0) for f in group):
+        elif is_heads_group(group, head_dim):
             roles.append("heads")
         else:
             return None

@@ -142,7 +142,7 @@ def compare(c: Checked, got, want, probe: int, values: dict, call_values: dict |
     got, want = got.cpu(), want.cpu()
     if isinstance(c.decode, torch.dtype):
         got, want = got.view(c.decode), want.view(c.decode)
-    what = "unit-scale probe" if probe == 0 else "edge-value probe"
+    what = _probe_name(probe)
     if got.dtype.is_floating_point:
         a, b = got.float(), want.float()
         nan_as = 448.0 if got.dtype.itemsize == 1 else 0.0
@@ -155,8 +155,7 @@ def compare(c: Checked, got, want, probe: int, values: dict, call_values: dict |
         if got.dtype.itemsize == 1:
             allowed = allowed + torch.maximum(b.abs() * 2**-3, torch.full_like(b, 2**-9))
             bound = f"bound 2^-6 of the row's largest |value| plus one e4m3 step, on the {what}"
-        bad = ((a - b).abs() > allowed) | (a.isnan() != b.isnan())
-        bad &= ~(a.isnan() & b.isnan())
+        bad = _outside(a, b, allowed)
         if got.dtype.itemsize == 1:
             bad &= ~_nan_past_448_step(got, want, a, b)
     else:
@@ -179,7 +178,7 @@ def _compare_exact(name: str, got: torch.Tensor, want: torch.Tensor, probe: int)
     bad = a != b
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])
-        what = "unit-scale probe" if probe == 0 else "edge-value probe"
+        what = _probe_name(probe)
         raise Mismatch(f"{name} differs at {list(index)}: got 0x{int(a[index]):02x}, the code gives "
                        f"0x{int(b[index]):02x} ({int(bad.sum())} of {bad.numel()} bytes differ where every spelling "
                        f"of the math gives the same bytes, on the {what})", probe, int(bad.sum()), bad.numel(), name)
@@ -191,16 +190,23 @@ def _compare_quantized(name: str, got: Quantized, want: Quantized, probe: int) -
         raise Mismatch(f"{name} has shape {tuple(a.shape)}, the code's {tuple(b.shape)}", probe, 1, 1, name)
     largest = b.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1, keepdim=True) if b.dim() else b.abs()
     allowed = torch.maximum(got.step, want.step) + FLOAT_BOUND * largest
-    bad = ((a - b).abs() > allowed) | (a.isnan() != b.isnan())
-    bad &= ~(a.isnan() & b.isnan())
-    bad |= (a == 0) & (b == 0) & (a.signbit() != b.signbit())
+    bad = _outside(a, b, allowed) | ((a == 0) & (b == 0) & (a.signbit() != b.signbit()))
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])
-        what = "unit-scale probe" if probe == 0 else "edge-value probe"
+        what = _probe_name(probe)
         raise Mismatch(f"{name} differs at {list(index)}: got {_item(a, index)}, the code gives {_item(b, index)} "
                        f"({int(bad.sum())} of {bad.numel()} values outside the bound one step of the coarser grid "
                        f"plus 2^-6 of the block's largest |value|, a zero's sign exact, on the {what})", probe,
                        int(bad.sum()), bad.numel(), name)
+
+
+def _outside(a: torch.Tensor, b: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Where ``a`` and ``b`` lie more than ``allowed`` apart, or one is NaN and the other not."""
+    return (((a - b).abs() > allowed) | (a.isnan() != b.isnan())) & ~(a.isnan() & b.isnan())
+
+
+def _probe_name(probe: int) -> str:
+    return "unit-scale probe" if probe == 0 else "edge-value probe"
 
 
 def _nan_past_448_step(got, want, a, b) -> torch.Tensor:

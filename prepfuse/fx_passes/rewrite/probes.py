@@ -12,12 +12,12 @@ cache's slots; ``positions``: rows of a table; ``slot_block``/``slot_row``: a pa
 indices, drawn as distinct (block, row) pairs; ``sequence_blocks``/``sequence_rows``: one
 block per row of positions, distinct blocks and distinct positions within each;
 ``sequence_slots``: each sequence's own positions; ``bf16_values``: fp32 values the code
-had rounded to bf16 where the graph lost the rounding), and may give a role to a node inside the region, which then counts as a
-leaf of both sides. The rest is read off the leaf: a written graph input is a cache
-(random valid values, so rows the call must not write are compared too); an int input
-used as an index draws below the indexed size; a one-value float is a positive scale; a
-1-d float is a weight around 1; a float gathered by index a cos/sin table in [-1, 1];
-anything else an activation. Two probes, fixed seed (a
+had rounded to bf16 where the graph lost the rounding), and may give a role to a node inside
+the region, which then counts as a leaf of both sides. The rest is read off the leaf: a
+written graph input is a cache (random valid values, so rows the call must not write are
+compared too); an int input used as an index draws below the indexed size; a one-value float
+is a positive scale; a 1-d float is a weight around 1; a float gathered by index a cos/sin
+table in [-1, 1]; anything else an activation. Two probes, fixed seed (a
 compile's outcome does not change between runs): one at unit scale with distinct valid
 slots; one of edge values by row (a zero row, an all-equal row, a row of magnitude 1e-3
 where an eps decides, one of 1e-6 below every amax floor, the rest x32; a scale 16 times

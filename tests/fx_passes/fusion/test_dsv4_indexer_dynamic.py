@@ -90,10 +90,15 @@ def test_dynamic_true_fuses_the_example_block(fmt):
         with torch.compiler.set_stance("fail_on_recompile") if tokens != 7 else contextlib.nullcontext():
             got = compiled(x, caches, *rest)
         want = block(x, eager, *rest)
-        for got_layer, want_layer in zip(got, want):
-            for g, w in zip(got_layer, want_layer):
-                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (tokens, fmt)
-        assert all(torch.equal(c, e) for c, e in zip(caches, eager)), tokens
+        assert_block_is_eager(got, want, caches, eager, context=(fmt, tokens))
     pattern = "dsv4_indexer_q+k" if fmt == "fp8" else "dsv4_indexer_mxfp4_q+k"
     assert backend.reports.pattern_counts().get(pattern) == LAYERS, backend.reports.format(verbose=True)
     assert len(backend.reports) == 1
+
+
+def assert_block_is_eager(got, want, caches, eager, context=None) -> None:
+    """Every layer's prepared outputs and cache byte for byte eager's (``Dsv4IndexerBlock``)."""
+    for got_layer, want_layer in zip(got, want):
+        for g, w in zip(got_layer, want_layer):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), context
+    assert all(torch.equal(c, e) for c, e in zip(caches, eager)), context

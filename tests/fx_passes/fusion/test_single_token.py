@@ -19,6 +19,7 @@ from prepfuse.models.dsv4_indexer_block import Dsv4IndexerBlock, indexer_cache
 from prepfuse.models.gqa import EXAMPLE_MODELS, GqaAttentionBlock
 from prepfuse.testing import make_dsv4_indexer_inputs, make_dsv4_inputs
 from tests.fx_passes.fusion.test_dsv4 import _assert_layer_caches_close
+from tests.fx_passes.fusion.test_dsv4_indexer_dynamic import assert_block_is_eager
 from tests.fx_passes.fusion.test_gqa_dynamic import DIM, HKV, HQ, D
 from tests.fx_passes.fusion.test_gqa_dynamic import _call as gqa_call
 
@@ -73,10 +74,7 @@ def test_indexer_example_block(fmt, mode):
     want = block(x, eager, *rest)
     pattern = "dsv4_indexer_q+k" if fmt == "fp8" else "dsv4_indexer_mxfp4_q+k"
     assert backend.reports.pattern_counts().get(pattern) == 2, backend.reports.format(verbose=True)
-    for got_layer, want_layer in zip(got, want):
-        for g, w in zip(got_layer, want_layer):
-            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-    assert all(torch.equal(c, e) for c, e in zip(caches, eager))
+    assert_block_is_eager(got, want, caches, eager)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
