@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python3 bench/sanitize_dsv4_qnorm_rope_kv_insert.py
 
 Shapes cover padded heads, a slot mapping shorter than T with skipped rows, each block
-size, int32 slots and positions, and negative ones counted from the end (``wrap_indices``);
+size, int32 slots and positions, negative ones counted from the end (``wrap_indices``), and
+DeepSeek-V4.1's flags (no q norm, MXFP8 records);
 the check at the end makes a wrong result fail the run too.
 """
 
@@ -23,6 +24,8 @@ SHAPES = [  # (T, H, HP, block_size, T'[, form])
     (33, 128, 128, 256, 30),
     (9, 3, 8, 16, 9, "int32"),
     (33, 16, 64, 64, 33, "wrap+int32"),
+    (7, 3, 8, 32, 5, "v41"),
+    (129, 16, 64, 32, 120, "v41+wrap"),
 ]
 
 
@@ -30,8 +33,9 @@ def main() -> int:
     failures = 0
     for num_tokens, heads, padded, block_size, inserted, *form in SHAPES:
         form = form[0] if form else ""
+        v41 = "v41" in form
         base = make_dsv4_inputs(num_tokens, heads, padded, block_size, "cuda", num_inserted=inserted,
-                                skip_fraction=0.0 if "wrap" in form else 0.1)
+                                skip_fraction=0.0 if "wrap" in form else 0.1, apply_q_norm=not v41, kv_mxfp8=v41)
         if "wrap" in form:  # every other row addressed from the end: the same rows, through the wrap
             base = with_wrapped_indices(base, base.k_cache.shape[0] * block_size)
         if "int32" in form:

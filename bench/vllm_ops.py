@@ -263,12 +263,13 @@ class VllmOps:
         """DeepSeek-V4's prep into an fp8_ds_mla cache (a uint8 sliding-window cache), for
         prepfuse.testing.Dsv4Inputs: writes ``inputs.k_cache`` ([NB, stride] uint8, vLLM's 2-d
         view of its cache), returns the padded q [T, HP, 512] bf16 the op allocates (HP:
-        ``padded_heads``, default ``inputs.q_out``'s head count). vLLM passes the
-        defaults apply_q_norm=True, kv_mxfp8=False, apply_q_rope=True, is_q_interleaved=False."""
+        ``padded_heads``, default ``inputs.q_out``'s head count). ``inputs.apply_q_norm`` and
+        ``inputs.kv_mxfp8`` go to vLLM's flags of those names (DeepSeek-V4.1 passes False and,
+        on SM100, True); its apply_q_rope=True and is_q_interleaved=False stay."""
         hp = inputs.q_out.shape[1] if padded_heads is None else padded_heads
         return torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
             inputs.q, inputs.kv, inputs.k_cache, inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache,
-            hp, inputs.eps, inputs.block_size)
+            hp, inputs.eps, inputs.block_size, inputs.apply_q_norm, inputs.kv_mxfp8)
 
     @staticmethod
     def dsv4_full_row_insert(inputs) -> torch.Tensor:
@@ -280,11 +281,12 @@ class VllmOps:
         if inputs.k_cache.dtype == torch.bfloat16:
             torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert(
                 inputs.q, inputs.kv, inputs.k_cache, inputs.slot_mapping, inputs.positions, inputs.cos_sin_cache,
-                inputs.eps, inputs.block_size)
+                inputs.eps, inputs.block_size, inputs.apply_q_norm)
             return inputs.q
         torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(
             inputs.q, inputs.kv, inputs.q_out, inputs.k_cache, inputs.slot_mapping, inputs.positions,
-            inputs.cos_sin_cache, inputs.kv_scale, inputs.q_scale_inv, inputs.eps, inputs.block_size)
+            inputs.cos_sin_cache, inputs.kv_scale, inputs.q_scale_inv, inputs.eps, inputs.block_size,
+            inputs.apply_q_norm)
         return inputs.q_out
 
     def dsv4_outputs(self, inputs):

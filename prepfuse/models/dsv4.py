@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
-    AMAX_FLOOR, CACHE_ROW_BYTES, FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, unchecked_reference,
+    AMAX_FLOOR, CACHE_ROW_BYTES, FP8_MAX, HEAD_DIM, MXFP8_BLOCK, MXFP8_SCALES, MXFP8_SLOT_BYTES, NOPE_DIM, ROPE_DIM,
+    SCALE_BYTES, unchecked_reference,
 )
 
 _NORMS = ("pow_mean", "mul_mean", "rms_norm", "sqrt_recip", "eps_after_sqrt", "no_rsqrt", "div_sqrt")
@@ -247,6 +248,33 @@ def write_fp8_ds_mla_rows(nope: torch.Tensor, pe: torch.Tensor, k_cache: torch.T
         data_view = data_view[..., :CACHE_ROW_BYTES]
     data_view[blk, pos_in_blk] = data
     scale_view[blk, pos_in_blk] = scales
+
+
+def mxfp8_cache(num_blocks: int, block_size: int, device=None) -> torch.Tensor:
+    """An empty cache of DeepSeek-V4.1's MXFP8 records [NB, S] uint8, S padded up to a multiple of 512."""
+    stride = -(-block_size * MXFP8_SLOT_BYTES // 512) * 512
+    return torch.zeros(num_blocks, stride, dtype=torch.uint8, device=device)
+
+
+def write_mxfp8_records(rows: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, *,
+                        whole: bool = True) -> None:
+    """An engine's DeepSeek-V4.1 cache write: fp32 rows ``[n, 512]`` (the RoPE dims already
+    rotated and rounded to bf16) quantised in blocks of 32 (UE8M0 scales, e4m3 codes), each
+    slot's 512 codes and then its 16 scale bytes at ``(s % bs) * 528`` of block ``s // bs``.
+    ``whole``: one write of the 528-byte records; else the codes and the scale bytes apart."""
+    blocks = rows.unflatten(-1, (MXFP8_SCALES, MXFP8_BLOCK))
+    amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    e = torch.ceil(torch.log2(amax / FP8_MAX))
+    codes = (blocks * torch.exp2(-e).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    codes = codes.view(torch.uint8).flatten(-2)
+    scales = (e + 127).clamp(0, 255).to(torch.uint8)
+    records = k_cache[:, : block_size * MXFP8_SLOT_BYTES].view(k_cache.shape[0], block_size, MXFP8_SLOT_BYTES)
+    blk, pos_in_blk = slot_mapping // block_size, slot_mapping % block_size
+    if whole:
+        records[blk, pos_in_blk] = torch.cat((codes, scales), dim=-1)
+    else:
+        records[..., :HEAD_DIM][blk, pos_in_blk] = codes
+        records[..., HEAD_DIM:][blk, pos_in_blk] = scales
 
 
 # --------------------------------------------------------------------------------------

@@ -14,8 +14,11 @@ business). ``DSV4_BF16_ENGINE_ATTENTION`` writes the rows whole into vLLM's bf16
 ``[blocks, block_size, 512]`` instead, ``DSV4_FP8_ENGINE_ATTENTION`` into its per-tensor e4m3 one
 (``rows / k_scale``, saturated; the scale a buffer of the attention module, as engines keep it),
 and ``DSV4_FP8_Q_ENGINE_ATTENTION`` there too with q cast to e4m3 first (``q * q_scale_inv``,
-saturated, as vLLM's fp8 full-cache path hands its attention an e4m3 q). Layers are
-sliding-window ones (no compressor: one cache row a token).
+saturated, as vLLM's fp8 full-cache path hands its attention an e4m3 q).
+``DSV4_MXFP8_ENGINE_ATTENTION`` writes DeepSeek-V4.1's MXFP8 records (``models.dsv4.write_mxfp8_records``:
+512 e4m3 codes over 16 UE8M0 scales, then the scale bytes). DeepSeek-V4.1 norms q before its
+up-projection, not per head: a client built with ``q_head_norm=False`` drops ``q_b_norm``. Layers
+are sliding-window ones (no compressor: one cache row a token).
 
 ``transformers`` is a test dependency: this module imports it when a client is built.
 """
@@ -25,16 +28,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prepfuse.models.dsv4 import fp8_ds_mla_cache, write_fp8_ds_mla_rows
+from prepfuse.models.dsv4 import fp8_ds_mla_cache, mxfp8_cache, write_fp8_ds_mla_rows, write_mxfp8_records
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import NOPE_DIM
 
 __all__ = ["DSV4_ENGINE_ATTENTION", "DSV4_BF16_ENGINE_ATTENTION", "DSV4_FP8_ENGINE_ATTENTION",
-           "DSV4_FP8_Q_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client", "register_dsv4_engine_attention"]
+           "DSV4_FP8_Q_ENGINE_ATTENTION", "DSV4_MXFP8_ENGINE_ATTENTION", "HfDsv4Layers", "build_hf_dsv4_client",
+           "register_dsv4_engine_attention"]
 
 DSV4_ENGINE_ATTENTION = "prepfuse_fp8_ds_mla"
 DSV4_BF16_ENGINE_ATTENTION = "prepfuse_dsv4_bf16_rows"
 DSV4_FP8_ENGINE_ATTENTION = "prepfuse_dsv4_fp8_rows"
 DSV4_FP8_Q_ENGINE_ATTENTION = "prepfuse_dsv4_fp8_rows_fp8_q"
+DSV4_MXFP8_ENGINE_ATTENTION = "prepfuse_dsv4_mxfp8_records"
 
 
 def _fp8_ds_mla_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -68,6 +73,13 @@ def _fp8_rows_fp8_q_attention(module, query, key, value, attention_mask, scaling
     return _attend((q_fp8.float() / module.q_scale_inv).to(query.dtype), key, value, scaling)
 
 
+def _mxfp8_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The engine's attention over DeepSeek-V4.1's MXFP8 cache: k's rows as records at the
+    step's slots, then the same attention."""
+    write_mxfp8_records(_rows(key).float(), kwargs["k_cache"], kwargs["slot_mapping"], kwargs["block_size"])
+    return _attend(query, key, value, scaling)
+
+
 def _e4m3(x):
     """fp32 values saturated at 448 and cast to e4m3, as engines quantise per tensor."""
     return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
@@ -99,6 +111,7 @@ def register_dsv4_engine_attention() -> None:
     AttentionInterface.register(DSV4_BF16_ENGINE_ATTENTION, _bf16_rows_attention)
     AttentionInterface.register(DSV4_FP8_ENGINE_ATTENTION, _fp8_rows_attention)
     AttentionInterface.register(DSV4_FP8_Q_ENGINE_ATTENTION, _fp8_rows_fp8_q_attention)
+    AttentionInterface.register(DSV4_MXFP8_ENGINE_ATTENTION, _mxfp8_attention)
 
 
 class HfDsv4Layers(nn.Module):
@@ -122,12 +135,14 @@ class HfDsv4Layers(nn.Module):
 
 
 def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: int = 256, heads: int = 4,
-                         block_size: int = 16, num_blocks: int = 4, seed: int = 0, cache: str = "fp8_ds_mla"):
+                         block_size: int = 16, num_blocks: int = 4, seed: int = 0, cache: str = "fp8_ds_mla",
+                         q_head_norm: bool = True):
     """``(module, (x, position_ids, slot_mapping, caches, block_size))``: bf16 layers with
     random weights (norm weights around 1), one step of ``num_tokens`` tokens at positions
     ``3 ..`` and distinct random slots, fresh caches: fp8_ds_mla, or random full rows, bf16
     (``cache="bf16"``) or e4m3 (``cache="fp8"``, each layer's ``k_scale`` 0.02; ``"fp8_q"``: and q
-    cast to e4m3 with each layer's ``q_scale_inv`` 20)."""
+    cast to e4m3 with each layer's ``q_scale_inv`` 20), or DeepSeek-V4.1's MXFP8 records
+    (``cache="mxfp8"``); ``q_head_norm=False``: no per-head q norm (DeepSeek-V4.1)."""
     from transformers import DeepseekV4Config
 
     register_dsv4_engine_attention()
@@ -135,7 +150,8 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
                               head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=128,
                               layer_types=["sliding_attention"] * num_layers)
     config._attn_implementation = {"fp8_ds_mla": DSV4_ENGINE_ATTENTION, "bf16": DSV4_BF16_ENGINE_ATTENTION,
-                                   "fp8": DSV4_FP8_ENGINE_ATTENTION, "fp8_q": DSV4_FP8_Q_ENGINE_ATTENTION}[cache]
+                                   "fp8": DSV4_FP8_ENGINE_ATTENTION, "fp8_q": DSV4_FP8_Q_ENGINE_ATTENTION,
+                                   "mxfp8": DSV4_MXFP8_ENGINE_ATTENTION}[cache]
     g = torch.Generator().manual_seed(seed)
     module = HfDsv4Layers(config, num_layers)
     with torch.no_grad():
@@ -145,6 +161,9 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     module = module.to(torch.bfloat16).eval()
+    if not q_head_norm:
+        for layer in module.layers:
+            layer.q_b_norm = nn.Identity()
     for layer in module.layers:  # an engine's per-layer kv and q scales, fp32 (after the bf16 cast)
         layer.register_buffer("k_scale", torch.tensor([0.02]))
         layer.register_buffer("q_scale_inv", torch.tensor([20.0]))
@@ -154,6 +173,8 @@ def build_hf_dsv4_client(*, num_tokens: int = 7, num_layers: int = 2, hidden: in
     if cache in ("bf16", "fp8", "fp8_q"):
         dtype = torch.bfloat16 if cache == "bf16" else torch.float8_e4m3fn
         caches = [torch.randn(num_blocks, block_size, 512, generator=g).to(dtype) for _ in range(num_layers)]
+    elif cache == "mxfp8":
+        caches = [mxfp8_cache(num_blocks, block_size) for _ in range(num_layers)]
     else:
         caches = [fp8_ds_mla_cache(num_blocks, block_size) for _ in range(num_layers)]
     return module, (x, position_ids, slots, caches, block_size)

@@ -63,6 +63,12 @@ def check_unit_last_stride(name: str, t: torch.Tensor) -> None:
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
+def check_flag(name: str, value) -> None:
+    """A schema ``bool``: True or False, nothing that merely converts to one."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be a bool, got {value!r}")
+
+
 def check_fp32_scalar(name: str, value, *, at_least: float | None = None) -> None:
     """A finite float the kernels can hold in fp32 (the schema's ``float`` is a double:
     1e300 would reach the kernel as inf), and ``>= at_least`` where given."""

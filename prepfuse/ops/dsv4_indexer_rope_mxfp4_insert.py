@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from prepfuse.ops._checks import check_flag
 from prepfuse.ops._library import define_op
 from prepfuse.ops.dsv4_indexer_common import (
     MXFP4_BLOCKS,
@@ -92,8 +93,7 @@ def check_inputs(
     weights_scale, block_size, wrap_indices=False,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument."""
-    if not isinstance(wrap_indices, bool):
-        raise ValueError(f"wrap_indices: must be a bool, got {wrap_indices!r}")
+    check_flag("wrap_indices", wrap_indices)
     check_common_inputs(
         q, weights, k, weights_out, k_cache, slot_mapping, positions, k_positions, cos_sin_cache,
         weights_scale, block_size, slot_bytes=MXFP4_SLOT_BYTES,

@@ -18,7 +18,7 @@ in the cache's own dtype (bf16, or e4m3 with one per-tensor scale) instead of fp
     q_scale_inv    [1] or [] fp32         iff q_out is fp8: the multiplier before the e4m3 rounding
 
 Q, per token and head, as ``dsv4_qnorm_rope_kv_insert`` computes it (fp32 RMSNorm over 512 without
-weight, GPT-J RoPE on dims 448..511), then one rounding: bf16, or ``e4m3(clamp(y * q_scale_inv, -448,
+weight unless ``apply_q_norm`` is False, GPT-J RoPE on dims 448..511), then one rounding: bf16, or ``e4m3(clamp(y * q_scale_inv, -448,
 448))``. KV, per inserted row: RoPE on dims 448..511 in fp32 (no norm), then the whole row with one
 rounding: bf16 (dims 0..447 are kv's values unchanged), or ``e4m3(clamp(x * r, -448, 448))`` with
 ``r = fp32(1 / kv_scale)``: a product with the rounded reciprocal, not a division, and no bf16
@@ -49,7 +49,7 @@ ROW_DTYPES = (torch.bfloat16, FP8)  # what q_out and k_cache may hold, each on i
 SCHEMA = (
     "dsv4_qnorm_rope_kv_full_row_insert(Tensor q, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, "
     "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, Tensor? kv_scale, Tensor? q_scale_inv, "
-    "float eps, int block_size, bool wrap_indices=False) -> ()"
+    "float eps, int block_size, bool wrap_indices=False, bool apply_q_norm=True) -> ()"
 )
 
 
@@ -100,6 +100,7 @@ if has_triton():
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
         WRAP: tl.constexpr,  # slots and positions count from the end when negative (_slot_at)
+        Q_NORM: tl.constexpr,  # apply_q_norm
     ):
         # The fp8_ds_mla kernel's grid (T * N_COLS programs, column 0 the kv row, the others
         # BLOCK_H heads of q each); only the kv row's format differs.
@@ -138,12 +139,13 @@ if has_triton():
         else:
             _q_heads(q_ptr, q_out_ptr, pos_ptr, cos_sin_ptr, t, col, H, HP, max_pos, stride_qt, stride_qh, stride_ot,
                      stride_oh, stride_cs, eps, q_scale_ptr, BLOCK_H=BLOCK_H, SOFT_ROUNDING=SOFT_ROUNDING, Q_FP8=Q_FP8,
-                     WRAP=WRAP)
+                     WRAP=WRAP, Q_NORM=Q_NORM)
 
 
 def dsv4_qnorm_rope_kv_full_row_insert_triton(
     q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale_inv, eps, block_size,
-    wrap_indices=False, *, launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
+    wrap_indices=False, apply_q_norm=True, *, launch_config: tuple[int, int] | None = None,
+    dedupe: str | None = None,
 ) -> None:
     """Launch the fused kernel once (q and kv sides together). Inputs are not checked here.
 
@@ -175,6 +177,7 @@ def dsv4_qnorm_rope_kv_full_row_insert_triton(
         DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
         SCAN=_duplicate_slots.scan_block(slot_mapping),
         WRAP=bool(wrap_indices),
+        Q_NORM=bool(apply_q_norm),
         num_warps=num_warps,
     )
 
@@ -203,7 +206,7 @@ def kv_rows_reference(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
 
 def unchecked_reference(
     q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale_inv, eps, block_size,
-    wrap_indices=False,
+    wrap_indices=False, apply_q_norm=True,
 ) -> None:
     """The op in plain PyTorch, unchecked (``define_op`` runs the checks first); index values
     are read as the kernel reads them (``_indices``)."""
@@ -212,7 +215,7 @@ def unchecked_reference(
         slot_mapping = wrapped(slot_mapping, k_cache.shape[0] * block_size)
     positions = clamped_positions(positions, cos_sin_cache.shape[0])
     num_heads = q.shape[1]
-    q_out[:, :num_heads] = stored_reference(q_prep_reference(q, positions, cos_sin_cache, eps), q_out.dtype,
+    q_out[:, :num_heads] = stored_reference(q_prep_reference(q, positions, cos_sin_cache, eps, apply_q_norm), q_out.dtype,
                                             q_scale_inv)
     q_out[:, num_heads:] = 0
     n_insert = slot_mapping.shape[0]
@@ -226,11 +229,11 @@ def unchecked_reference(
 # Checks
 # --------------------------------------------------------------------------------------
 def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale_inv, eps,
-                 block_size, wrap_indices=False) -> None:
+                 block_size, wrap_indices=False, apply_q_norm=True) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument (eager paths
     and the fake impl, where sizes may be symbolic)."""
     device = check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices,
-                                 q_out_dtype=ROW_DTYPES)
+                                 apply_q_norm=apply_q_norm, q_out_dtype=ROW_DTYPES)
     check_tensor("k_cache", k_cache, dtype=ROW_DTYPES, ndim=3, device=device)
     check_size("k_cache", k_cache, 1, block_size, "block_size, the tokens a block holds")
     check_size("k_cache", k_cache, 2, HEAD_DIM, "the head dim")

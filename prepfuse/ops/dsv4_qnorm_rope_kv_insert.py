@@ -7,14 +7,16 @@ local query heads, ``HP >= H`` padded heads::
     q              [T, H, 512]   bf16   rows dense (stride 1 on the last dim)
     kv             [T, 512]      bf16   one latent head, already RMS-normed upstream
     q_out          [T, HP, 512]  bf16   written: heads < H as below, heads >= H zero
-    k_cache        [NB, S]       uint8  written: fp8_ds_mla layout, S >= block_size*584
+    k_cache        [NB, S]       uint8  written: fp8_ds_mla layout, S >= block_size*584 (with
+                                        kv_mxfp8: DeepSeek-V4.1's MXFP8 records, S >= block_size*528)
     slot_mapping   [T']          T' <= T; row t goes to slot slot_mapping[t]; negative skips
     positions      [T]           row of cos_sin_cache for each token
     cos_sin_cache  [P, 64]       fp32   per position: 32 cos, then 32 sin
 
 Q, per token and head, in fp32 with one rounding to bf16 at the store::
 
-    y = x * 1/sqrt(mean(x^2) + eps)                    (RMSNorm over 512, no weight)
+    y = x * 1/sqrt(mean(x^2) + eps)                    (RMSNorm over 512, no weight;
+                                                        y = x with apply_q_norm=False)
     GPT-J RoPE on dims 448..511: pair p, e, o = y[448+2p], y[449+2p]
         -> e*cos[p] - o*sin[p], e*sin[p] + o*cos[p]
 
@@ -28,8 +30,13 @@ Cache layout ``fp8_ds_mla``: slot s is block b = s // block_size, row i = s % bl
 bf16; bytes [b*S + block_size*576 + i*8, +8) the 7 scale bytes and one zero byte. No other byte is
 written.
 
+``kv_mxfp8`` (DeepSeek-V4.1's sliding-window record, vLLM's ``kv_mxfp8=True``): the whole row, RoPE
+dims included, rotated and rounded to bf16 as above, then quantised in 16 blocks of 32 by the same
+rule (e4m3 codes, UE8M0 scale bytes, the non-finite rule); slot s's 528 bytes at [b*S + i*528, +528):
+the 512 codes, then the 16 scale bytes. No other byte is written.
+
 Traffic per token: reads 1024*H + 1024 + 256 bytes (q, kv, cos/sin row), writes 1024*HP + 584
-bytes (q_out, cache row and scales): bandwidth bound from a few hundred tokens, latency bound below.
+bytes (q_out, cache row and scales; 528 with kv_mxfp8): bandwidth bound from a few hundred tokens, latency bound below.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import (
-    check_fp32_scalar, check_index_tensor, check_size, check_slot_and_position_values, check_tensor,
+    check_flag, check_fp32_scalar, check_index_tensor, check_size, check_slot_and_position_values, check_tensor,
     check_unit_last_stride, require,
 )
 from prepfuse.ops import _duplicate_slots
@@ -57,11 +64,14 @@ SCALE_BYTES = 8  # 7 UE8M0 scales and one zero byte
 SLOT_BYTES = CACHE_ROW_BYTES + SCALE_BYTES  # 584: the least a slot takes in a block
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+MXFP8_BLOCK = 32  # kv_mxfp8: values a UE8M0 scale covers
+MXFP8_SCALES = HEAD_DIM // MXFP8_BLOCK  # 16
+MXFP8_SLOT_BYTES = HEAD_DIM + MXFP8_SCALES  # 528: a slot's codes, then its scale bytes
 
 SCHEMA = (
     "dsv4_qnorm_rope_kv_insert(Tensor q, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, "
     "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, float eps, int block_size, "
-    "bool wrap_indices=False) -> ()"
+    "bool wrap_indices=False, bool apply_q_norm=True, bool kv_mxfp8=False) -> ()"
 )
 
 
@@ -126,9 +136,10 @@ if has_triton():
         SOFT_ROUNDING: tl.constexpr,  # round in integer arithmetic (CPU interpreter)
         Q_FP8: tl.constexpr,  # q_out holds e4m3fn codes, not bf16
         WRAP: tl.constexpr,  # positions count from the end when negative (_table_position)
+        Q_NORM: tl.constexpr,  # RMS-normed (apply_q_norm), else rotated as it is
     ):
-        """One q column of the DeepSeek-V4 kernels: BLOCK_H heads of token t RMS-normed,
-        rotated and stored once (``_stored``); heads in [H, HP) stored as +0.0."""
+        """One q column of the DeepSeek-V4 kernels: BLOCK_H heads of token t RMS-normed
+        (``Q_NORM``), rotated and stored once (``_stored``); heads in [H, HP) stored as +0.0."""
         if (col - 1) * BLOCK_H >= H:
             # only padded heads (H = 16 of 64: three programs in four): +0.0 stored, with
             # none of the norm and RoPE work on zeros that the masked path below would do
@@ -156,10 +167,13 @@ if has_triton():
                 q_scale_inv = tl.load(q_scale_ptr)
             tl.debug_barrier()  # see _cos_sin_at
             cos, sin = _cos_sin_at(pos_ptr + t, cos_sin_ptr, stride_cs, max_pos, WRAP)
-            mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
-            # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
-            # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
-            rstd = tl.where(real, tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps)), 0.0)
+            if Q_NORM:
+                mean_sq = tl.sum(x * x, axis=1) * (1.0 / 512)
+                # correctly rounded 1/sqrt, as torch computes it, not rsqrt.approx; padded
+                # heads get 0 so that they store +0.0 (eps = 0 would make 1/sqrt(0) inf)
+                rstd = tl.where(real, tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps)), 0.0)
+            else:  # times one: exact
+                rstd = tl.where(real, 1.0, 0.0)
             y = x * rstd[:, None]
             stored = (heads < HP)[:, None]
             # padded heads' values are +0.0: times 1, never times a negative or NaN scale
@@ -173,6 +187,26 @@ if has_triton():
                      mask=stored & (d < 448)[None, :])
             tl.store(out_rows + 448 + tl.arange(0, 64)[None, :], tl.where(real[:, None], rot, tl.zeros_like(rot)),
                      mask=stored)
+
+    @triton.jit
+    def _ue8m0_blocks(x, SOFT_ROUNDING: tl.constexpr):
+        """e4m3 code bytes and UE8M0 scale bytes (int32) of fp32 blocks ``x [N, B]``, one
+        power-of-two scale a row (``e4m3_pow2_quant``, ``ue8m0_bytes``); a block holding a NaN
+        or an infinity has no scale: it is stored as NaN (scale byte 0xFF, every code 0x7F;
+        docs/ops.md, non-finite inputs)."""
+        amax = _amax(x, 1)
+        finite = _finite(amax)
+        amax = tl.maximum(amax, 1e-4)
+        # e = ceil(log2(amax / 448)) read exactly off amax's bits: with amax = m * 2^E
+        # (1 <= m < 2) and 448 = 1.75 * 2^8, e is E - 8, or E - 7 when m > 1.75. No division
+        # or log2 whose rounding could flip the ceiling at the (common) exact powers of two.
+        amax_bits = amax.to(tl.int32, bitcast=True)
+        e = ((amax_bits >> 23) & 0xFF) - 127 - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        # 2^-e, exact; NaN for a block without a scale, whose codes are then all 0x7F (no
+        # clamp: |x| * 2^-e <= 448 by the choice of e)
+        inv_scale = tl.where(finite, ((127 - e) << 23).to(tl.float32, bitcast=True), float("nan"))
+        codes = _to_e4m3_bits(x * inv_scale[:, None], SOFT_ROUNDING)
+        return codes, tl.where(finite, tl.minimum(tl.maximum(e + 127, 0), 254), 255)
 
     @triton.jit
     def _dsv4_qnorm_rope_kv_insert_kernel(
@@ -205,6 +239,8 @@ if has_triton():
         DEDUPE: tl.constexpr,  # a slot several rows name (_duplicate_slots): 0 off, 1 scan, 2 lock
         SCAN: tl.constexpr,  # with DEDUPE 1: lanes of the slot_mapping scan (>= T')
         WRAP: tl.constexpr,  # slots and positions count from the end when negative (_slot_at)
+        Q_NORM: tl.constexpr,  # apply_q_norm
+        KV_MXFP8: tl.constexpr,  # the cache holds DeepSeek-V4.1's MXFP8 records, not fp8_ds_mla rows
     ):
         # A 1-D grid of T * N_COLS programs, N_COLS = 1 + cdiv(HP, BLOCK_H): column 0
         # inserts token t's kv row, the others each normalise, rotate and store BLOCK_H
@@ -218,11 +254,14 @@ if has_triton():
             # the row's loads are issued beside the slot's, not after it: the branch waits
             # on one round trip to memory, not two (T = 1 is latency bound)
             kv_row = kv_ptr + t * stride_kvt
-            # NoPE: 7 blocks of 64 (an 8th, masked row keeps the shape a power of 2)
-            r = tl.arange(0, 8)
-            c = tl.arange(0, 64)
-            in_nope = (r < 7)[:, None]
-            x = tl.load(kv_row + r[:, None] * 64 + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
+            # NoPE: blocks of QB values (fp8_ds_mla 7 of 64, MXFP8 14 of 32); a masked row or
+            # two keeps the shape a power of 2
+            QB: tl.constexpr = 32 if KV_MXFP8 else 64
+            NB: tl.constexpr = 448 // QB
+            r = tl.arange(0, 16 if KV_MXFP8 else 8)
+            c = tl.arange(0, QB)
+            in_nope = (r < NB)[:, None]
+            x = tl.load(kv_row + r[:, None] * QB + c[None, :], mask=in_nope, other=0.0).to(tl.float32)
             pe = tl.load(kv_row + 448 + tl.arange(0, 64)).to(tl.float32)
             slot = _slot_at(slot_ptr, t, n_insert, n_slots, WRAP)
             tl.debug_barrier()  # see _cos_sin_at
@@ -233,43 +272,39 @@ if has_triton():
             if write:
                 blk = slot // block_size
                 row = slot % block_size
-                data = cache_ptr + blk * stride_cache_block + row * 576
-                scales = cache_ptr + blk * stride_cache_block + block_size * 576 + row * 8
+                if KV_MXFP8:
+                    data = cache_ptr + blk * stride_cache_block + row * 528
+                    scales = data + 512
+                else:
+                    data = cache_ptr + blk * stride_cache_block + row * 576
+                    scales = cache_ptr + blk * stride_cache_block + block_size * 576 + row * 8
                 if DEDUPE == 2:  # the row's data and scale bytes come from one token (_duplicate_slots);
                     # taken before the math, so that the atomic's round trip overlaps the loads'
                     _lock_row(locks_ptr, slot)
-                # a block holding a NaN or an infinity has no scale: it is stored as NaN
-                # (scale byte 0xFF, every code 0x7F; docs/ops.md, non-finite inputs)
-                amax = _amax(x, 1)
-                finite = _finite(amax)
-                amax = tl.maximum(amax, 1e-4)
-                # e = ceil(log2(amax / 448)) read exactly off amax's bits: with
-                # amax = m * 2^E (1 <= m < 2) and 448 = 1.75 * 2^8, e is E - 8, or
-                # E - 7 when m > 1.75. No division or log2 whose rounding could flip
-                # the ceiling at the (common) exact powers of two.
-                amax_bits = amax.to(tl.int32, bitcast=True)
-                e = ((amax_bits >> 23) & 0xFF) - 127 - 8 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-                # 2^-e, exact; NaN for a block without a scale, whose codes are then all 0x7F
-                # (no clamp: |x| * 2^-e <= 448 by the choice of e)
-                inv_scale = tl.where(finite, ((127 - e) << 23).to(tl.float32, bitcast=True), float("nan"))
-                codes = _to_e4m3_bits(x * inv_scale[:, None], SOFT_ROUNDING)
-                tl.store(data + r[:, None] * 64 + c[None, :], codes, mask=in_nope)
-                scale_byte = tl.where(finite, tl.minimum(tl.maximum(e + 127, 0), 254), 255)
-                tl.store(scales + r, tl.where(r < 7, scale_byte, 0).to(tl.uint8))
-
+                codes, scale_byte = _ue8m0_blocks(x, SOFT_ROUNDING)
+                tl.store(data + r[:, None] * QB + c[None, :], codes, mask=in_nope)
                 # RoPE on dims 448..511 (no norm), rounded to bf16
-                bits = _to_bf16(_rope_pairs(pe, kv_cos, kv_sin, SOFT_ROUNDING), SOFT_ROUNDING).to(tl.uint16, bitcast=True)
-                if ROPE_U16:  # the row's bf16 bytes are 2-aligned: 64 two-byte (vector) stores
-                    tl.store((data + 448).to(tl.pointer_type(tl.uint16)) + tl.arange(0, 64), bits)
-                else:  # an odd cache stride or base: little-endian byte by byte
-                    b = tl.arange(0, 64)
-                    tl.store(data + 448 + 2 * b, (bits & 0xFF).to(tl.uint8))
-                    tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
+                rot = _to_bf16(_rope_pairs(pe, kv_cos, kv_sin, SOFT_ROUNDING), SOFT_ROUNDING)
+                if KV_MXFP8:  # quantised too: the last two blocks of 32
+                    rot_codes, rot_scale = _ue8m0_blocks(tl.reshape(rot.to(tl.float32), (2, 32)), SOFT_ROUNDING)
+                    tl.store(data + 448 + tl.arange(0, 2)[:, None] * 32 + tl.arange(0, 32)[None, :], rot_codes)
+                    tl.store(scales + r, scale_byte.to(tl.uint8), mask=r < NB)
+                    tl.store(scales + NB + tl.arange(0, 2), rot_scale.to(tl.uint8))
+                else:
+                    tl.store(scales + r, tl.where(r < NB, scale_byte, 0).to(tl.uint8))
+                    bits = rot.to(tl.uint16, bitcast=True)
+                    if ROPE_U16:  # the row's bf16 bytes are 2-aligned: 64 two-byte (vector) stores
+                        tl.store((data + 448).to(tl.pointer_type(tl.uint16)) + tl.arange(0, 64), bits)
+                    else:  # an odd cache stride or base: little-endian byte by byte
+                        b = tl.arange(0, 64)
+                        tl.store(data + 448 + 2 * b, (bits & 0xFF).to(tl.uint8))
+                        tl.store(data + 449 + 2 * b, (bits >> 8).to(tl.uint8))
                 if DEDUPE == 2:
                     _unlock_row(locks_ptr, slot)
         else:
             _q_heads(q_ptr, q_out_ptr, pos_ptr, cos_sin_ptr, t, col, H, HP, max_pos, stride_qt, stride_qh, stride_ot,
-                     stride_oh, stride_cs, eps, q_ptr, BLOCK_H=BLOCK_H, SOFT_ROUNDING=SOFT_ROUNDING, Q_FP8=False, WRAP=WRAP)
+                     stride_oh, stride_cs, eps, q_ptr, BLOCK_H=BLOCK_H, SOFT_ROUNDING=SOFT_ROUNDING, Q_FP8=False, WRAP=WRAP,
+                     Q_NORM=Q_NORM)
 
 def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
     """(heads per program, warps per program), from the H200 sweep (bench/README.md).
@@ -289,8 +324,8 @@ def _launch_config(num_tokens: int, padded_heads: int) -> tuple[int, int]:
 
 
 def dsv4_qnorm_rope_kv_insert_triton(
-    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices=False, *,
-    launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
+    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices=False,
+    apply_q_norm=True, kv_mxfp8=False, *, launch_config: tuple[int, int] | None = None, dedupe: str | None = None,
 ) -> None:
     """Launch the fused kernel once (q and kv sides together). Inputs are not checked here.
 
@@ -321,6 +356,8 @@ def dsv4_qnorm_rope_kv_insert_triton(
         DEDUPE=_duplicate_slots.dedupe_mode(slot_mapping, dedupe),
         SCAN=_duplicate_slots.scan_block(slot_mapping),
         WRAP=bool(wrap_indices),
+        Q_NORM=bool(apply_q_norm),
+        KV_MXFP8=bool(kv_mxfp8),
         num_warps=num_warps,
     )
 
@@ -328,13 +365,15 @@ def dsv4_qnorm_rope_kv_insert_triton(
 # --------------------------------------------------------------------------------------
 # Reference implementation: plain PyTorch, any device, the spec's text step by step
 # --------------------------------------------------------------------------------------
-def q_prep_reference(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalised and rotated q in fp32, [T, H, 512] (the caller rounds once to bf16)."""
-    x = q.float()
-    # The sqrt goes through fp64 and back: that is the correctly rounded fp32 sqrt
-    # (torch's vectorised CPU fp32 sqrt is 1 ulp off for some inputs).
-    mean_sq = x.square().mean(dim=-1, keepdim=True) + eps
-    y = x * mean_sq.double().sqrt().float().reciprocal()
+def q_prep_reference(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float,
+                     apply_q_norm: bool = True) -> torch.Tensor:
+    """Normalised (``apply_q_norm``) and rotated q in fp32, [T, H, 512] (the caller rounds once to bf16)."""
+    y = q.float()
+    if apply_q_norm:
+        # The sqrt goes through fp64 and back: that is the correctly rounded fp32 sqrt
+        # (torch's vectorised CPU fp32 sqrt is 1 ulp off for some inputs).
+        mean_sq = y.square().mean(dim=-1, keepdim=True) + eps
+        y = y * mean_sq.double().sqrt().float().reciprocal()
     cs = cos_sin_cache[positions].unsqueeze(1)  # [T, 1, 64]
     rope = rope_gptj(y[..., NOPE_DIM:], cs[..., : ROPE_DIM // 2], cs[..., ROPE_DIM // 2 :])
     return torch.cat((y[..., :NOPE_DIM], rope), dim=-1)
@@ -365,6 +404,26 @@ def kv_cache_rows_reference(
     return data, scales
 
 
+def kv_mxfp8_records_reference(
+    kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *, non_finite_blocks: bool = True,
+) -> torch.Tensor:
+    """The 528 bytes one kv row becomes in DeepSeek-V4.1's MXFP8 record [T, 528] uint8: dims
+    448..511 rotated and rounded to bf16, then the whole row in 16 blocks of 32 (e4m3 codes,
+    then the UE8M0 scale bytes)."""
+    x = kv.float()
+    cs = cos_sin_cache[positions]
+    rope = rope_gptj(x[:, NOPE_DIM:], cs[:, : ROPE_DIM // 2], cs[:, ROPE_DIM // 2 :]).to(torch.bfloat16).float()
+    blocks = torch.cat((x[:, :NOPE_DIM], rope), dim=-1).unflatten(-1, (MXFP8_SCALES, MXFP8_BLOCK))
+    codes, e = e4m3_pow2_quant(blocks, AMAX_FLOOR, non_finite_blocks=non_finite_blocks)
+    return torch.cat((codes.flatten(-2), ue8m0_bytes(e, non_finite_blocks=non_finite_blocks)), dim=-1)
+
+
+def write_mxfp8_records(k_cache: torch.Tensor, records: torch.Tensor, slots: torch.Tensor, block_size: int) -> None:
+    """Write records [T', 528] at ``slots``, which must all be valid."""
+    blk, row = (slots // block_size).unsqueeze(1), (slots % block_size).unsqueeze(1)
+    k_cache[blk, row * MXFP8_SLOT_BYTES + torch.arange(MXFP8_SLOT_BYTES, device=slots.device)] = records
+
+
 def insert_rows_reference(
     k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int
 ) -> None:
@@ -389,8 +448,8 @@ def write_rows(k_cache: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, 
 
 
 def unchecked_reference(
-    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices=False, *,
-    as_baseline: bool = False,
+    q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices=False,
+    apply_q_norm=True, kv_mxfp8=False, *, as_baseline: bool = False,
 ) -> None:
     """The op in plain PyTorch, unchecked (``define_op`` runs the checks first).
 
@@ -405,9 +464,15 @@ def unchecked_reference(
     if not as_baseline:  # the kernel's reading of positions outside the table (``_indices``)
         positions = clamped_positions(positions, cos_sin_cache.shape[0])
     num_heads = q.shape[1]
-    q_out[:, :num_heads] = q_prep_reference(q, positions, cos_sin_cache, eps).to(torch.bfloat16)
+    q_out[:, :num_heads] = q_prep_reference(q, positions, cos_sin_cache, eps, apply_q_norm).to(torch.bfloat16)
     q_out[:, num_heads:] = 0
     n_insert = slot_mapping.shape[0]
+    if kv_mxfp8:
+        records = kv_mxfp8_records_reference(kv[:n_insert], positions[:n_insert], cos_sin_cache,
+                                             non_finite_blocks=not as_baseline)
+        keep = slice(None) if as_baseline else written_rows(slot_mapping, k_cache.shape[0] * block_size)
+        write_mxfp8_records(k_cache, records[keep], slot_mapping[keep], block_size)
+        return
     data, scales = kv_cache_rows_reference(kv[:n_insert], positions[:n_insert], cos_sin_cache,
                                            non_finite_blocks=not as_baseline)
     (write_rows if as_baseline else insert_rows_reference)(k_cache, data, scales, slot_mapping, block_size)
@@ -417,22 +482,27 @@ def unchecked_reference(
 # Checks
 # --------------------------------------------------------------------------------------
 def check_inputs(q, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-                 wrap_indices=False) -> None:
+                 wrap_indices=False, apply_q_norm=True, kv_mxfp8=False) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
     Runs in the eager paths and in the fake impl (where sizes may be symbolic).
     """
-    device = check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices)
+    device = check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices,
+                                 apply_q_norm=apply_q_norm)
+    check_flag("kv_mxfp8", kv_mxfp8)
     check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=2, device=device)
     check_unit_last_stride("k_cache", k_cache)
+    slot_bytes, what = (MXFP8_SLOT_BYTES, "512 codes + 16 scale bytes") if kv_mxfp8 else \
+        (SLOT_BYTES, "576 data + 8 scale bytes")
     require(
-        k_cache.stride(0) >= block_size * SLOT_BYTES and k_cache.shape[1] >= block_size * SLOT_BYTES,
-        f"k_cache: a block of {block_size} slots needs {block_size * SLOT_BYTES} bytes "
-        f"(576 data + 8 scale bytes per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
+        k_cache.stride(0) >= block_size * slot_bytes and k_cache.shape[1] >= block_size * slot_bytes,
+        f"k_cache: a block of {block_size} slots needs {block_size * slot_bytes} bytes "
+        f"({what} per slot), got shape {tuple(k_cache.shape)} strides {tuple(k_cache.stride())}",
     )
 
 
 def check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, eps, block_size, wrap_indices, *,
+                        apply_q_norm=True,
                         q_out_dtype: torch.dtype | tuple[torch.dtype, ...] = torch.bfloat16) -> torch.device:
     """Everything but the cache, as both DeepSeek-V4 ops check it (this one and the full-row
     cache's, whose ``q_out`` may hold e4m3 codes: ``q_out_dtype``). Returns q's device."""
@@ -468,8 +538,8 @@ def check_shared_inputs(q, kv, q_out, slot_mapping, positions, cos_sin_cache, ep
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
     check_fp32_scalar("eps", eps, at_least=0.0)
-    if not isinstance(wrap_indices, bool):
-        raise ValueError(f"wrap_indices: must be a bool, got {wrap_indices!r}")
+    check_flag("wrap_indices", wrap_indices)
+    check_flag("apply_q_norm", apply_q_norm)
     return device
 
 

@@ -44,7 +44,7 @@ import torch
 
 from prepfuse._compat import has_triton, triton_interpret_mode
 from prepfuse.ops._checks import (
-    check_fp32_scalar, check_index_tensor, check_size, check_slot_and_position_values, check_tensor,
+    check_flag, check_fp32_scalar, check_index_tensor, check_size, check_slot_and_position_values, check_tensor,
     check_unit_last_stride, require,
 )
 from prepfuse.ops import _duplicate_slots
@@ -1049,8 +1049,7 @@ def check_prep_args(
         f"slot_mapping: has {slot_mapping.shape[0]} rows, more than T={num_tokens} tokens",
     )
     for name, flag in (("full_cos_sin", full_cos_sin), ("fp8_saturate", fp8_saturate), ("wrap_indices", wrap_indices)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name}: must be a bool, got {flag!r}")
+        check_flag(name, flag)
     tables = check_cos_sin(cos_sin_cache, cos, sin, full_cos_sin, head_dim, device)
     if positions is None:
         require(tables[0].shape[0] >= num_tokens,
@@ -1079,8 +1078,7 @@ def check_prep_args(
     for name, t in named:
         if t is not None:
             check_unit_last_stride(name, t)
-    if not isinstance(is_neox, bool):
-        raise ValueError(f"is_neox: must be a bool, got {is_neox!r}")
+    check_flag("is_neox", is_neox)
     check_fp32_scalar("eps", eps, at_least=0.0)
 
 

@@ -8,14 +8,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, SCALE_BYTES, SLOT_BYTES
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
+    CACHE_ROW_BYTES, HEAD_DIM, MXFP8_SLOT_BYTES, NOPE_DIM, SCALE_BYTES, SLOT_BYTES,
+)
 from prepfuse.testing.common import (
     Q_POISON, bf16_ulp_diff, e4m3_code_diff, fresh_generator, poisoned_like, random_slots, rope_cos_sin_cache,
     seeded_generator,
 )
 
 __all__ = ["Dsv4Inputs", "make_dsv4_inputs", "exact_rms_q", "seeded_dsv4_inputs", "Dsv4Comparison", "fp8_data_byte_mask",
-           "compare_dsv4_q", "compare_dsv4", "fp8_ds_mla_values"]
+           "compare_dsv4_q", "compare_dsv4", "fp8_ds_mla_values", "mxfp8_values"]
 
 
 @dataclass
@@ -32,11 +34,13 @@ class Dsv4Inputs:
     eps: float
     block_size: int
     wrap_indices: bool = False  # a negative slot or position counts from the end
+    apply_q_norm: bool = True  # False: q rotated as it is (DeepSeek-V4.1)
+    kv_mxfp8: bool = False  # the cache holds DeepSeek-V4.1's MXFP8 records
 
     def args(self) -> tuple:
         return (
-            self.q, self.kv, self.q_out, self.k_cache, self.slot_mapping,
-            self.positions, self.cos_sin_cache, self.eps, self.block_size, self.wrap_indices,
+            self.q, self.kv, self.q_out, self.k_cache, self.slot_mapping, self.positions, self.cos_sin_cache,
+            self.eps, self.block_size, self.wrap_indices, self.apply_q_norm, self.kv_mxfp8,
         )
 
     def fresh_outputs(self) -> "Dsv4Inputs":
@@ -57,14 +61,17 @@ def make_dsv4_inputs(
     spare_slots: int = 64,
     max_pos: int = 8192,
     eps: float = 1e-6,
+    apply_q_norm: bool = True,
+    kv_mxfp8: bool = False,
 ) -> Dsv4Inputs:
-    """Fresh random inputs with poisoned outputs.
+    """Fresh random inputs with poisoned outputs (``apply_q_norm`` and ``kv_mxfp8`` the op's).
 
     The first ``num_inserted`` rows (default all) get distinct random slots in a cache
     with ``spare_slots`` more slots than rows; about ``skip_fraction`` of them are -1.
     q has a wide per-row dynamic range and kv per-block ranges from 1e-6 to 1e3 so that
     the norm, the UE8M0 exponents and the fp8 subnormals are all exercised. The cache
-    rows are padded past 584 bytes per slot, as engines pad to a multiple of 576.
+    rows are padded past 584 bytes per slot, as engines pad to a multiple of 576 (MXFP8
+    records past 528, to a multiple of 512).
     """
     gen = fresh_generator(generator)
     num_inserted = num_tokens if num_inserted is None else num_inserted
@@ -77,7 +84,8 @@ def make_dsv4_inputs(
     kv = (randn(num_tokens, 8, 64) * kv_scale).reshape(num_tokens, HEAD_DIM)
 
     num_blocks, slots = random_slots(num_inserted, spare_slots, block_size, skip_fraction, gen)
-    row_stride = -(-block_size * SLOT_BYTES // 576) * 576  # padded to a multiple of 576
+    slot_bytes, page = (MXFP8_SLOT_BYTES, 512) if kv_mxfp8 else (SLOT_BYTES, 576)
+    row_stride = -(-block_size * slot_bytes // page) * page  # padded to a multiple of the page alignment
     positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
 
     inputs = Dsv4Inputs(
@@ -90,6 +98,8 @@ def make_dsv4_inputs(
         cos_sin_cache=rope_cos_sin_cache(max_pos, device),
         eps=eps,
         block_size=block_size,
+        apply_q_norm=apply_q_norm,
+        kv_mxfp8=kv_mxfp8,
     )
     return inputs.fresh_outputs()
 
@@ -191,11 +201,12 @@ class Dsv4Comparison:
         return q_ok and c_ok
 
 
-def fp8_data_byte_mask(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
-    """True for the cache bytes that hold fp8 NoPE codes (bytes [0, 448) of each slot row)."""
+def fp8_data_byte_mask(k_cache: torch.Tensor, block_size: int, kv_mxfp8: bool = False) -> torch.Tensor:
+    """True for the cache bytes that hold fp8 codes: bytes [0, 448) of each fp8_ds_mla slot row,
+    or [0, 512) of each MXFP8 record (``kv_mxfp8``)."""
     cols = torch.arange(k_cache.shape[1], device=k_cache.device)
-    in_data = cols < block_size * 576
-    return (in_data & (cols % 576 < 448)).expand_as(k_cache)
+    row, codes = (MXFP8_SLOT_BYTES, HEAD_DIM) if kv_mxfp8 else (CACHE_ROW_BYTES, NOPE_DIM)
+    return ((cols < block_size * row) & (cols % row < codes)).expand_as(k_cache)
 
 
 def compare_dsv4_q(a: torch.Tensor, b: torch.Tensor) -> Dsv4Comparison:
@@ -220,7 +231,7 @@ def compare_dsv4(a: Dsv4Inputs, b: Dsv4Inputs) -> Dsv4Comparison:
     """Compare the outputs of two runs (q_out and the whole cache, untouched bytes included)."""
     q = compare_dsv4_q(a.q_out, b.q_out)
     cache_diff = a.k_cache != b.k_cache
-    fp8_mask = fp8_data_byte_mask(a.k_cache, a.block_size)
+    fp8_mask = fp8_data_byte_mask(a.k_cache, a.block_size, a.kv_mxfp8)
     code_diff = torch.where(fp8_mask, e4m3_code_diff(a.k_cache, b.k_cache), 0)
     return replace(
         q,
@@ -244,3 +255,13 @@ def fp8_ds_mla_values(k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_s
     codes = row[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float().unflatten(-1, (NOPE_DIM // 64, 64))
     nope = (codes * torch.exp2(scales.float() - 127).unsqueeze(-1)).flatten(-2)
     return torch.cat((nope, row[:, NOPE_DIM:].contiguous().view(torch.bfloat16).float()), dim=-1)
+
+
+def mxfp8_values(k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The fp32 ``[n, 512]`` values a cache of DeepSeek-V4.1's MXFP8 records holds at
+    ``slot_mapping``: each code times its block's UE8M0 scale ``2^(byte - 127)``."""
+    blocks, rows = slot_mapping // block_size, slot_mapping % block_size
+    records = k_cache[:, : block_size * MXFP8_SLOT_BYTES].reshape(k_cache.shape[0], block_size, MXFP8_SLOT_BYTES)
+    record = records[blocks, rows]
+    codes = record[:, :HEAD_DIM].contiguous().view(torch.float8_e4m3fn).float().unflatten(-1, (-1, 32))
+    return (codes * torch.exp2(record[:, HEAD_DIM:].float() - 127).unsqueeze(-1)).flatten(-2)

@@ -42,11 +42,12 @@ class Dsv4FullRowInputs:
     eps: float
     block_size: int
     wrap_indices: bool = False
+    apply_q_norm: bool = True  # False: q rotated as it is (DeepSeek-V4.1)
 
     def args(self) -> tuple:
         return (
             self.q, self.kv, self.q_out, self.k_cache, self.slot_mapping, self.positions, self.cos_sin_cache,
-            self.kv_scale, self.q_scale_inv, self.eps, self.block_size, self.wrap_indices,
+            self.kv_scale, self.q_scale_inv, self.eps, self.block_size, self.wrap_indices, self.apply_q_norm,
         )
 
     def fresh_outputs(self) -> "Dsv4FullRowInputs":
@@ -91,7 +92,7 @@ def make_dsv4_full_row_inputs(
         cos_sin_cache=base.cos_sin_cache,
         kv_scale=scale(0.3, 3.0) if cache_dtype == FP8 else None,
         q_scale_inv=scale(2.0, 20.0) if q_dtype == FP8 else None,
-        eps=base.eps, block_size=block_size,
+        eps=base.eps, block_size=block_size, apply_q_norm=base.apply_q_norm,
     )
     return inputs.fresh_outputs()
 

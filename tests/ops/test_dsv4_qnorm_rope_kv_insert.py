@@ -59,12 +59,16 @@ IMPLS = [
 
 
 def written_bytes(inputs: Dsv4Inputs) -> torch.Tensor:
-    """True for the k_cache bytes the op must write: 576 data + 8 scale bytes per inserted slot."""
+    """True for the k_cache bytes the op must write: 576 data + 8 scale bytes per inserted slot,
+    or its 528-byte MXFP8 record."""
     mask = torch.zeros(inputs.k_cache.shape, dtype=torch.bool)
     bs = inputs.block_size
     for slot in inputs.slot_mapping.tolist():
         if slot >= 0:
             block, row = divmod(slot, bs)
+            if inputs.kv_mxfp8:
+                mask[block, row * 528 : (row + 1) * 528] = True
+                continue
             mask[block, row * 576 : (row + 1) * 576] = True
             mask[block, bs * 576 + row * 8 : bs * 576 + (row + 1) * 8] = True
     return mask.to(inputs.k_cache.device)
@@ -74,7 +78,7 @@ def assert_untouched(out: Dsv4Inputs, seed: int) -> None:
     """Padded heads are zero; every cache byte outside the inserted slots is still poison.
 
     Outside the inserted slots: slots never named, rows with slot -1, rows t >= T', and the
-    padding of each block past block_size * 584 bytes.
+    padding of each block past block_size * 584 (MXFP8: 528) bytes.
     """
     num_heads = out.q.shape[1]
     padded = out.q_out[:, num_heads:]
@@ -149,6 +153,14 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
+def ue8m0_block(values: np.ndarray) -> tuple[list[int], int]:
+    """(e4m3 codes, UE8M0 scale byte) of one block of fp32 values."""
+    amax = max(float(np.abs(values).max()), float(np.float32(1e-4)))
+    e = ceil_log2_ratio(amax)
+    codes = [e4m3_code(min(max(v * np.float32(2.0**-e), np.float32(-448)), np.float32(448))) for v in values]
+    return codes, min(max(e + 127, 0), 255)
+
+
 def oracle(inputs: Dsv4Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_out, k_cache) as the op's math (docs/ops.md) says, starting from inputs' poisoned k_cache."""
     f32 = np.float32
@@ -168,7 +180,7 @@ def oracle(inputs: Dsv4Inputs) -> tuple[torch.Tensor, torch.Tensor]:
             sum_sq = f32(0)
             for v in x:
                 sum_sq = f32(sum_sq + v * v)
-            rstd = f32(1) / np.sqrt(f32(sum_sq / f32(512)) + eps)
+            rstd = f32(1) / np.sqrt(f32(sum_sq / f32(512)) + eps) if inputs.apply_q_norm else f32(1)
             q_out[t, h] = bf16_bits(rope(x * rstd, cos, sin))
 
     cache = inputs.k_cache.numpy().copy()
@@ -177,17 +189,19 @@ def oracle(inputs: Dsv4Inputs) -> tuple[torch.Tensor, torch.Tensor]:
             continue
         block, row = divmod(slot, bs)
         x = kv[t]
+        roped = bf16_bits(rope(x, cos_sin[positions[t], :32], cos_sin[positions[t], 32:])[448:])
+        if inputs.kv_mxfp8:  # the whole row, the RoPE dims as their bf16 values, in 16 blocks of 32
+            values = x.copy()
+            values[448:] = (roped.astype(np.uint32) << 16).view(np.float32)
+            record = np.zeros(528, dtype=np.uint8)
+            for j in range(16):
+                record[32 * j : 32 * (j + 1)], record[512 + j] = ue8m0_block(values[32 * j : 32 * (j + 1)])
+            cache[block, row * 528 : (row + 1) * 528] = record
+            continue
         data = np.zeros(576, dtype=np.uint8)
         scales = np.zeros(8, dtype=np.uint8)  # the 8th byte stays 0
         for j in range(7):
-            nope = x[64 * j : 64 * (j + 1)]
-            amax = max(float(np.abs(nope).max()), float(f32(1e-4)))
-            e = ceil_log2_ratio(amax)
-            for i, v in enumerate(nope):
-                scaled = min(max(v * f32(2.0**-e), f32(-448)), f32(448))
-                data[64 * j + i] = e4m3_code(scaled)
-            scales[j] = min(max(e + 127, 0), 255)
-        roped = bf16_bits(rope(x, cos_sin[positions[t], :32], cos_sin[positions[t], 32:])[448:])
+            data[64 * j : 64 * (j + 1)], scales[j] = ue8m0_block(x[64 * j : 64 * (j + 1)])
         data[448:576:2] = roped & 0xFF  # little-endian bf16
         data[449:576:2] = roped >> 8
         cache[block, row * 576 : (row + 1) * 576] = data
@@ -203,12 +217,18 @@ def test_oracle_e4m3_table_is_e4m3fn():
     assert E4M3_VALUES[0x7E] == 448.0 and E4M3_VALUES[1] == 2.0**-9
 
 
+# DeepSeek-V4.1 as vLLM serves it: q without the op's norm, and (on SM100) the MXFP8 record
+V41 = {"apply_q_norm": False, "kv_mxfp8": True}
+
+
 @pytest.mark.parametrize(
-    "num_tokens, num_heads, padded_heads, block_size, num_inserted",
-    [(7, 3, 8, 16, None), (5, 1, 8, 64, None), (6, 2, 16, 256, 3)],
+    "num_tokens, num_heads, padded_heads, block_size, options",
+    [(7, 3, 8, 16, {}), (5, 1, 8, 64, {}), (6, 2, 16, 256, {"num_inserted": 3}), (7, 3, 8, 16, V41),
+     (6, 2, 16, 32, {"num_inserted": 3, "kv_mxfp8": True}), (5, 2, 4, 16, {"apply_q_norm": False})],
+    ids=["T7", "T5-H1", "T6-short", "T7-v41", "T6-mxfp8-short", "T5-no-q-norm"],
 )
-def test_oracle_matches_reference_bytes(num_tokens, num_heads, padded_heads, block_size, num_inserted):
-    inputs, seed = seeded_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cpu", num_inserted=num_inserted)
+def test_oracle_matches_reference_bytes(num_tokens, num_heads, padded_heads, block_size, options):
+    inputs, seed = seeded_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cpu", **options)
     expected_q, expected_cache = oracle(inputs)
     out = run(dsv4_qnorm_rope_kv_insert_reference, inputs)
     q_diff = int((bits(out.q_out) != bits(expected_q)).sum())
@@ -347,6 +367,9 @@ INTERPRETER_CASES = [
     pytest.param(7, 3, 8, 16, {"num_inserted": 4}, id="short-slot-mapping"),
     pytest.param(7, 3, 8, 64, {"skip_fraction": 1.0}, id="all-slots-negative"),
     pytest.param(0, 3, 8, 16, {}, id="T0"),
+    pytest.param(7, 3, 8, 16, V41, id="v41"),
+    pytest.param(17, 5, 6, 32, {"kv_mxfp8": True, "num_inserted": 12}, id="T17-mxfp8-short"),
+    pytest.param(9, 4, 4, 16, {"apply_q_norm": False}, id="no-q-norm"),
 ]
 
 
@@ -462,7 +485,12 @@ def test_dispatcher_on_cpu_is_the_reference(num_tokens, num_heads, padded_heads,
 # The CUDA kernel vs the reference on the same GPU
 # --------------------------------------------------------------------------------------
 def gpu_cases():
-    """All padded head counts for small T; only FlashMLA's (64 if H <= 64 else 128) for T >= 1000."""
+    """All padded head counts for small T; only FlashMLA's (64 if H <= 64 else 128) for T >= 1000;
+    DeepSeek-V4.1's options at FlashMLA's padding."""
+    for num_tokens in (1, 7, 64, 1000, 4096):
+        for num_heads in (16, 128):
+            padded = 64 if num_heads <= 64 else 128
+            yield pytest.param(num_tokens, num_heads, padded, 64, V41, id=f"T{num_tokens}-H{num_heads}-v41")
     for num_tokens in (1, 7, 64, 1000, 4096):
         for num_heads in (1, 16, 64, 128):
             if num_tokens < 1000:
@@ -472,16 +500,17 @@ def gpu_cases():
             for padded_heads in padded:
                 for block_size in (16, 64, 256):
                     yield pytest.param(
-                        num_tokens, num_heads, padded_heads, block_size,
+                        num_tokens, num_heads, padded_heads, block_size, {},
                         id=f"T{num_tokens}-H{num_heads}-HP{padded_heads}-bs{block_size}",
                     )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens, num_heads, padded_heads, block_size", list(gpu_cases()))
-def test_cuda_kernel_matches_reference(num_tokens, num_heads, padded_heads, block_size):
+@pytest.mark.parametrize("num_tokens, num_heads, padded_heads, block_size, options", list(gpu_cases()))
+def test_cuda_kernel_matches_reference(num_tokens, num_heads, padded_heads, block_size, options):
     generator, seed = seeded_generator()
-    inputs = make_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cuda", generator=generator)
+    inputs = make_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cuda", generator=generator,
+                              **options)
     expected = run(dsv4_qnorm_rope_kv_insert_reference, inputs)
     actual = run(DSV4_QNORM_ROPE_KV_INSERT, inputs)
     comparison = compare_dsv4(expected, actual)
@@ -501,7 +530,8 @@ def test_cuda_kernel_matches_reference(num_tokens, num_heads, padded_heads, bloc
 # --------------------------------------------------------------------------------------
 # Input checks: ValueError naming the argument, in eager and in the fake impl
 # --------------------------------------------------------------------------------------
-ARG_NAMES = ("q", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "eps", "block_size")
+ARG_NAMES = ("q", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "eps", "block_size",
+             "wrap_indices", "apply_q_norm", "kv_mxfp8")
 
 
 def strided_last_dim(t: torch.Tensor) -> torch.Tensor:
@@ -557,6 +587,9 @@ BAD_INPUTS = [
      lambda a: {"k_cache": a["k_cache"][:, : a["block_size"] * 584 - 1].contiguous()}),
     ("k_cache-view-too-short", "k_cache", lambda a: {"k_cache": a["k_cache"][:, : a["block_size"] * 584 - 1]}),
     ("k_cache-block_size-too-big", "k_cache", lambda a: {"block_size": 4 * a["block_size"]}),
+    # an MXFP8 record takes 528 bytes a slot
+    ("k_cache-row-too-short-for-mxfp8", "k_cache",
+     lambda a: {"kv_mxfp8": True, "k_cache": a["k_cache"][:, : a["block_size"] * 528 - 1]}),
     ("block_size-zero", "block_size", lambda a: {"block_size": 0}),
     ("block_size-negative", "block_size", lambda a: {"block_size": -16}),
     ("eps-negative", "eps", lambda a: {"eps": -1e-6}),

@@ -1,6 +1,6 @@
 """prepfuse's ops against vLLM 0.33's own CUDA ops on the same inputs (``bench/vllm_ops.py``):
 the DeepSeek-V4 op against ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` (fp8_ds_mla
-cache), the full-row op against vLLM's two full-cache ops (bf16, per-tensor fp8), the GQA op against vLLM's fusion-pass path (``fused_qk_norm_rope`` or
+cache; DeepSeek-V4.1's flags too: no q norm, MXFP8 records), the full-row op against vLLM's two full-cache ops (bf16, per-tensor fp8), the GQA op against vLLM's fusion-pass path (``fused_qk_norm_rope`` or
 ``rotary_embedding``, then ``reshape_and_cache_flash``) and its default path (two ``rms_norm``
 first). The ops an engine runs today are the spec's production side, so they are held to the
 bounds the spec states. ``gpu`` tests, skipped with the reason where vLLM's op library is
@@ -45,19 +45,26 @@ def ops():
 # DeepSeek-V4, fp8_ds_mla cache
 # --------------------------------------------------------------------------------------
 def dsv4_cases():
-    """T x H at FlashMLA's padding, block 64; vLLM's op faults where q reaches 2^31 bytes."""
+    """T x H at FlashMLA's padding, block 64; vLLM's op faults where q reaches 2^31 bytes. Then
+    DeepSeek-V4.1's flags (no q norm, vLLM's ``apply_q_norm=False``; MXFP8 records,
+    ``kv_mxfp8=True``, or fp8_ds_mla), block 32 as vLLM's V4.1 cache."""
     for num_tokens in (1, 64, 4096, 16384):
         for num_heads in (16, 64, 128):
             padded = 64 if num_heads <= 64 else 128
             marks = () if vllm_ops.dsv4_fits(num_tokens, padded) else pytest.mark.skip(
                 reason="vLLM 0.33's op faults with an illegal memory access here (q of 2^31 bytes)")
-            yield pytest.param(num_tokens, num_heads, padded, marks=marks, id=f"T{num_tokens}-H{num_heads}")
+            yield pytest.param(num_tokens, num_heads, padded, 64, {}, marks=marks, id=f"T{num_tokens}-H{num_heads}")
+    for num_tokens, num_heads in ((1, 16), (64, 64), (4096, 64), (16384, 64)):
+        for kv_mxfp8 in (False, True):
+            yield pytest.param(num_tokens, num_heads, 64, 32, {"apply_q_norm": False, "kv_mxfp8": kv_mxfp8},
+                               id=f"T{num_tokens}-H{num_heads}-v41-{'mxfp8' if kv_mxfp8 else 'fp8_ds_mla'}")
 
 
-@pytest.mark.parametrize("num_tokens, num_heads, padded_heads", list(dsv4_cases()))
-def test_dsv4_matches_vllm(ops, num_tokens, num_heads, padded_heads):
+@pytest.mark.parametrize("num_tokens, num_heads, padded_heads, block_size, options", list(dsv4_cases()))
+def test_dsv4_matches_vllm(ops, num_tokens, num_heads, padded_heads, block_size, options):
     generator, seed = seeded_generator()
-    inputs = make_dsv4_inputs(num_tokens, num_heads, padded_heads, 64, "cuda", generator=generator)
+    inputs = make_dsv4_inputs(num_tokens, num_heads, padded_heads, block_size, "cuda", generator=generator,
+                              **options)
     ours = inputs.fresh_outputs()
     DSV4_QNORM_ROPE_KV_INSERT(*ours.args())
     comparison = compare_dsv4(ops.dsv4_outputs(inputs), ours)
@@ -93,15 +100,18 @@ def test_dsv4_rows_past_the_inserted_ones(ops):
 # DeepSeek-V4, full-row caches
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-@pytest.mark.parametrize("num_tokens, num_heads", [(1, 16), (64, 64), (4096, 64), (16384, 128)],
-                         ids=lambda v: str(v))
-def test_dsv4_full_row_matches_vllm(ops, fmt, num_tokens, num_heads):
-    """Unpadded q, as vLLM calls its full-cache ops. q within the spec (one bf16 ULP, one e4m3
-    code, on a few values per million); the cache: fp8 rows equal, bf16 rows but a few values
-    per million where the rotation cancels to almost nothing (an H100 saw 5 of 2M and 22 of 8M,
-    where vLLM's values differ from prepfuse's reference as well)."""
+@pytest.mark.parametrize("num_tokens, num_heads, apply_q_norm",
+                         [(1, 16, True), (64, 64, True), (4096, 64, True), (16384, 128, True), (64, 64, False),
+                          (4096, 64, False)], ids=lambda v: str(v))
+def test_dsv4_full_row_matches_vllm(ops, fmt, num_tokens, num_heads, apply_q_norm):
+    """Unpadded q, as vLLM calls its full-cache ops (and, ``apply_q_norm=False``, as DeepSeek-V4.1
+    does). q within the spec (one bf16 ULP, one e4m3 code, on a few values per million); the
+    cache: fp8 rows equal, bf16 rows but a few values per million where the rotation cancels to
+    almost nothing (an H100 saw 5 of 2M and 22 of 8M, where vLLM's values differ from
+    prepfuse's reference as well)."""
     generator, seed = seeded_generator()
-    inputs = make_dsv4_full_row_inputs(num_tokens, num_heads, num_heads, 64, "cuda", fmt=fmt, generator=generator)
+    inputs = make_dsv4_full_row_inputs(num_tokens, num_heads, num_heads, 64, "cuda", fmt=fmt, generator=generator,
+                                       apply_q_norm=apply_q_norm)
     ours = inputs.fresh_outputs()
     DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT(*ours.args())
     comparison = compare_dsv4_full_row(ops.dsv4_outputs(inputs), ours)

@@ -3,7 +3,9 @@
 The kv side is found from its cache writes: 576-byte rows (448 e4m3 NoPE codes, 64 RoPE
 values as bf16 bytes) and their 8 scale bytes, written at the same slots into the blocks
 of a 2-d uint8 graph input (``writes.byte_rows``: through a view of the block rows or by
-byte columns), vLLM's fp8_ds_mla cache; or whole rows of 512 values, bf16 or e4m3 over one
+byte columns), vLLM's fp8_ds_mla cache; 528-byte records (512 e4m3 codes, then 16 scale
+bytes), written whole or as codes and scales at the same slots, DeepSeek-V4.1's MXFP8
+record (vLLM's ``kv_mxfp8``); or whole rows of 512 values, bf16 or e4m3 over one
 scale, written into a paged cache (``rewrite/cache_views``: ``[blocks, block_size, 512]`` or any
 view of it), vLLM's full-row caches, which ``prepfuse::dsv4_qnorm_rope_kv_full_row_insert``
 writes. The q side is the prepared q: heads of 512 values of a projection, carried
@@ -14,7 +16,8 @@ or e4m3 over one scale (vLLM's fp8 full-row path writes q so, ``q * q_scale_inv`
 cache.
 
 Which values the op reads (the q projection's heads; the kv the rows are made of, which an
-upstream norm may have produced), and how it reads cos/sin, is decided on probes
+upstream norm may have produced), how it reads cos/sin, and whether q is RMS-normed
+(DeepSeek-V4.1 norms before the q projection, not per head) is decided on probes
 (``search.first_agreeing``): candidate calls of ``prepfuse::dsv4_qnorm_rope_kv_insert``
 run against the region, the first that agrees kept. A q side and a kv side of the same
 tokens share one call when a call of both agrees; otherwise each gets its own (a q-only
@@ -54,7 +57,9 @@ from prepfuse.fx_passes.rewrite.emitter import Emitter, viewed_call
 from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
-from prepfuse.ops.dsv4_qnorm_rope_kv_insert import CACHE_ROW_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, SLOT_BYTES
+from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
+    CACHE_ROW_BYTES, HEAD_DIM, MXFP8_SCALES, MXFP8_SLOT_BYTES, NOPE_DIM, ROPE_DIM, SCALE_BYTES, SLOT_BYTES,
+)
 
 FULL_ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  # a full-row cache's rows, as the op writes them
 Q_SCRATCH_NAME = "prepfuse_q_out_scratch"
@@ -72,8 +77,9 @@ class KvSide:
     sources: list  # the [T, 512] nodes the op could read as kv, latest first
     region: list
     operands: list
-    data: ByteRows | None = None  # fp8_ds_mla: the 576-byte rows
-    scales: ByteRows | None = None  # and their scale bytes
+    data: ByteRows | None = None  # fp8_ds_mla: the 576-byte rows; MXFP8: the records, or their codes
+    scales: ByteRows | None = None  # and their scale bytes (none where MXFP8 records are written whole)
+    mxfp8: bool = False  # the byte rows are DeepSeek-V4.1's MXFP8 records
     full_row: CacheView | None = None  # a full-row cache: the rows written whole
     scale: torch.fx.Node | None = None  # an e4m3 full-row cache: the one-value scale of its rows
 
@@ -89,7 +95,7 @@ class KvSide:
     def rows(self) -> list:
         """What the code writes (the values the call's math must not read a run-time float into)."""
         if self.data is not None:
-            return [first_rows(self.data.write), self.scales.rows]
+            return [first_rows(self.data.write)] + ([self.scales.rows] if self.scales is not None else [])
         return [first_rows(self.full_row.write)]
 
     def scale_semantics(self) -> tuple:
@@ -162,11 +168,19 @@ class FuseDsv4PrepPass(PrepfusePass):
                 if shape(w.values)[-1:] == (CACHE_ROW_BYTES,):
                     self.declined_at("dsv4_kv", node, str(err))
         for node, data in byte.items():
-            if (data.first, data.pitch, data.width) != (0, CACHE_ROW_BYTES, CACHE_ROW_BYTES):
-                if CACHE_ROW_BYTES in (data.width, data.pitch):  # a row of this cache's size, placed otherwise
+            placed = (data.first, data.pitch, data.width)
+            if placed in ((0, MXFP8_SLOT_BYTES, MXFP8_SLOT_BYTES), (0, MXFP8_SLOT_BYTES, HEAD_DIM)):
+                self.attempt(lambda data=data: found.append(self._mxfp8_side(data, byte.values())), "dsv4_kv", node)
+                continue
+            if placed == (HEAD_DIM, MXFP8_SLOT_BYTES, MXFP8_SCALES):
+                continue  # an MXFP8 record's scale bytes: read with its codes (``_mxfp8_side``)
+            if placed != (0, CACHE_ROW_BYTES, CACHE_ROW_BYTES):
+                if CACHE_ROW_BYTES in (data.width, data.pitch) or MXFP8_SLOT_BYTES in (data.width, data.pitch):
+                    # a row of these caches' sizes, placed otherwise
                     self.declined_at("dsv4_kv", node, f"write: rows of {data.width} bytes {data.pitch} apart from "
                                                       f"column {data.first}; fp8_ds_mla rows are {CACHE_ROW_BYTES} "
-                                                      f"bytes, {CACHE_ROW_BYTES} apart, from 0")
+                                                      f"bytes, {CACHE_ROW_BYTES} apart, from 0, MXFP8 records "
+                                                      f"{MXFP8_SLOT_BYTES} bytes, as far apart, from 0")
                 continue
             self.attempt(lambda data=data: found.append(self._kv_side(data, byte.values())), "dsv4_kv", node)
         return found
@@ -176,6 +190,18 @@ class FuseDsv4PrepPass(PrepfusePass):
         sources, region, ops = row_sources([first_rows(data.write), scales.rows], HEAD_DIM, avoid={data.write.root})
         expect(sources, f"write: the rows written at {where(data.write.write)} are not made of one [T, 512] tensor")
         return KvSide(root, after, sources, region, ops, data=data, scales=scales)
+
+    def _mxfp8_side(self, data: ByteRows, writes) -> KvSide:
+        """DeepSeek-V4.1's MXFP8 records: 528 bytes a slot written whole, or its 512 codes and,
+        at the same slots, its 16 scale bytes right after them."""
+        if data.width == MXFP8_SLOT_BYTES:
+            scales, root, after = None, data.write.root, data.write.after
+        else:
+            scales, root, after = scale_partner(data, writes, MXFP8_SCALES, interleaved=True)
+        rows = [first_rows(data.write)] + ([scales.rows] if scales is not None else [])
+        sources, region, ops = row_sources(rows, HEAD_DIM, avoid={data.write.root})
+        expect(sources, f"write: the records written at {where(data.write.write)} are not made of one [T, 512] tensor")
+        return KvSide(root, after, sources, region, ops, data=data, scales=scales, mxfp8=True)
 
     def _full_row_side(self, w: RowsWrite) -> KvSide:
         """Whole rows of 512 values a token, bf16 or e4m3 with one scale, written into a
@@ -220,13 +246,11 @@ class FuseDsv4PrepPass(PrepfusePass):
         ropes = [r for r in rope_forms(rope_ops, None, ROPE_DIM, probes.equal_parts,
                                        lambda n: probes.equal_parts(n, pairs=True)) if r.rotary_dim == ROPE_DIM]
         expect(ropes, "rope: no cos/sin for 64 rotated dims among what the rows mix in")
-        eps_values = [e for e in (constants(backward([q.candidates[0].node]), {q.start.node}, {}) if q else [])
-                      if 0 < e < 0.1] or [0.0]
         kv_sources = kv.sources if kv else [None]
         q_nodes = q.candidates if q else [None]
         semantics = kv.scale_semantics() if kv else (None,)
-        cands = [Candidate(f"{_describe(q, kv, r, e, m, qm)}", self._emitter_of(q, p, kv, s, r, e, m, qm))
-                 for m in semantics for s in kv_sources for r in ropes for e in eps_values for p in q_nodes
+        cands = [Candidate(f"{_describe(q, kv, r, n, m, qm)}", self._emitter_of(q, p, kv, s, r, n, m, qm))
+                 for m in semantics for s in kv_sources for r in ropes for n in _q_norms(q) for p in q_nodes
                  for qm in _q_scale_semantics(p)
                  if q is None or s is None or same_size(_tokens(s), _tokens(q.start.node))]
         expect(cands, "q and kv have different token counts")
@@ -237,7 +261,9 @@ class FuseDsv4PrepPass(PrepfusePass):
         self.log.matched(self.name, _pattern(q, kv), q.candidates[0].node if q else kv.anchor,
                          agreed.note(agreed.candidate.name))
 
-    def _emitter_of(self, q, p, kv, kv_src, rope, eps, scaling=None, q_scaling=None):
+    def _emitter_of(self, q, p, kv, kv_src, rope, norm, scaling=None, q_scaling=None):
+        apply_q_norm, eps = norm
+
         def emit_it(emit: Emitter):
             q_scale = _one_scale(p.operands, f"q: the e4m3 q at {where(p.node)}") if q_scaling is not None else None
             expect(q_scale is None or (kv is not None and kv.full_row is not None),
@@ -281,13 +307,16 @@ class FuseDsv4PrepPass(PrepfusePass):
             positions, table = emit_table(emit, rope, tokens, device)
             args = dict(q=q_in, kv=kv_in, q_out=q_out, k_cache=cache, slot_mapping=slots, positions=positions,
                         cos_sin_cache=table, eps=eps, block_size=block_size, wrap_indices=True)
+            if not apply_q_norm:  # the schema's defaults left out: the call reads as the common case does
+                args["apply_q_norm"] = False
             if kv is not None and kv.full_row is not None:
                 kv_scale = kv.scale if scaling != "multiply" else emit.node(aten.reciprocal.default, kv.scale)
                 q_scale_inv = None if q_scale is None else \
                     q_scale if q_scaling == "multiply" else emit.node(aten.reciprocal.default, q_scale)
                 new_q, new_cache = _full_row_call(emit, args, kv.full_row, cache, kv_scale, q_scale_inv)
             else:
-                outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT, args)
+                outs = emit.functional_call(DSV4_QNORM_ROPE_KV_INSERT,
+                                            dict(args, kv_mxfp8=True) if kv is not None and kv.mxfp8 else args)
                 new_q, new_cache = outs["q_out"], outs["k_cache"]
             if q is not None:
                 q_view = new_q if padded == q.heads else emit.node(aten.slice.Tensor, new_q, 1, 0, q.heads)
@@ -301,7 +330,8 @@ class FuseDsv4PrepPass(PrepfusePass):
                         checked.append(Checked("q_out (padded)", pd.node, new_q))
                         written.append((pd.node, new_q))
             if kv is not None:
-                decode = _fp8_ds_mla(block_size) if kv.data is not None else None
+                decode = None if kv.data is None else _mxfp8_records(block_size) if kv.mxfp8 else \
+                    _fp8_ds_mla(block_size)
                 before = before_cast(kv.full_row.write.values) if kv.scale is not None else None
                 checked.append(Checked("k_cache", kv.after, new_cache, decode=decode,
                                        before_cast=((before, None),) if before is not None else ()))
@@ -351,6 +381,18 @@ def _row_roles(w: RowsWrite) -> list[str]:
             "tokens" if kind == "index" or not same_size(shape(w.target)[d], 1) else "one" for kind, d in w.value_dims]
 
 
+def _q_norms(q: QSide | None) -> list[tuple[bool, float]]:
+    """The q norms to try, as ``(apply_q_norm, eps)``: an RMSNorm with each eps-like constant
+    q's math holds, and none (DeepSeek-V4.1 norms before the q projection); without such a
+    constant, none first, then a norm with eps 0."""
+    if q is None:
+        return [(True, 0.0)]  # the op's default: no q heads to norm
+    eps_values = [e for e in constants(backward([q.candidates[0].node]), {q.start.node}, {}) if 0 < e < 0.1]
+    if eps_values:
+        return [(True, e) for e in eps_values] + [(False, 0.0)]
+    return [(False, 0.0), (True, 0.0)]
+
+
 def _q_scale_semantics(p) -> tuple:
     """How an e4m3 prepared q may use its scale (``q * s`` or ``q / s``); none for bf16 q."""
     return ("multiply", "divide") if p is not None and val(p.node).dtype == torch.float8_e4m3fn else (None,)
@@ -397,9 +439,23 @@ def _fp8_ds_mla(block_size: int):
     return decode
 
 
-def _describe(q, kv, rope, eps, scaling=None, q_scaling=None) -> str:
+def _mxfp8_records(block_size: int):
+    """The decoder of a cache of MXFP8 records ``[NB, S]`` for comparison: codes as e4m3
+    values, scale bytes and the rest as bytes."""
+    def decode(cache: torch.Tensor) -> dict:
+        nb = cache.shape[0]
+        records = cache[:, : block_size * MXFP8_SLOT_BYTES].reshape(nb, block_size, MXFP8_SLOT_BYTES)
+        return {"codes": records[..., :HEAD_DIM].contiguous().view(torch.float8_e4m3fn),
+                "scale bytes": records[..., HEAD_DIM:].contiguous(),
+                "bytes past the records": cache[:, block_size * MXFP8_SLOT_BYTES:].contiguous()}
+    return decode
+
+
+def _describe(q, kv, rope, norm, scaling=None, q_scaling=None) -> str:
     sides = "q and kv" if q and kv else ("q" if q else "kv")
     text = f"DeepSeek-V4 {sides}, GPT-J RoPE on {rope.describe()}"
-    text += f", RMSNorm eps {eps:g}" if q else ""
+    if q:
+        text += f", RMSNorm eps {norm[1]:g}" if norm[0] else ", no q norm"
+    text += ", MXFP8 records" if kv is not None and kv.mxfp8 else ""
     text += {None: "", "divide": ", e4m3 q / q_scale", "multiply": ", e4m3 q * a scale"}[q_scaling]
     return text + {None: "", "divide": ", e4m3 rows / kv_scale", "multiply": ", e4m3 rows * a scale"}[scaling]

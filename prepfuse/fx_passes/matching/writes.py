@@ -286,20 +286,23 @@ def first_rows(write: RowsWrite) -> torch.fx.Node:
     return values
 
 
-def scale_partner(data: ByteRows, writes, width: int) -> tuple[ByteRows, torch.fx.Node, torch.fx.Node]:
+def scale_partner(data: ByteRows, writes, width: int, *, interleaved: bool = False
+                  ) -> tuple[ByteRows, torch.fx.Node, torch.fx.Node]:
     """(the scale write, the cache before both writes, after both) for ``data``: the one
     write of ``width``-byte rows at the same (block, row) indices right before or after it
     in the same cache, laid out after the block's data rows (``block_size * pitch`` on,
-    ``width`` apart: every quantised cache format here keeps its scale bytes so)."""
+    ``width`` apart: fp8_ds_mla and the indexer's caches keep their scale bytes so), or
+    (``interleaved``) right after each data row, at its pitch (DeepSeek-V4.1's MXFP8 records)."""
     found = [w for w in writes if w.width == width and w.block is data.block and w.row is data.row
              and (w.write.root is data.write.after or data.write.root is w.write.after)]
     expect(len(found) == 1, f"write: {len(found)} writes of {width} scale bytes at the same slots go with the "
                             f"{data.width}-byte rows written at {where(data.write.write)}, expected one")
     scales = found[0]
     bs = data.block_size
-    expect((scales.first, scales.pitch, scales.block_size) == (bs * data.pitch, width, bs),
+    first, pitch = (data.first + data.width, data.pitch) if interleaved else (bs * data.pitch, width)
+    expect((scales.first, scales.pitch, scales.block_size) == (first, pitch, bs),
            f"write: scale rows of {scales.width} bytes {scales.pitch} apart from byte {scales.first}, expected "
-           f"{width} apart from byte {bs * data.pitch}")
+           f"{pitch} apart from byte {first}")
     if scales.write.root is data.write.after:
         return scales, data.write.root, scales.write.after
     return scales, scales.write.root, data.write.after
