@@ -4,7 +4,7 @@ engine-style; ``prepfuse.models.engine_clients``: vLLM, SGLang, gpt-fast, nano-v
 probes, the default), with its passes and ``validate="quick"`` (the unit-scale probe alone),
 and with none (``passes=()``), fresh each time (no FX graph cache).
 
-    PYTHONPATH=. python bench/compile_overhead.py [--layers 3] [--repeats 3] [--no-corpus]
+    PYTHONPATH=. python bench/compile_overhead.py [--layers 3] [--repeats 3] [--no-corpus] [--cases a,b]
 
 Prints seconds per compile (median of the repeats) for each, what the passes add, what the
 edge-value probe adds over the quick validation, and the passes' own time measured inside
@@ -85,13 +85,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-corpus", action="store_true", help="the demo model only")
+    parser.add_argument("--cases", default=None, help="comma-separated corpus case names (default: every case)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models = {"demo (DeepSeek-V4 block)": demo_model}
     if not args.no_corpus:
         from prepfuse.models.clients import CLIENT_CASES
         from prepfuse.models.engine_clients import ENGINE_CASES
-        models.update({case.name: client_model(case) for case in (*CLIENT_CASES, *ENGINE_CASES)})
+        wanted = set(args.cases.split(",")) if args.cases else None
+        models.update({case.name: client_model(case) for case in (*CLIENT_CASES, *ENGINE_CASES)
+                       if wanted is None or case.name in wanted})
     compile_seconds(demo_model, {}, args.layers, device)  # warm: imports, first-use costs of Inductor
     print(f"torch {torch.__version__}, {device}, {args.layers} layers, median of {args.repeats} fresh compiles")
     for name, build in models.items():

@@ -138,15 +138,19 @@ class DefunctionalizePass(PrepfusePass):
         """The storage ``node`` aliases, after the rewrites made so far.
 
         A replaced ``getitem`` had a fresh fake storage; views taken of it before the
-        rewrite still carry that one, although they now alias the written buffer.
+        rewrite still carry that one, although they now alias the written buffer. A node's
+        own storage is read once a run (the check after each call reads every later node's).
         """
-        storage = _raw_storage(node)
+        if node not in self._raw:
+            self._raw[node] = _raw_storage(node)
+        storage = self._raw[node]
         while storage in self._merged:
             storage = self._merged[storage]
         return storage
 
     def run(self, graph: torch.fx.Graph) -> int:
         self._merged: dict[StorageWeakRef, StorageWeakRef] = {}
+        self._raw: dict[object, StorageWeakRef | None] = {}
         count = 0
         for node in list(graph.nodes):
             op = functionalized_op(node)

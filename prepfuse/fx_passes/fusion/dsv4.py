@@ -249,8 +249,9 @@ class FuseDsv4PrepPass(PrepfusePass):
         kv_sources = kv.sources if kv else [None]
         q_nodes = q.candidates if q else [None]
         semantics = kv.scale_semantics() if kv else (None,)
+        norms = _q_norms(q)
         cands = [Candidate(f"{_describe(q, kv, r, n, m, qm)}", self._emitter_of(q, p, kv, s, r, n, m, qm))
-                 for m in semantics for s in kv_sources for r in ropes for n in _q_norms(q) for p in q_nodes
+                 for m in semantics for s in kv_sources for r in ropes for n in norms for p in q_nodes
                  for qm in _q_scale_semantics(p)
                  if q is None or s is None or same_size(_tokens(s), _tokens(q.start.node))]
         expect(cands, "q and kv have different token counts")

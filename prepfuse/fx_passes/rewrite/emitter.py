@@ -47,7 +47,7 @@ class Emitter:
             node.meta["stack_trace"] = self.stack_trace
         fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         with self.fake_mode:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+            node.meta["val"] = _functional_value(target, fake_args, fake_kwargs) or target(*fake_args, **fake_kwargs)
         return node
 
     def size(self, tensor: torch.fx.Node, dim: int):
@@ -135,6 +135,39 @@ class Emitter:
             if not node.users:
                 self.graph.erase_node(node)
         self.emitted = [n for n in self.emitted if n.users]
+
+
+def _functional_value(target, args: tuple, kwargs: dict) -> tuple | None:
+    """The fake value of ``auto_functionalized[_v2](op, ..)`` as the call the emitter makes
+    gives it, without the higher-order op's own fake path, or None where that path is needed.
+    The op's fake impl runs on the written arguments (its checks refuse a bad call as before);
+    the outputs are ``(None, *new values)``, each new value laid out as the tensor it replaces
+    (a base, or a v1 written argument), which is all later passes and Inductor read of them.
+    Why: the higher-order op clones every base through fake dispatch, about half of what
+    emitting a fused call costs a compile (bench/compile_overhead.py)."""
+    v1, v2 = auto_functionalized_ops()
+    if target not in (v1, v2) or not args or len(args[0]._schema.returns):
+        return None
+    op, written = args[0], [a.name for a in mutated_args(args[0])]
+    if target is v1:
+        new = [kwargs[name] for name in written]
+        call = kwargs
+    else:
+        bases = kwargs["_all_bases"]
+        extra = {k for k in kwargs if k.startswith("_")}
+        call = {k: v for k, v in kwargs.items() if k not in extra}
+        for name in written:
+            base = bases[kwargs[f"_{name}_base_index"]]
+            view = tuple(kwargs.get(f"_{name}_{part}") for part in ("size", "stride", "storage_offset"))
+            call[name] = base if view == (None, None, None) else base.as_strided(*view)
+        if extra - {"_all_bases"} - {f"_{n}_{part}" for n in written
+                                     for part in ("base_index", "size", "stride", "storage_offset")}:
+            return None  # view information the emitter never writes (a slice, an alias): the op's own path
+        new = bases
+    if any(not isinstance(t, torch.Tensor) or t.storage_offset() != 0 for t in new):
+        return None  # a clone keeps the offset: the op's own path
+    op(**call)
+    return (None, *(t.new_empty_strided(t.shape, t.stride()) for t in new))
 
 
 def _dense_last_dim(t: torch.Tensor) -> bool:
