@@ -34,7 +34,7 @@ from prepfuse.backend import PrepfuseBackend
 from prepfuse.fx_passes.fusion.dsv4 import FuseDsv4PrepPass
 from prepfuse.models import dsv4 as model
 from prepfuse.models.dsv4 import DSV4_LOOKALIKES, DSV4_SPELLINGS, Dsv4AttentionBlock, fp8_ds_mla_cache
-from prepfuse.testing import compare_dsv4, compare_dsv4_q, make_dsv4_inputs
+from prepfuse.testing import compare_dsv4, compare_dsv4_q, make_dsv4_inputs, max_row_rel_diff
 from prepfuse.models import dsv4_prep_unfused
 from prepfuse.testing.golden import GoldenFiles
 from prepfuse.testing.passes import PassReportQueries, compile_beside_eager
@@ -145,10 +145,14 @@ def assert_close_to_eager(r: Run) -> None:
 
 
 def assert_unfused_close_to_eager(r: Run) -> None:
-    """Inductor's code for unfused math against eager: q within the default tolerance of
-    its dtype (Inductor sums in another order); cache bytes within one e4m3 code."""
+    """Inductor's code for unfused math against eager: q within 2^-7 of its row's largest value
+    (Inductor sums and contracts in another order: where RoPE cancels, a value can move by more
+    than the dtype's default tolerance, as torch 2.14 showed for the no_rsqrt look-alike: 0.0625
+    on a value of 1.5 in a row of much larger ones); cache bytes within one e4m3 code."""
     if r.out is not None:
-        torch.testing.assert_close(first(r.out), first(r.ref_out))
+        got, want = first(r.out), first(r.ref_out)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert max_row_rel_diff([got.float()], [want.float()]) <= 2**-7
     cmp = compare_dsv4(dataclasses.replace(r.inputs, q_out=r.inputs.q_out[:, :0], k_cache=r.cache),
                        dataclasses.replace(r.inputs, q_out=r.inputs.q_out[:, :0], k_cache=r.ref_cache))
     assert cmp.cache_max_code_diff <= 1 and cmp.cache_non_fp8_mismatches == 0, cmp
