@@ -953,19 +953,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     global V41
     args = build_parser().parse_args(argv)
-    if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        args.v41 = args.v41 or data["args"].get("v41", False)
-    V41 = args.v41
+    data = json.loads(Path(args.from_json).read_text()) if args.from_json else None
+    V41 = args.v41 or (data is not None and data["args"].get("v41", False))
     if args.docs is None:
-        args.docs = str(REPO_ROOT / "docs" / ("benchmarks_v41.md" if args.v41 else "benchmarks.md"))
-    if args.v41 and not args.from_json:
-        args.name_suffix = "_v41" + args.name_suffix
-        if args.block_sizes == list(DEFAULT_BLOCK_SIZES):
-            args.block_sizes = [32]
-    if args.from_json:
+        args.docs = str(REPO_ROOT / "docs" / ("benchmarks_v41.md" if V41 else "benchmarks.md"))
+    if data is not None:
         json_path = Path(args.from_json)
-        data = json.loads(json_path.read_text())
         out_dir = Path(args.out_dir) if args.out_dir else json_path.parent
         out_dir.mkdir(parents=True, exist_ok=True)
         png_path = out_dir / (json_path.stem + ".png")
@@ -973,6 +966,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {png_path}" + ("" if args.no_docs else f" and {args.docs}"))
         return 0
 
+    if V41:
+        args.name_suffix = "_v41" + args.name_suffix
+        if args.block_sizes == list(DEFAULT_BLOCK_SIZES):
+            args.block_sizes = [32]
     args.out_dir = args.out_dir or str(REPO_ROOT / "bench" / "results")
     from prepfuse._compat import has_triton, triton_interpret_mode
 

@@ -166,15 +166,19 @@ def ue8m0_quant(x: torch.Tensor, spelling: Dsv4Spelling) -> tuple[torch.Tensor, 
     padded = -(-NOPE_DIM // block) * block  # 448, or 512 for the 128 look-alike
     if padded != NOPE_DIM:
         x = F.pad(x, (0, padded - NOPE_DIM))
-    blocks = x.unflatten(-1, (padded // block, block))
+    codes, scale_bytes = pow2_blocks(x.unflatten(-1, (padded // block, block)), spelling)
+    pad = scale_bytes.new_zeros(scale_bytes.shape[0], SCALE_BYTES - scale_bytes.shape[1])
+    return codes[:, :NOPE_DIM], torch.cat((scale_bytes, pad), dim=-1)
+
+
+def pow2_blocks(blocks: torch.Tensor, spelling: Dsv4Spelling = DSV4_SPELLINGS[0]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``blocks [n, count, size]`` -> (e4m3 codes [n, count * size] uint8, UE8M0 scale bytes
+    [n, count] uint8): a power-of-two scale a block, as engines write the DeepSeek-V4 caches."""
     amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     e = torch.ceil(torch.log2(amax / FP8_MAX))
     inv_scale = torch.exp2(-e) if spelling.exp2 == "exp2" else torch.pow(2.0, -e)
     scaled = (blocks * inv_scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-    codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)[:, :NOPE_DIM]
-    scale_bytes = (e + 127).clamp(0, 255).to(torch.uint8)
-    pad = scale_bytes.new_zeros(scale_bytes.shape[0], SCALE_BYTES - scale_bytes.shape[1])
-    return codes, torch.cat((scale_bytes, pad), dim=-1)
+    return scaled.to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2), (e + 127).clamp(0, 255).to(torch.uint8)
 
 
 def fp8_ds_mla_cache(num_blocks: int, block_size: int, device=None, row_bytes: int = CACHE_ROW_BYTES) -> torch.Tensor:
@@ -262,12 +266,7 @@ def write_mxfp8_records(rows: torch.Tensor, k_cache: torch.Tensor, slot_mapping:
     rotated and rounded to bf16) quantised in blocks of 32 (UE8M0 scales, e4m3 codes), each
     slot's 512 codes and then its 16 scale bytes at ``(s % bs) * 528`` of block ``s // bs``.
     ``whole``: one write of the 528-byte records; else the codes and the scale bytes apart."""
-    blocks = rows.unflatten(-1, (MXFP8_SCALES, MXFP8_BLOCK))
-    amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    e = torch.ceil(torch.log2(amax / FP8_MAX))
-    codes = (blocks * torch.exp2(-e).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    codes = codes.view(torch.uint8).flatten(-2)
-    scales = (e + 127).clamp(0, 255).to(torch.uint8)
+    codes, scales = pow2_blocks(rows.unflatten(-1, (MXFP8_SCALES, MXFP8_BLOCK)))
     records = k_cache[:, : block_size * MXFP8_SLOT_BYTES].view(k_cache.shape[0], block_size, MXFP8_SLOT_BYTES)
     blk, pos_in_blk = slot_mapping // block_size, slot_mapping % block_size
     if whole:

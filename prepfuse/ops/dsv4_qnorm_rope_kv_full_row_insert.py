@@ -18,8 +18,8 @@ in the cache's own dtype (bf16, or e4m3 with one per-tensor scale) instead of fp
     q_scale_inv    [1] or [] fp32         iff q_out is fp8: the multiplier before the e4m3 rounding
 
 Q, per token and head, as ``dsv4_qnorm_rope_kv_insert`` computes it (fp32 RMSNorm over 512 without
-weight unless ``apply_q_norm`` is False, GPT-J RoPE on dims 448..511), then one rounding: bf16, or ``e4m3(clamp(y * q_scale_inv, -448,
-448))``. KV, per inserted row: RoPE on dims 448..511 in fp32 (no norm), then the whole row with one
+weight unless ``apply_q_norm`` is False, GPT-J RoPE on dims 448..511), then one rounding: bf16, or
+``e4m3(clamp(y * q_scale_inv, -448, 448))``. KV, per inserted row: RoPE on dims 448..511 in fp32 (no norm), then the whole row with one
 rounding: bf16 (dims 0..447 are kv's values unchanged), or ``e4m3(clamp(x * r, -448, 448))`` with
 ``r = fp32(1 / kv_scale)``: a product with the rounded reciprocal, not a division, and no bf16
 rounding between RoPE and e4m3, as the production kernel computes it (docs/ops.md). e4m3 rounds to
@@ -215,8 +215,8 @@ def unchecked_reference(
         slot_mapping = wrapped(slot_mapping, k_cache.shape[0] * block_size)
     positions = clamped_positions(positions, cos_sin_cache.shape[0])
     num_heads = q.shape[1]
-    q_out[:, :num_heads] = stored_reference(q_prep_reference(q, positions, cos_sin_cache, eps, apply_q_norm), q_out.dtype,
-                                            q_scale_inv)
+    q_rows = q_prep_reference(q, positions, cos_sin_cache, eps, apply_q_norm)
+    q_out[:, :num_heads] = stored_reference(q_rows, q_out.dtype, q_scale_inv)
     q_out[:, num_heads:] = 0
     n_insert = slot_mapping.shape[0]
     rows = kv_rows_reference(kv[:n_insert], positions[:n_insert], cos_sin_cache, k_cache.dtype, kv_scale)

@@ -95,7 +95,7 @@ class KvSide:
     def rows(self) -> list:
         """What the code writes (the values the call's math must not read a run-time float into)."""
         if self.data is not None:
-            return [first_rows(self.data.write)] + ([self.scales.rows] if self.scales is not None else [])
+            return _byte_rows_written(self.data, self.scales)
         return [first_rows(self.full_row.write)]
 
     def scale_semantics(self) -> tuple:
@@ -170,10 +170,11 @@ class FuseDsv4PrepPass(PrepfusePass):
         for node, data in byte.items():
             placed = (data.first, data.pitch, data.width)
             if placed in ((0, MXFP8_SLOT_BYTES, MXFP8_SLOT_BYTES), (0, MXFP8_SLOT_BYTES, HEAD_DIM)):
-                self.attempt(lambda data=data: found.append(self._mxfp8_side(data, byte.values())), "dsv4_kv", node)
+                self.attempt(lambda data=data: found.append(self._kv_side(data, byte.values(), mxfp8=True)), "dsv4_kv",
+                             node)
                 continue
             if placed == (HEAD_DIM, MXFP8_SLOT_BYTES, MXFP8_SCALES):
-                continue  # an MXFP8 record's scale bytes: read with its codes (``_mxfp8_side``)
+                continue  # an MXFP8 record's scale bytes: read with its codes (``_kv_side``)
             if placed != (0, CACHE_ROW_BYTES, CACHE_ROW_BYTES):
                 if CACHE_ROW_BYTES in (data.width, data.pitch) or MXFP8_SLOT_BYTES in (data.width, data.pitch):
                     # a row of these caches' sizes, placed otherwise
@@ -185,23 +186,19 @@ class FuseDsv4PrepPass(PrepfusePass):
             self.attempt(lambda data=data: found.append(self._kv_side(data, byte.values())), "dsv4_kv", node)
         return found
 
-    def _kv_side(self, data: ByteRows, writes) -> KvSide:
-        scales, root, after = scale_partner(data, writes, SCALE_BYTES)
-        sources, region, ops = row_sources([first_rows(data.write), scales.rows], HEAD_DIM, avoid={data.write.root})
-        expect(sources, f"write: the rows written at {where(data.write.write)} are not made of one [T, 512] tensor")
-        return KvSide(root, after, sources, region, ops, data=data, scales=scales)
-
-    def _mxfp8_side(self, data: ByteRows, writes) -> KvSide:
-        """DeepSeek-V4.1's MXFP8 records: 528 bytes a slot written whole, or its 512 codes and,
-        at the same slots, its 16 scale bytes right after them."""
-        if data.width == MXFP8_SLOT_BYTES:
+    def _kv_side(self, data: ByteRows, writes, mxfp8: bool = False) -> KvSide:
+        """fp8_ds_mla rows and their scale bytes after the block's rows; or (``mxfp8``)
+        DeepSeek-V4.1's records: 528 bytes a slot written whole, or its 512 codes and, at the
+        same slots, its 16 scale bytes right after them."""
+        if mxfp8 and data.width == MXFP8_SLOT_BYTES:
             scales, root, after = None, data.write.root, data.write.after
         else:
-            scales, root, after = scale_partner(data, writes, MXFP8_SCALES, interleaved=True)
-        rows = [first_rows(data.write)] + ([scales.rows] if scales is not None else [])
-        sources, region, ops = row_sources(rows, HEAD_DIM, avoid={data.write.root})
-        expect(sources, f"write: the records written at {where(data.write.write)} are not made of one [T, 512] tensor")
-        return KvSide(root, after, sources, region, ops, data=data, scales=scales, mxfp8=True)
+            scales, root, after = scale_partner(data, writes, MXFP8_SCALES if mxfp8 else SCALE_BYTES,
+                                                interleaved=mxfp8)
+        sources, region, ops = row_sources(_byte_rows_written(data, scales), HEAD_DIM, avoid={data.write.root})
+        expect(sources, f"write: the {'records' if mxfp8 else 'rows'} written at {where(data.write.write)} are not "
+                        "made of one [T, 512] tensor")
+        return KvSide(root, after, sources, region, ops, data=data, scales=scales, mxfp8=mxfp8)
 
     def _full_row_side(self, w: RowsWrite) -> KvSide:
         """Whole rows of 512 values a token, bf16 or e4m3 with one scale, written into a
@@ -380,6 +377,12 @@ def _row_roles(w: RowsWrite) -> list[str]:
     last = len(shape(w.target)) - 1
     return ["head" if (kind, d) == ("dim", last) else
             "tokens" if kind == "index" or not same_size(shape(w.target)[d], 1) else "one" for kind, d in w.value_dims]
+
+
+def _byte_rows_written(data: ByteRows, scales: ByteRows | None) -> list:
+    """What a byte cache's side writes: its rows (or records, or codes), and their scale
+    bytes where they are written apart."""
+    return [first_rows(data.write)] + ([scales.rows] if scales is not None else [])
 
 
 def _q_norms(q: QSide | None) -> list[tuple[bool, float]]:

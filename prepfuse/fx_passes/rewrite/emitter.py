@@ -153,17 +153,16 @@ def _functional_value(target, args: tuple, kwargs: dict) -> tuple | None:
         new = [kwargs[name] for name in written]
         call = kwargs
     else:
-        bases = kwargs["_all_bases"]
         extra = {k for k in kwargs if k.startswith("_")}
-        call = {k: v for k, v in kwargs.items() if k not in extra}
-        for name in written:
-            base = bases[kwargs[f"_{name}_base_index"]]
-            view = tuple(kwargs.get(f"_{name}_{part}") for part in ("size", "stride", "storage_offset"))
-            call[name] = base if view == (None, None, None) else base.as_strided(*view)
         if extra - {"_all_bases"} - {f"_{n}_{part}" for n in written
                                      for part in ("base_index", "size", "stride", "storage_offset")}:
             return None  # view information the emitter never writes (a slice, an alias): the op's own path
-        new = bases
+        new = kwargs["_all_bases"]
+        call = {k: v for k, v in kwargs.items() if k not in extra}
+        for name in written:
+            base = new[kwargs[f"_{name}_base_index"]]
+            view = tuple(kwargs.get(f"_{name}_{part}") for part in ("size", "stride", "storage_offset"))
+            call[name] = base if view == (None, None, None) else base.as_strided(*view)
     if any(not isinstance(t, torch.Tensor) or t.storage_offset() != 0 for t in new):
         return None  # a clone keeps the offset: the op's own path
     op(**call)

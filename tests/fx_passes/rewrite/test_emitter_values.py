@@ -17,24 +17,27 @@ from prepfuse.ops import DSV4_QNORM_ROPE_KV_INSERT
 from tests.fx_passes.test_mutation_info import REGISTERED_OP_INPUTS
 
 
-def _emitted(op, args: tuple, v2: bool):
-    """(the emitted call's fake value, the higher-order op's own fake value) for ``op(*args)``."""
+def _call_of(op, args: tuple, v2: bool = True):
+    """``op(*args)`` emitted into a graph of placeholders: (the functional call's node, the
+    getitems of the written arguments, the fake mode)."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     graph = torch.fx.Graph()
-    names = [a.name for a in op._schema.arguments]
-    kwargs, fakes = {}, {}
-    for name, value in zip(names, args):
+    kwargs = {}
+    for arg, value in zip(op._schema.arguments, args):
+        kwargs[arg.name] = value
         if isinstance(value, torch.Tensor):
-            node = graph.placeholder(name)
-            node.meta["val"] = fakes[name] = mode.from_tensor(value)
-            kwargs[name] = node
-        else:
-            kwargs[name] = fakes[name] = value
-    out = graph.output(())
-    emit = Emitter(graph, out, source=next(iter(graph.nodes)))
+            kwargs[arg.name] = graph.placeholder(arg.name)
+            kwargs[arg.name].meta["val"] = mode.from_tensor(value)
+    emit = Emitter(graph, graph.output(()), source=next(iter(graph.nodes)))
     with torch._inductor.config.patch(enable_auto_functionalized_v2=v2):
-        emit.functional_call(op, kwargs)
+        written = emit.functional_call(op, kwargs)
     call = next(n for n in graph.nodes if n.target in auto_functionalized_ops())
+    return call, written, mode
+
+
+def _emitted(op, args: tuple, v2: bool):
+    """(the emitted call's fake value, the higher-order op's own fake value) for ``op(*args)``."""
+    call, _, mode = _call_of(op, args, v2)
     hop_kwargs = torch.fx.node.map_arg(call.kwargs, lambda n: n.meta["val"])
     with mode:
         expected = call.target(op, **hop_kwargs)
@@ -67,19 +70,9 @@ def test_getitems_follow_the_value():
     """The getitems of the written arguments carry the value's elements."""
     from prepfuse.testing import make_dsv4_inputs
 
-    mode = FakeTensorMode()
-    graph = torch.fx.Graph()
-    inputs = make_dsv4_inputs(5, 3, 8, 16, "cpu")
+    args = make_dsv4_inputs(5, 3, 8, 16, "cpu").args()
+    _, written, _ = _call_of(DSV4_QNORM_ROPE_KV_INSERT, args)
     names = [a.name for a in DSV4_QNORM_ROPE_KV_INSERT._schema.arguments]
-    kwargs = {}
-    for name, value in zip(names, inputs.args()):
-        if isinstance(value, torch.Tensor):
-            kwargs[name] = graph.placeholder(name)
-            kwargs[name].meta["val"] = mode.from_tensor(value)
-        else:
-            kwargs[name] = value
-    out = graph.output(())
-    written = Emitter(graph, out, source=next(iter(graph.nodes))).functional_call(DSV4_QNORM_ROPE_KV_INSERT, kwargs)
     for name, node in written.items():
         assert node.target is operator.getitem
-        assert node.meta["val"].shape == kwargs[name].meta["val"].shape
+        assert node.meta["val"].shape == args[names.index(name)].shape
