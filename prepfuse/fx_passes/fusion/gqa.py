@@ -57,6 +57,8 @@ from prepfuse.ops.gqa_qknorm_rope_kv_insert import HEAD_DIMS
 
 PATTERN = "gqa"
 Q_SCRATCH_NAME = "prepfuse_gqa_q_out_scratch"
+# the products a projection's rows come from (``_float_sources``)
+_PRODUCTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
 
 
 @dataclass
@@ -279,12 +281,13 @@ class FuseGqaPrepPass(PrepfusePass):
         checked_kv = lambda emit, outs: _kv_checked(k, v, shared, outs)  # noqa: E731
         if len(qs) == 1:  # one q: its call with each math, in one search
             final = first_agreeing(probes, [Candidate(m.describe(), _call(self, m, qs[0], k, v, shared, scales,
-                                                                          checked_kv, with_q=True)) for m in maths], make)
+                                                                          checked_kv, with_q=True), m.rounding_of())
+                                            for m in maths], make)
             best = next(m for m in maths if m.describe() == final.candidate.name)
         else:  # the math on k and v first, then which q goes with it
             agreed = first_agreeing(probes, [Candidate(m.describe(), _call(self, m, qs[0], k, v, shared, scales,
-                                                                           checked_kv, with_q=False)) for m in maths],
-                                    make)
+                                                                           checked_kv, with_q=False), m.rounding_of())
+                                             for m in maths], make)
             agreed.emitter.discard()
             best = next(m for m in maths if m.describe() == agreed.candidate.name)
             final = first_agreeing(probes, [Candidate(f"{best.describe()}; q {where(q.prepared)}",
@@ -458,9 +461,11 @@ def _same_slots(a: RowsWrite, b: RowsWrite) -> bool:
 
 
 def _float_sources(graph):
-    return [unpadded_rows(n) for n in graph.nodes if isinstance(val(n), torch.Tensor) and val(n).dtype.is_floating_point
-            and val(n).dim() >= 2 and (n.op == "placeholder" or is_op(n, aten.mm.default, aten.addmm.default,
-                                                                       aten.bmm.default, aten.baddbmm.default))]
+    """The graph's float inputs and projection products of two dims or more (a fake tensor's
+    attributes are slow to read: the node's kind is tested first)."""
+    inputs_and_products = [n for n in graph.nodes if n.op == "placeholder" or is_op(n, *_PRODUCTS)]
+    return [unpadded_rows(n) for n in inputs_and_products
+            if isinstance(val(n), torch.Tensor) and val(n).dtype.is_floating_point and val(n).dim() >= 2]
 
 
 def _closest(candidates, source_of, k_source):

@@ -31,6 +31,12 @@ class Math:
     saturate: bool
     q_factor: float = 1.0  # q's normed values times a number before the rotation (q's weight carries it)
 
+    def rounding_of(self) -> Math:
+        """This math but for where it rounds, the norm weight applied after the bf16 rounding
+        or in fp32 (``search.Candidate.rounding_of``: of two that agree, the closer is kept).
+        The eps and the scale's use are other math, which the edge probe tells apart."""
+        return replace(self, norm="weighted") if self.norm in ("bf16", "fp32") else self
+
     def describe(self) -> str:
         norm = {"none": "no q/k norm", "bf16": "q/k RMSNorm (bf16 weight after the rounding)",
                 "fp32": "q/k RMSNorm (weight applied in fp32)", "unweighted": "q/k RMSNorm without a weight"}[self.norm]

@@ -2,7 +2,8 @@
 the region they would replace, on probes, and the one that agrees put into the graph.
 
 - ``probes.py``, ``compare.py``: probe values, the region run once, candidates compared;
-- ``search.py``: candidate calls tried on the probes, the first that agrees kept;
+- ``search.py``: candidate calls tried on the probes, the first that agrees kept (or a
+  rival rounding of it closer to the code's values);
 - ``emitter.py``: what every rewrite inserts (fake values, the functional call);
 - ``cache_views.py``: a rows write's paged cache as a call writes it, and each token's slot;
 - ``scratch_buffers.py``: output buffers from the scratch arena;

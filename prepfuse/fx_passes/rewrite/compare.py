@@ -107,9 +107,11 @@ def _largest_before_cast(pairs, values: dict) -> float | None:
     return largest
 
 
-def compare(c: Checked, got, want, probe: int, values: dict, call_values: dict | None = None) -> None:
+def compare(c: Checked, got, want, probe: int, values: dict, call_values: dict | None = None) -> int:
     """Raise ``probes.Mismatch`` where ``got`` (the call's) is not ``want`` (the region's);
-    ``values`` holds the region's values, ``call_values`` the call's (for ``Checked.scales``)."""
+    ``values`` holds the region's values, ``call_values`` the call's (for ``Checked.scales``).
+    Returns how many values differ within the bound (0: bit for bit), which tells apart
+    candidates that all agree (``search``)."""
     def fail(message: str, bad: int = 1, total: int = 1):
         raise Mismatch(message, probe, bad, total, c.name)
 
@@ -122,23 +124,24 @@ def compare(c: Checked, got, want, probe: int, values: dict, call_values: dict |
         else:
             got_parts, want_parts = c.decode(got.cpu()), c.decode(want.cpu())
         if isinstance(got_parts, dict):  # a buffer of several encodings: each part by its own rule
+            inexact = 0
             for part in got_parts:
                 got_part, want_part = got_parts[part], want_parts[part]
                 if isinstance(got_part, Exact):
                     _compare_exact(f"{c.name} ({part})", got_part.value, want_part.value, probe)
-                    continue
-                if isinstance(got_part, Quantized):
-                    _compare_quantized(f"{c.name} ({part})", got_part, want_part, probe)
-                    continue
-                compare(Checked(f"{c.name} ({part})", c.region, c.call), got_part, want_part, probe, values)
-            return
+                elif isinstance(got_part, Quantized):
+                    inexact += _compare_quantized(f"{c.name} ({part})", got_part, want_part, probe)
+                else:
+                    inexact += compare(Checked(f"{c.name} ({part})", c.region, c.call), got_part, want_part, probe,
+                                       values)
+            return inexact
         got, want = got_parts, want_parts
     if got.shape != want.shape:
         fail(f"{c.name} has shape {tuple(got.shape)}, the code's {tuple(want.shape)}")
     if got.dtype != want.dtype:
         fail(f"{c.name} is {got.dtype}, the code's {want.dtype}")
     if got.numel() == 0:
-        return
+        return 0
     got, want = got.cpu(), want.cpu()
     if isinstance(c.decode, torch.dtype):
         got, want = got.view(c.decode), want.view(c.decode)
@@ -169,6 +172,7 @@ def compare(c: Checked, got, want, probe: int, values: dict, call_values: dict |
         count = int(bad.sum())
         fail(f"{c.name} differs at {list(index)}: got {_item(got, index)}, the code gives {_item(want, index)} "
              f"({count} of {bad.numel()} values outside the {bound})", count, bad.numel())
+    return _differing(got, want)
 
 
 def _compare_exact(name: str, got: torch.Tensor, want: torch.Tensor, probe: int) -> None:
@@ -184,7 +188,7 @@ def _compare_exact(name: str, got: torch.Tensor, want: torch.Tensor, probe: int)
                        f"of the math gives the same bytes, on the {what})", probe, int(bad.sum()), bad.numel(), name)
 
 
-def _compare_quantized(name: str, got: Quantized, want: Quantized, probe: int) -> None:
+def _compare_quantized(name: str, got: Quantized, want: Quantized, probe: int) -> int:
     a, b = got.value.float(), want.value.float()
     if a.shape != b.shape:
         raise Mismatch(f"{name} has shape {tuple(a.shape)}, the code's {tuple(b.shape)}", probe, 1, 1, name)
@@ -198,6 +202,20 @@ def _compare_quantized(name: str, got: Quantized, want: Quantized, probe: int) -
                        f"({int(bad.sum())} of {bad.numel()} values outside the bound one step of the coarser grid "
                        f"plus 2^-6 of the block's largest |value|, a zero's sign exact, on the {what})", probe,
                        int(bad.sum()), bad.numel(), name)
+    return _differing(a, b)
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many of ``a``'s values are not ``b``'s bit for bit (a zero's sign counts; two NaNs
+    of a float wider than a byte count as equal: their payloads are no part of the math)."""
+    bits = _SAME_WIDTH_INT[a.dtype.itemsize]
+    differ = a.contiguous().view(bits) != b.contiguous().view(bits)
+    if a.dtype.is_floating_point and a.dtype.itemsize > 1:
+        differ &= ~(a.isnan() & b.isnan())
+    return int(differ.sum())
 
 
 def _outside(a: torch.Tensor, b: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from prepfuse._compat import auto_functionalized_ops
 from prepfuse.fx_passes.mutation_info import mutated_args, output_indices
 from prepfuse.fx_passes.matching.layouts import Layout, canonical_order
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, graph_order, prims, same_size, shape, val
-from prepfuse.fx_passes.rewrite.scratch_buffers import scratch_buffer
+from prepfuse.fx_passes.rewrite.scratch_buffers import emit_scratch, scratch_buffer
 from prepfuse.ops import SCRATCH
 
 __all__ = ["Emitter", "as_layout"]
@@ -36,6 +36,13 @@ class Emitter:
         self.stack_trace = source.meta.get("stack_trace")
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
         self.emitted: list[torch.fx.Node] = []  # every node this emitter inserted, in order
+        self.fresh_scratch = False  # ``beside_another``
+
+    def beside_another(self) -> Emitter:
+        """This emitter for a call tried while another stays in the graph: its scratch is a new
+        view, never the contents the other call writes (it would be ordered after them)."""
+        self.fresh_scratch = True
+        return self
 
     def node(self, target, *args, name: str | None = None, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.point):
@@ -79,7 +86,8 @@ class Emitter:
 
     def scratch(self, base: str, sizes, dtype, like: torch.fx.Node, name: str) -> torch.fx.Node:
         """An arena-backed output buffer (``scratch_buffer``): no allocation per call."""
-        node = scratch_buffer(self.graph, self.point, base, sizes, dtype, val(like).device, node_name=name)
+        make = emit_scratch if self.fresh_scratch else scratch_buffer
+        node = make(self.graph, self.point, base, sizes, dtype, val(like).device, node_name=name)
         if node.target is SCRATCH and not node.users and node not in self.emitted:  # made now, not reused
             self.emitted.append(node)
         if node.target is SCRATCH and self.stack_trace and "stack_trace" not in node.meta:

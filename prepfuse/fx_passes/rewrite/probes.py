@@ -42,7 +42,7 @@ from prepfuse.fx_passes.matching.nodes import NoMatch, aten, concrete, is_op, sh
 from prepfuse.fx_passes.matching.regions import backward, leaves
 from prepfuse.ops import SCRATCH
 
-__all__ = ["Probes", "Mismatch", "NUM_PROBES"]
+__all__ = ["Probes", "Mismatch", "NUM_PROBES", "further"]
 
 NUM_PROBES = 2
 # a region that reaches this far back from its outputs is not one layer's preparation
@@ -161,11 +161,17 @@ class Probes:
                 return False
         return True
 
-    def check(self, emitted: list[torch.fx.Node], checked: list[Checked]) -> int:
+    def check(self, emitted: list[torch.fx.Node], checked: list[Checked],
+              beat: tuple[int, ...] | None = None) -> tuple[int, tuple[int, ...]]:
         """Run the candidate (``emitted`` and the graph nodes it reads) on every probe and
-        compare its outputs with the region's; returns the probes run, or raises Mismatch."""
-        emitted_set = set(emitted)
+        compare its outputs with the region's; returns the probes run and, per probe, how
+        many values differ within the bounds (0: bit for bit), or raises Mismatch. With
+        ``beat`` (another candidate's counts) it stops after the first probe where it is
+        further from the code than that one (``further``): it cannot be the closer."""
+        emitted_set, inexact = set(emitted), ()
         for probe in range(self.count):
+            if further(inexact, beat):
+                return probe, inexact
             region = self.region(probe)
             call_nodes = backward([c.call for c in checked], cut=set(self.roles) | {
                 n for n in region if n not in emitted_set}, keep=emitted_set)
@@ -173,9 +179,9 @@ class Probes:
             extra = [leaf for leaf in leaves(call_nodes) if leaf not in known]
             known.update(self._values(extra, probe))
             call = _run(call_nodes, known, "the fused call")
-            for c in checked:
-                compare(c, call[c.call], region[c.region], probe, {**known, **region}, call)
-        return self.count
+            inexact += (sum(compare(c, call[c.call], region[c.region], probe, {**known, **region}, call)
+                            for c in checked),)
+        return self.count, inexact
 
     # ----------------------------------------------------------------------------------
     def _values(self, nodes, probe: int) -> dict:
@@ -198,6 +204,13 @@ class Probes:
             if role == "slots":
                 return concrete(shape(node)[0]) if shape(node) else None
         return None
+
+
+def further(counts: tuple[int, ...], beat: tuple[int, ...] | None) -> bool:
+    """Whether a candidate whose first probes gave ``counts`` (values that differ from the
+    code's, per probe) is already further from the code than one that gave ``beat``: the
+    unit-scale probe decides, the edge probe breaks a tie."""
+    return beat is not None and counts > beat[:len(counts)]
 
 
 def _same_last_token(value, n: int | None):

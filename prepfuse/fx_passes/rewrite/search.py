@@ -5,7 +5,14 @@ rounding happens, fp8 scale semantics, how many heads). From a region's leaves i
 enumerates those as ``Candidate`` calls, cheapest and likeliest first; ``first_agreeing``
 emits each in turn, checks it on the region's probes (``probes.Probes``) and keeps the
 first whose every output is within bounds. A candidate that differs is erased before the
-next is emitted, so the graph only ever holds the call that agreed.
+next is emitted, so the graph ends up holding only the call kept.
+
+Candidates that differ only in where they round (a norm weight applied after the bf16
+rounding or in fp32) can both agree within the bounds. The family marks them with one
+``rounding_of`` key; when the first to agree is not bit for bit the code's, the later ones
+of its key run too and the one that differs from the code in the fewest values is kept (an
+exact one ends the search): code that rounds like one of them gets that one, not whichever
+was listed first.
 
 When none agrees, the decline names the closest candidate (the one that passed more
 probes, then had fewer values out of bounds) and the first value where it differs: what
@@ -39,6 +46,7 @@ class Candidate:
 
     name: str
     emit: Callable
+    rounding_of: object = None  # the same call but for where it rounds: candidates with one key are rivals
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Agreed:
     checked: list
     result: object
     probes_run: int  # 0: taken from an earlier region of the same form
+    inexact: tuple = ()  # per probe run: values within the bounds but not bit for bit the code's
 
     def note(self, what: str) -> str:
         """How the call was decided, for the report."""
@@ -57,8 +66,9 @@ class Agreed:
 
 
 def first_agreeing(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> Agreed:
-    """The first of ``candidates`` whose call computes the region, its nodes left in the
-    graph; or NoMatch naming the closest one and where it differs.
+    """The first of ``candidates`` whose call computes the region (or a closer rounding of
+    it: ``_closest_rounding``), its nodes left in the graph; or NoMatch naming the closest
+    one and where it differs.
 
     A region of the same form as one searched before in this graph (``Probes.form``: a
     model's next layer), with the same candidates, has the same outcome on the probes: the
@@ -74,10 +84,11 @@ def first_agreeing(probes: Probes, candidates, make_emitter: Callable[[], Emitte
     return agreed
 
 
-def _emitted(candidate: Candidate, make_emitter: Callable[[], Emitter], probes: Probes | None) -> Agreed:
+def _emitted(candidate: Candidate, make_emitter: Callable[[], Emitter], probes: Probes | None,
+             beat: tuple | None = None) -> Agreed:
     """``candidate``'s call in a fresh emitter, its inputs in order, checked on ``probes``
-    (None: taken as agreed); or nothing it emitted left in the graph, and NoMatch where the
-    call's fake impl refuses it (a probe's Mismatch passes through)."""
+    (None: taken as agreed; ``beat``: ``Probes.check``'s); or nothing it emitted left in the
+    graph, and NoMatch where the call's fake impl refuses it (a probe's Mismatch passes through)."""
     emit = make_emitter()
     try:
         try:
@@ -85,8 +96,8 @@ def _emitted(candidate: Candidate, make_emitter: Callable[[], Emitter], probes: 
         except (RuntimeError, ValueError, TypeError, IndexError) as err:  # the call's fake impl refuses it
             raise NoMatch(f"the call cannot be made: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         emit.inputs_in_order()
-        run = probes.check(emit.emitted, checked) if probes is not None else 0
-        return Agreed(candidate, emit, checked, result, run)
+        run, inexact = probes.check(emit.emitted, checked, beat) if probes is not None else (0, ())
+        return Agreed(candidate, emit, checked, result, run, inexact)
     except BaseException:
         emit.discard()  # nothing a failed candidate emitted stays in the graph
         raise
@@ -95,9 +106,10 @@ def _emitted(candidate: Candidate, make_emitter: Callable[[], Emitter], probes: 
 def _search(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> Agreed:
     closest: tuple | None = None
     structural: str | None = None
-    for candidate in candidates:
+    for i, candidate in enumerate(candidates):
         try:
-            return _emitted(candidate, make_emitter, probes)
+            agreed = _emitted(candidate, make_emitter, probes)
+            return _closest_rounding(agreed, candidates[i + 1:], probes, make_emitter)
         except Mismatch as m:
             if closest is None or m.closeness() > closest[0]:
                 closest = (m.closeness(), candidate, m)
@@ -109,3 +121,37 @@ def _search(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> 
         err.mismatch = m  # what differed, for a family that has other candidates for that output
         raise err
     raise NoMatch(structural or "no candidate call")
+
+
+def _closest_rounding(agreed: Agreed, later, probes: Probes, make_emitter: Callable[[], Emitter]) -> Agreed:
+    """``agreed``, or the later candidate of its ``rounding_of`` key that also agrees and
+    differs from the code in fewer values: on the unit-scale probe (the values a model
+    sees), the edge probe's extremes breaking a tie. Each rival runs beside ``agreed``'s
+    call with a scratch of its own, stops after the first probe where it is further, and is
+    erased whatever it shows; one that wins is emitted again in ``agreed``'s place."""
+    key = agreed.candidate.rounding_of
+    if key is None or not any(agreed.inexact):
+        return agreed
+    best = agreed
+    try:
+        for rival in later:
+            if rival.rounding_of != key:
+                continue
+            try:
+                other = _emitted(rival, lambda: make_emitter().beside_another(), probes, beat=best.inexact)
+            except NoMatch:  # a Mismatch too: it does not agree, and erased itself
+                continue
+            other.emitter.discard()
+            if other.probes_run == best.probes_run and other.inexact < best.inexact:
+                best = other
+                if not any(best.inexact):
+                    break
+    except BaseException:
+        agreed.emitter.discard()  # the graph as the code wrote it (``PrepfusePass.attempt``)
+        raise
+    if best is agreed:
+        return agreed
+    agreed.emitter.discard()
+    kept = _emitted(best.candidate, make_emitter, None)
+    kept.probes_run, kept.inexact = best.probes_run, best.inexact
+    return kept
