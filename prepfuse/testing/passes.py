@@ -21,7 +21,13 @@ import torch
 
 from prepfuse.backend import PrepfuseBackend
 
-__all__ = ["PassReportQueries", "compile_beside_eager"]
+__all__ = ["PassReportQueries", "compile_beside_eager", "RECOMPILE_TOKEN_COUNTS"]
+
+# The token counts a dynamic-shape test runs under ``fail_on_recompile`` after its warm-up:
+# every count to 17 (the 0/1 specialisation, small alignments), each side of every power of
+# two from 32 to 256 (the CUDA-graph batch sizes) and 300. A guard a pass adds on the count
+# (a bound, an equality, a divisibility) fails on one of them.
+RECOMPILE_TOKEN_COUNTS = (*range(1, 18), 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300)
 
 
 class PassReportQueries:

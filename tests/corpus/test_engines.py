@@ -4,8 +4,8 @@ gpt-fast, nano-vllm, FlashInfer's page table), written after reading theirs: wha
 ``backend="prepfuse"`` fuses, against eager and against ``backend="inductor"``.
 
 Per case: the exact number of fused calls and their pattern (or the near miss naming why
-not), numerics, and for one case
-the golden post-pass graph and serving every T in 1..300 without a recompile. Numerics:
+not), numerics, and for one case the golden post-pass graph and serving each T of
+``RECOMPILE_TOKEN_COUNTS`` without a recompile. Numerics:
 vLLM and SGLang rotate in bf16 (``cos.to(x.dtype)``); the fused op multiplies by the same
 bf16 cos/sin in fp32 and rounds once, as Inductor's code for the unfused math does. So
 against Inductor the written rows agree to a bf16 rounding (an fp8 row to one e4m3 step);
@@ -26,6 +26,7 @@ from prepfuse.backend import PrepfuseBackend
 from prepfuse.models.engine_clients import ENGINE_CASES, build_engine_client, engine_cache_rows
 from prepfuse.testing import max_row_rel_diff
 from prepfuse.testing.golden import GoldenFiles
+from prepfuse.testing.passes import RECOMPILE_TOKEN_COUNTS
 
 GOLDEN = GoldenFiles.beside(__file__)
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
@@ -184,9 +185,10 @@ def test_vllm_golden_graph():
 
 @pytest.mark.parametrize("name", ["vllm-qwen3", "gpt-fast-llama", "gpt-fast-llama-batch2"])
 def test_every_batch_size_without_a_recompile(name):
-    """``mark_dynamic`` on the token count, warmed up at T=1 and T=7, then every T in 1..300
-    (the CUDA-graph batch sizes 64, 128, 256 among them) under ``fail_on_recompile``: no
-    pass adds a guard on the token count, and every graph fuses both layers."""
+    """``mark_dynamic`` on the token count, warmed up at T=1 and T=7, then each T of
+    ``RECOMPILE_TOKEN_COUNTS`` (1..17, each side of 32 .. 256, 300) under
+    ``fail_on_recompile``: no pass adds a guard on the token count, and every graph fuses
+    both layers."""
     case = CASES[name]
     model, _ = build_engine_client(case, num_tokens=300, seed=7, num_blocks=20)
     backend = PrepfuseBackend()
@@ -207,7 +209,7 @@ def test_every_batch_size_without_a_recompile(name):
     assert backend.reports and all(r.matched_counts.get(PASS, 0) == 2 for r in backend.reports), backend.reports
     compiled_graphs = len(backend.reports)
     with torch.compiler.set_stance("fail_on_recompile"):
-        for t in range(1, 301):
+        for t in RECOMPILE_TOKEN_COUNTS:
             call(t)
     assert len(backend.reports) == compiled_graphs
 

@@ -26,6 +26,7 @@ from prepfuse.backend import PrepfuseBackend  # noqa: E402
 from prepfuse.models.clients import CLIENT_CASES, build_client, cache_rows  # noqa: E402
 from prepfuse.testing import max_row_rel_diff  # noqa: E402
 from prepfuse.testing.golden import GoldenFiles
+from prepfuse.testing.passes import RECOMPILE_TOKEN_COUNTS
 
 GOLDEN = GoldenFiles.beside(__file__)
 
@@ -143,9 +144,9 @@ def test_gemma3_golden_graph():
 @pytest.mark.parametrize("mode", ["mark_dynamic", "dynamic=True"])
 @torch._dynamo.config.patch(specialize_float=True)
 def test_every_batch_size_without_a_recompile(mode):
-    """Compiled with a dynamic token count, warmed up at T=1 and T=7, then every T in 1..300
-    (the CUDA-graph batch sizes 64, 128, 256 among them) runs without a recompile: no pass
-    adds a guard on the token count, and every graph fuses both layers.
+    """Compiled with a dynamic token count, warmed up at T=1 and T=7, then each T of
+    ``RECOMPILE_TOKEN_COUNTS`` (1..17, each side of 32 .. 256, 300) runs without a
+    recompile: no pass adds a guard on the token count, and every graph fuses both layers.
 
     Under ``dynamic=True`` Dynamo also makes the norms' Python float eps a graph input
     (``specialize_float`` off); the op takes eps as a constant, so there the graphs are
@@ -170,7 +171,7 @@ def test_every_batch_size_without_a_recompile(mode):
     assert backend.reports and all(r.matched_counts.get(PASS, 0) == 2 for r in backend.reports), backend.reports.format()
     compiled_graphs = len(backend.reports)
     with torch.compiler.set_stance("fail_on_recompile"):
-        for t in range(1, 301):
+        for t in RECOMPILE_TOKEN_COUNTS:
             call(t)
     assert len(backend.reports) == compiled_graphs
 
