@@ -19,11 +19,12 @@ in the cache's own dtype (bf16, or e4m3 with one per-tensor scale) instead of fp
 
 Q, per token and head, as ``dsv4_qnorm_rope_kv_insert`` computes it (fp32 RMSNorm over 512 without
 weight unless ``apply_q_norm`` is False, GPT-J RoPE on dims 448..511), then one rounding: bf16, or
-``e4m3(clamp(y * q_scale_inv, -448, 448))``. KV, per inserted row: RoPE on dims 448..511 in fp32 (no norm), then the whole row with one
-rounding: bf16 (dims 0..447 are kv's values unchanged), or ``e4m3(clamp(x * r, -448, 448))`` with
-``r = fp32(1 / kv_scale)``: a product with the rounded reciprocal, not a division, and no bf16
-rounding between RoPE and e4m3, as the production kernel computes it (docs/ops.md). e4m3 rounds to
-nearest even; a NaN stays NaN (0x7F), an infinity saturates.
+``e4m3(clamp(y * q_scale_inv, -448, 448))``. KV, per inserted row: RoPE on dims 448..511 in fp32
+(no norm), then the whole row with one rounding: bf16 (dims 0..447 are kv's values unchanged),
+or ``e4m3(clamp(x * r, -448, 448))`` with ``r = fp32(1 / kv_scale)``: a product with the rounded
+reciprocal, not a division, and no bf16 rounding between RoPE and e4m3, as the production
+kernel computes it (docs/ops.md). e4m3 rounds to nearest even; a NaN stays NaN (0x7F), an
+infinity saturates.
 
 Traffic per token: reads 1024*H + 1024 + 256 bytes (q, kv, cos/sin row), writes HP*512 and 512
 elements of q_out's and k_cache's dtypes: bandwidth bound from a few hundred tokens.

@@ -109,12 +109,13 @@ def _search(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> 
     for i, candidate in enumerate(candidates):
         try:
             agreed = _emitted(candidate, make_emitter, probes)
-            return _closest_rounding(agreed, candidates[i + 1:], probes, make_emitter)
         except Mismatch as m:
             if closest is None or m.closeness() > closest[0]:
                 closest = (m.closeness(), candidate, m)
         except NoMatch as err:
             structural = structural or f"{candidate.name}: {err}"
+        else:
+            return _closest_rounding(agreed, candidates[i + 1:], probes, make_emitter)
     if closest is not None:
         _, candidate, m = closest
         err = NoMatch(f"closest: {candidate.name}: {m}")

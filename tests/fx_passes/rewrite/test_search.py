@@ -62,10 +62,12 @@ class Outcomes:
         return self.count, counts
 
 
-def search(outcomes: dict, keys: dict, probes: Outcomes | None = None, beside: dict | None = None):
-    """``first_agreeing`` over candidates named by ``outcomes``' keys; ``beside`` collects,
-    per candidate, whether each of its calls was emitted beside another."""
-    graph, probes = set(), probes or Outcomes(outcomes)
+def search(outcomes: dict, keys: dict, probes: Outcomes | None = None, beside: dict | None = None,
+           graph: set | None = None):
+    """``first_agreeing`` over candidates named by ``outcomes``' keys, their calls put into
+    ``graph``; ``beside`` collects, per candidate, whether each of its calls was emitted
+    beside another."""
+    graph, probes = set() if graph is None else graph, probes or Outcomes(outcomes)
     beside = {} if beside is None else beside
 
     def candidate(name):
@@ -118,19 +120,9 @@ def test_an_error_in_a_rival_leaves_no_call_in_the_graph():
                 raise KeyError("a decode that fails")
             return super().check(emitted, checked, beat)
 
-    graph = set()
-    outcomes = {"first": [1, 1], "rival": [0, 0]}
-    probes = Broken(outcomes)
-
-    def candidate(name):
-        def emit(emitter):
-            graph.add(name)
-            emitter.emitted.append(name)
-            return [name], name
-        return Candidate(name, emit, "k")
-
+    graph, outcomes = set(), {"first": [1, 1], "rival": [0, 0]}
     with pytest.raises(KeyError):
-        first_agreeing(probes, [candidate(n) for n in outcomes], lambda: Emitted(graph))
+        search(outcomes, {"first": "k", "rival": "k"}, probes=Broken(outcomes), graph=graph)
     assert graph == set()
 
 
