@@ -20,7 +20,11 @@ Implementations, per format:
   ``dynamic=False``);
 - ``prepfuse``: the same function under ``torch.compile(backend=PrepfuseBackend({"strict": True}))``
   (Inductor's FX graph cache off, so that the pass runs), whose pass should replace it by one
-  op call (the row records the pass's matched count).
+  op call (the row records the pass's matched count);
+- ``fused-q`` and ``vllm``: the q side alone (no key rows): the op, and vLLM 0.33's own
+  indexer q kernel (``fused_indexer_q_rope_quant``'s CuTe DSL kernel, ``bench/vllm_indexer.py``)
+  where its payload loads; vLLM writes its key rows in the compressor, so this pair is the
+  like-for-like comparison.
 
 Method (``bench_dsv4_qnorm_rope_kv_insert.py``'s, whose timing code this script imports):
 per shape a correctness gate first (fresh random inputs from
@@ -49,10 +53,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import harness  # noqa: E402  (also puts the repository on sys.path)
+import vllm_indexer  # noqa: E402  (bench/ is on sys.path: the script's own folder)
+import vllm_ops  # noqa: E402
 
 STEM = "dsv4_indexer_rope_quant_insert"
 FORMATS = ("fp8", "mxfp4")
-IMPLS = ("fused", "eager", "compile", "prepfuse")
+IMPLS = ("fused", "eager", "compile", "prepfuse", "fused-q", "vllm")
+Q_SIDE = ("fused-q", "vllm")  # timed on calls with no key rows
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 16384)
 HEADS = 64
 HEAD_DIM = 128
@@ -62,6 +69,8 @@ DEVICE = "cuda"  # where the inputs live (the CPU test of the loop rebinds it)
 # missing here has only the fused row
 MODEL_SPELLINGS = {"fp8": "slice-strided-view-bytes", "mxfp4": "compare-blocks-slice-strided-view"}
 PASS_NAMES = {"fp8": "fuse_dsv4_indexer_prep", "mxfp4": "fuse_dsv4_indexer_mxfp4_prep"}
+# the pattern of a match that took q and k together (a pass match may take one side alone)
+WHOLE_PATTERNS = {"fp8": "dsv4_indexer_q+k", "mxfp4": "dsv4_indexer_mxfp4_q+k"}
 OP_NAMES = {"fp8": "dsv4_indexer_rope_fp8_insert", "mxfp4": "dsv4_indexer_rope_mxfp4_insert"}
 WARM_BELOW_L2 = 0.25  # a call moving less than this share of L2 is timed warm, larger ones cold
 COMPILE_DIFF_SHARE = 10  # compile: at most 1 in this many written elements of an output may differ
@@ -93,11 +102,23 @@ def indexer_bytes_moved(num_tokens: int, num_k: int, num_heads: int, fmt: str) -
 # --------------------------------------------------------------------------------------
 # Implementations
 # --------------------------------------------------------------------------------------
-def make_inputs(fmt: str, num_tokens: int, *, skip_fraction: float):
+def make_inputs(fmt: str, num_tokens: int, *, skip_fraction: float, num_k: int | None = None):
+    """One call's inputs: ``num_k`` key rows, by default ``key_rows(num_tokens)``."""
     from prepfuse.testing import make_dsv4_indexer_inputs
 
-    return make_dsv4_indexer_inputs(fmt, num_tokens, HEADS, BLOCK_SIZE, DEVICE, num_k=key_rows(num_tokens),
+    num_k = key_rows(num_tokens) if num_k is None else num_k
+    return make_dsv4_indexer_inputs(fmt, num_tokens, HEADS, BLOCK_SIZE, DEVICE, num_k=num_k,
                                     skip_fraction=skip_fraction)
+
+
+def vllm_call(fmt: str):
+    """vLLM's indexer q kernel of ``fmt`` as a call on prepfuse's inputs, writing their q outputs."""
+    kernels = vllm_indexer.load()
+    if fmt == "fp8":
+        return lambda inp: kernels.fp8(inp.q, inp.weights, inp.positions, inp.cos_sin_cache, inp.weights_scale,
+                                       inp.q_out, inp.weights_out)
+    return lambda inp: kernels.mxfp4(inp.q, inp.weights, inp.positions, inp.cos_sin_cache, inp.weights_scale,
+                                     inp.q_out, inp.q_scale, inp.weights_out)
 
 
 def model_step(fmt: str, weights_scale: float, block_size: int):
@@ -132,9 +153,11 @@ def make_impl(impl: str, fmt: str, weights_scale: float, block_size: int):
     from prepfuse.backend import PrepfuseBackend
     from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_INDEXER_ROPE_MXFP4_INSERT
 
-    if impl == "fused":
+    if impl in ("fused", "fused-q"):
         op = DSV4_INDEXER_ROPE_FP8_INSERT if fmt == "fp8" else DSV4_INDEXER_ROPE_MXFP4_INSERT
         return (lambda inp: op(*inp.args())), None
+    if impl == "vllm":
+        return vllm_call(fmt), None
     step = model_step(fmt, weights_scale, block_size)
     backend = None
     if impl == "compile":
@@ -173,14 +196,19 @@ def written_elements(inp) -> dict[str, int]:
 def within_bound(impl: str, comparison: dict) -> bool:
     """The gate's verdict from a comparison ``{"differing": {output: n}, "written": {output: n}}``.
 
-    ``fused``, ``eager`` and ``prepfuse`` must equal the reference byte for byte: there are no
-    sums in this math (the op's GPU tests and the pass tests assert equality). ``compile`` is
+    ``fused``, ``fused-q``, ``eager`` and ``prepfuse`` must equal the reference byte for byte:
+    there are no sums in this math (the op's GPU tests and the pass tests assert equality).
+    ``vllm`` is held to the spec's bound between two implementations (at most 20 in a million
+    values of each output differ; ``tests/ops/test_vllm_indexer_parity.py`` checks that each is
+    one code apart). ``compile`` is
     Inductor's code for the unfused math, which rounds its own way (torch 2.11 drops the
     bf16 round trip; a product may be contracted into an FMA): as the pass tests bound
     Inductor's code for the look-alikes it leaves alone, at most 1 in ``COMPILE_DIFF_SHARE``
     of each output's written elements may differ (garbage differs in most).
     """
     differing = comparison["differing"]
+    if impl == "vllm":
+        return all(n <= 1 + 20e-6 * comparison["written"].get(name, 0) for name, n in differing.items())
     if impl != "compile":
         return not any(differing.values())
     return all(n <= max(2, comparison["written"].get(name, 0) // COMPILE_DIFF_SHARE) for name, n in differing.items())
@@ -195,7 +223,7 @@ def gate(impl: str, fmt: str, fn, inputs) -> tuple[bool, dict]:
     ref, run = inputs.fresh_outputs(), inputs.fresh_outputs()
     reference(*ref.args())
     outs = fn(run)
-    if impl != "fused":
+    if impl not in ("fused", "fused-q", "vllm"):
         store_outputs(fmt, outs, run)
     _sync()
     comparison = {"differing": compare_dsv4_indexer(ref, run), "written": written_elements(inputs)}
@@ -203,15 +231,17 @@ def gate(impl: str, fmt: str, fn, inputs) -> tuple[bool, dict]:
 
 
 def fusion_record(backend, fmt: str) -> dict:
-    """What the prepfuse backend did to this row's graph: the pass's matched count (1 = the
-    whole q + k prep became one op call), the patterns, the prepfuse ops left in the graph."""
+    """What the prepfuse backend did to this row's graph: the pass's matched count, how many of
+    its matches took q and k together (``whole``: 1 = the whole prep became one op call), the
+    patterns, the prepfuse ops left in the graph."""
     reports = list(backend.reports)
     ops_after: dict[str, int] = {}
     for rep in reports:
         for op, n in rep.ops_after.items():
             ops_after[op] = ops_after.get(op, 0) + n
+    patterns = backend.reports.pattern_counts()
     return {"matched": sum(rep.matched_counts.get(PASS_NAMES[fmt], 0) for rep in reports),
-            "patterns": backend.reports.pattern_counts(), "ops_after": ops_after,
+            "whole": patterns.get(WHOLE_PATTERNS[fmt], 0), "patterns": patterns, "ops_after": ops_after,
             "cached": any(rep.cached for rep in reports), "graphs": len(reports)}
 
 
@@ -234,8 +264,9 @@ def measure_row(row: dict, impl: str, fmt: str, gate_inputs, copies: list, args,
             row["compile_s"] = round(time.time() - start, 2)  # the first call compiles (gate included)
         if backend is not None:
             row["fusion"] = fusion_record(backend, fmt)
-            if row["fusion"]["matched"] != 1 and not row["fusion"]["cached"]:
-                harness.loud(f"{label}: the pass matched {row['fusion']['matched']} times, expected 1\n"
+            if not fused_whole(row["fusion"]):
+                harness.loud(f"{label}: the pass matched {row['fusion']['matched']} times "
+                             f"({row['fusion'].get('whole')} of q and k together), expected one of both\n"
                               + backend.reports.format(verbose=True))
         if not row["correct"]:
             harness.loud(f"{label}: differs from the reference: {row['comparison']}")
@@ -249,6 +280,38 @@ def measure_row(row: dict, impl: str, fmt: str, gate_inputs, copies: list, args,
     except Exception as err:  # noqa: BLE001 - record and go on: the table stays complete
         row["error"] = f"{type(err).__name__}: {err}"
         harness.loud(f"{label}: {row['error']}")
+
+
+def measure_shape(data: dict, fmt: str, t: int, tk: int, impls: list[str], args, info: dict,
+                  copy_bw: float) -> list[str]:
+    """Append one row per implementation of ``impls`` at T=``t`` with ``tk`` key rows to
+    ``data["rows"]``; the progress line's pieces."""
+    nbytes = indexer_bytes_moved(t, tk, HEADS, fmt)
+    k = harness.rotation_copies(nbytes, info["l2_bytes"], WARM_BELOW_L2)
+    l2 = "warm" if nbytes < WARM_BELOW_L2 * info["l2_bytes"] else "cold"  # 1 copy when >= 3x L2
+    copies, gate_skips, failure = [], None, None
+    try:
+        # timed inputs: every slot valid (what the model code needs); the fused op's gate also
+        # meets skipped (negative) slots
+        copies = [make_inputs(fmt, t, skip_fraction=0.0, num_k=tk) for _ in range(k)]
+        gate_skips = make_inputs(fmt, t, skip_fraction=0.1, num_k=tk) if "fused" in impls else None
+    except Exception as err:  # noqa: BLE001 - every row of this shape says why
+        failure = f"inputs: {type(err).__name__}: {err}"
+        harness.loud(f"{fmt} T={t}: {failure}")
+    line = []
+    for impl in impls:
+        row = {"format": fmt, "impl": impl, "T": t, "Tk": tk, "H": HEADS, "block_size": BLOCK_SIZE,
+               "bytes": nbytes, "copies": k, "l2": l2}
+        if failure is None:
+            measure_row(row, impl, fmt, gate_skips if impl == "fused" else copies[0], copies, args, copy_bw)
+        else:
+            row["error"] = failure
+        data["rows"].append(row)
+        line.append(f"{impl} {row['us_median']:.2f} us" if "us_median" in row else f"{impl} error")
+    del copies, gate_skips
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return line
 
 
 def run_benchmark(args) -> dict:
@@ -266,41 +329,28 @@ def run_benchmark(args) -> dict:
         "args": {"tokens": args.tokens, "formats": args.formats, "impls": args.impls, "target_ms": args.target_ms},
         "status": "running", "rows": [],
     }
+    if "vllm" in args.impls and vllm_indexer.load() is None:
+        print(f"no vllm column: {vllm_indexer.absent_reason()}", flush=True)
+        args.impls = [i for i in args.impls if i != "vllm"]
+    data["vllm"] = vllm_indexer.column_info()
     data["copy_bandwidth"] = harness.measure_copy_bandwidth(4 << 30)
     copy_bw = data["copy_bandwidth"]["GBps"]
     print(f"{info['device']}: copy bandwidth {copy_bw:.0f} GB/s ({data['copy_bandwidth']['method']})", flush=True)
     data["tiny_graph"] = harness.measure_tiny_graph()  # the T=1 target's floor, this run's
     print(f"one tiny kernel in a graph {data['tiny_graph']['us_median']:.2f} us", flush=True)
     for fmt in args.formats:
-        impls = [i for i in args.impls if i == "fused" or fmt in MODEL_SPELLINGS]
+        impls = [i for i in args.impls if i in ("fused", *Q_SIDE) or fmt in MODEL_SPELLINGS]
+        if "vllm" in impls and vllm_indexer.load().missing_reason(fmt):
+            print(f"no vllm column for {fmt}: {vllm_indexer.load().missing_reason(fmt)}", flush=True)
+            data.setdefault("vllm_missing", {})[fmt] = vllm_indexer.load().missing_reason(fmt)
+            impls.remove("vllm")
         for t in sorted(args.tokens):
-            tk = key_rows(t)
-            nbytes = indexer_bytes_moved(t, tk, HEADS, fmt)
-            k = harness.rotation_copies(nbytes, info["l2_bytes"], WARM_BELOW_L2)
-            l2 = "warm" if nbytes < WARM_BELOW_L2 * info["l2_bytes"] else "cold"  # 1 copy when >= 3x L2
-            copies, gate_fused, failure = [], None, None
-            try:
-                # timed inputs: every slot valid (what the model code needs); the fused op's
-                # gate also meets skipped (negative) slots
-                copies = [make_inputs(fmt, t, skip_fraction=0.0) for _ in range(k)]
-                gate_fused = make_inputs(fmt, t, skip_fraction=0.1) if "fused" in impls else None
-            except Exception as err:  # noqa: BLE001 - every row of this shape says why
-                failure = f"inputs: {type(err).__name__}: {err}"
-                harness.loud(f"{fmt} T={t}: {failure}")
             line = []
-            for impl in impls:
-                row = {"format": fmt, "impl": impl, "T": t, "Tk": tk, "H": HEADS, "block_size": BLOCK_SIZE,
-                       "bytes": nbytes, "copies": k, "l2": l2}
-                if failure is None:
-                    measure_row(row, impl, fmt, gate_fused if impl == "fused" else copies[0], copies, args, copy_bw)
-                else:
-                    row["error"] = failure
-                data["rows"].append(row)
-                line.append(f"{impl} {row['us_median']:.2f} us" if "us_median" in row else f"{impl} error")
+            for group in ([i for i in impls if i not in Q_SIDE], [i for i in impls if i in Q_SIDE]):
+                if group:
+                    tk = 0 if group[0] in Q_SIDE else key_rows(t)
+                    line += measure_shape(data, fmt, t, tk, group, args, info, copy_bw)
             print(f"[{time.time() - t_start:6.1f} s] {fmt:5s} T={t:5d}: " + "  ".join(line), flush=True)
-            del copies, gate_fused
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
             harness.write_json(path, data)
     data["status"] = "done"
     data["elapsed_s"] = round(time.time() - t_start, 1)
@@ -309,7 +359,7 @@ def run_benchmark(args) -> dict:
 
 
 def failed_rows(data: dict) -> list[dict]:
-    """The rows that make the run fail: prepfuse's own (``fused``, ``prepfuse``) that did not
+    """The rows that make the run fail: prepfuse's own (``fused``, ``fused-q``, ``prepfuse``) that did not
     run or differ from the reference (judged by today's bound), and ``prepfuse`` rows whose
     compile the pass did not turn into exactly one op call."""
 
@@ -317,9 +367,15 @@ def failed_rows(data: dict) -> list[dict]:
         if "error" in r or "comparison" not in r or not within_bound(r["impl"], r["comparison"]):
             return True
         fusion = r.get("fusion")
-        return fusion is not None and not fusion["cached"] and fusion["matched"] != 1
+        return fusion is not None and not fused_whole(fusion)
 
-    return [r for r in data["rows"] if r["impl"] in ("fused", "prepfuse") and failed(r)]
+    return [r for r in data["rows"] if r["impl"] in ("fused", "fused-q", "prepfuse") and failed(r)]
+
+
+def fused_whole(fusion: dict) -> bool:
+    """Whether a row's compile became one op call of q and k together (a cached compile ran no
+    pass: nothing to judge; records from before ``whole`` count the pass's matches)."""
+    return fusion["cached"] or (fusion["matched"] == 1 and fusion.get("whole", 1) == 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -343,7 +399,34 @@ def _fusion_cell(row: dict | None) -> str:
     fusion = row["fusion"]
     if fusion["cached"]:
         return "cached"
-    return str(fusion["matched"]) + ("" if fusion["matched"] == 1 else " (!)")
+    return str(fusion["matched"]) + ("" if fused_whole(fusion) else " (!)")
+
+
+def q_side_table(data: dict, fmt: str, rows: dict) -> list[str]:
+    """The format's q side against vLLM's kernel (rows ``fused-q`` and ``vllm``), or nothing
+    where the run has no such rows."""
+    ts = sorted({r["T"] for r in data["rows"] if r["format"] == fmt and r["impl"] in Q_SIDE})
+    if not ts:
+        return []
+    missing = data.get("vllm_missing", {}).get(fmt)
+    lines = ["", f"### {fmt}, q side alone against vLLM", "",
+             "No key rows: the op (`fused-q`) and vLLM's `fused_indexer_q_rope_quant` kernel write the same q "
+             "outputs and scaled weights. `x vLLM` is vLLM's time over the op's."
+             + (f" No vLLM rows: {missing}." if missing else ""), "",
+             "| T | MB | fused-q us | % copy BW | vLLM us | % copy BW | x vLLM | gate (fused-q/vLLM) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for t in ts:
+        f, v = rows.get((fmt, "fused-q", t)), rows.get((fmt, "vllm", t))
+        any_row = f or v
+
+        def frac(r):
+            return f"{100 * r['frac_of_copy_bw']:.1f}%" if r and "us_median" in r else "-"
+
+        ratio = (f"{v['us_median'] / f['us_median']:.2f}x"
+                 if f and v and "us_median" in f and "us_median" in v else "-")
+        lines.append(f"| {t} | {any_row['bytes'] / 1e6:.2f} | {_us(f)} | {frac(f)} | {_us(v)} | {frac(v)} | {ratio} "
+                     f"| {_gate_cell(f)}/{_gate_cell(v)} |")
+    return lines
 
 
 def render_markdown(data: dict, json_name: str, png_name: str) -> str:
@@ -362,13 +445,17 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
         f"- **Shapes:** H = {data['H']} indexer heads of {data['head_dim']} dims, Tk = {data['key_rows']} key rows "
         f"(all inserted), block size {data['block_size']}.",
         *(f"- **Note:** {note}" for note in data.get("notes", [])),
+        *vllm_ops.page_note(data, "indexer q kernels (CuTe DSL, what `fused_indexer_q_rope_quant` runs on CUDA), "
+                            "compiled from vLLM's source", "bench/vllm_indexer.py"),
         *harness.same_size_note(ceiling_file),
         harness.decode_target_note(data, "format", formats),
         "",
         "**Method.** As `docs/benchmarks.md`: per shape, a gate before timing compares each implementation "
         "with the op's reference on fresh random inputs and poisoned outputs (the fused op with ~10% skipped "
-        "slots; the model code, which cannot skip a slot, with all slots valid). `fused`, `eager` and "
-        "`prepfuse` must match byte for byte (no sums in this math); `compile` may differ in at most 1 in "
+        "slots; the model code, which cannot skip a slot, with all slots valid). `fused`, `fused-q`, `eager` "
+        "and `prepfuse` must match byte for byte (no sums in this math); `vllm` may differ in at most 20 in a "
+        "million written values of each output (two implementations, each within the spec); `compile` may differ "
+        "in at most 1 in "
         f"{COMPILE_DIFF_SHARE} written elements of each output (Inductor's own rounding of the unfused math: "
         "torch 2.11 drops the bf16 round trip, products may become FMAs). Then CUDA graphs of 20 back-to-back "
         "calls, replayed behind a GPU sleep; median per call; once a call moves a quarter of L2 the graph "
@@ -398,8 +485,8 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             "| prepfuse us | fused vs compile | launches (f/e/c/p) | gate (f/e/c/p) | pass matched |",
             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
         ]
-        for t in sorted({r["T"] for r in data["rows"] if r["format"] == fmt}):
-            f, e, c, p = (rows.get((fmt, impl, t)) for impl in IMPLS)
+        for t in sorted({r["T"] for r in data["rows"] if r["format"] == fmt and r["impl"] not in Q_SIDE}):
+            f, e, c, p = (rows.get((fmt, impl, t)) for impl in IMPLS[:4])
             any_row = next(r for r in (f, e, c, p) if r is not None)
             timed_f = f is not None and "us_median" in f
             speed = f"{c['us_median'] / f['us_median']:.1f}x" if timed_f and c and "us_median" in c else "-"
@@ -412,6 +499,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
             shape = f"| {t} | {any_row['Tk']} | {any_row['bytes'] / 1e6:.2f} | {l2} "
             lines.append(shape + f"| {_us(f)} | {gbps} | {frac} | {same_size} | {_us(e)} | {_us(c)} | {_us(p)} | {speed} "
                          f"| {launches} | {gates} | {_fusion_cell(p)} |")
+        lines += q_side_table(data, fmt, rows)
     errors = [r for r in data["rows"] if "error" in r]
     if errors:
         lines += ["", "Rows that could not run:", ""]
@@ -423,7 +511,7 @@ def render_markdown(data: dict, json_name: str, png_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-IMPL_COLORS = {"fused": "C0", "eager": "C1", "compile": "C2", "prepfuse": "C3"}
+IMPL_COLORS = {"fused": "C0", "eager": "C1", "compile": "C2", "prepfuse": "C3", "fused-q": "C4", "vllm": "C5"}
 FORMAT_STYLES = {"fp8": {"linestyle": "-", "marker": "o"}, "mxfp4": {"linestyle": "--", "marker": "s"}}
 
 

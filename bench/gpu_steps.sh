@@ -4,11 +4,13 @@
 # Each step's summary goes to $OUT/steps.log and its files into $OUT (default /tmp/prepfuse_out);
 # bench/README.md says what each script measures.
 #   env                     GPU, driver, torch and triton versions
-#   vllm                    whether vLLM's op library loads (the vLLM column of the benchmark pages),
-#                           and the parity tests against its ops (tests/ops/test_vllm_parity.py)
+#   vllm                    whether vLLM's op library and indexer kernels load (the vLLM columns of the
+#                           benchmark pages), and the parity tests against them
+#                           (tests/ops/test_vllm_parity.py, tests/ops/test_vllm_indexer_parity.py)
 #   tests                   the GPU-marked tests on PREPFUSE_GPU_TEST_WORKERS (8) xdist workers, but
 #                           the vLLM parity tests (the vllm step runs them alone: at T=16384, H=128
-#                           they need more GPU memory than 8 workers leave);
+#                           they need more GPU memory than 8 workers leave, and each worker would
+#                           compile vLLM's indexer kernels again);
 #                           PREPFUSE_TEST_MARK="" runs every test, PREPFUSE_TEST_PATHS picks files
 #   sanitize                compute-sanitizer memcheck and racecheck over bench/sanitize_*.py
 #                           (PREPFUSE_SANITIZE_SCRIPTS names fewer)
@@ -28,7 +30,8 @@
 # PREPFUSE_SWEEP_ARGS passes arguments to the sweep and indexer-sweep steps. Wheels in .whl/
 # are installed first without an index (a machine with no package index: bench/README.md).
 # vLLM's op library, carried as .vllm/vllm_ops_sm90.so.xz (or named by $PREPFUSE_VLLM_LIB), is
-# unpacked first, once, so that test workers and benchmarks all find it (bench/vllm_ops.py).
+# unpacked first, once, so that test workers and benchmarks all find it (bench/vllm_ops.py); so
+# are the parts of vLLM's indexer kernels carried in .vllm/cutedsl/ (bench/vllm_indexer.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/prepfuse_out}
 mkdir -p "$OUT"
@@ -39,6 +42,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 python3 -c 'import sys; sys.path.insert(0, "bench"); import vllm_ops; f = vllm_ops.library_file(); f and vllm_ops.unpacked(f)' \
     || echo "vLLM's op library could not be unpacked" >&2
+python3 -c 'import sys; sys.path.insert(0, "bench"); import vllm_indexer; vllm_indexer.unpack()' \
+    || echo "vLLM's indexer kernels could not be unpacked" >&2
 log="$OUT/steps.log"
 status=0
 step() { echo "=== $1 ($(date +%T))" | tee -a "$log"; }
@@ -53,9 +58,12 @@ for what in "${steps[@]}"; do
         ;;
     vllm)
         step vllm
-        python3 -c 'import sys; sys.path.insert(0, "bench"); import vllm_ops; ops = vllm_ops.load()
-print("vLLM ops:", ops.path if ops else vllm_ops.absent_reason())' 2>&1 | tee -a "$log"
-        python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/ops/test_vllm_parity.py >"$OUT/vllm_parity.log" 2>&1 || status=1
+        python3 -c 'import sys; sys.path.insert(0, "bench"); import vllm_ops, vllm_indexer; ops = vllm_ops.load()
+print("vLLM ops:", ops.path if ops else vllm_ops.absent_reason())
+kernels = vllm_indexer.load()
+print("vLLM indexer kernels:", kernels.site if kernels else vllm_indexer.absent_reason())' 2>&1 | tee -a "$log"
+        python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/ops/test_vllm_parity.py \
+            tests/ops/test_vllm_indexer_parity.py >"$OUT/vllm_parity.log" 2>&1 || status=1
         grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/vllm_parity.log" | tail -n 40 | tee -a "$log"
         ;;
     tests)
@@ -63,7 +71,7 @@ print("vLLM ops:", ops.path if ops else vllm_ops.absent_reason())' 2>&1 | tee -a
         # the whole log is $OUT/tests.log; steps.log gets the failures' names and the summary
         # shellcheck disable=SC2086
         python3 -m pytest -q -rfEs -p no:cacheprovider -n "${PREPFUSE_GPU_TEST_WORKERS:-8}" \
-            ${PREPFUSE_TEST_MARK--m gpu} ${PREPFUSE_TEST_PATHS:-tests --ignore=tests/ops/test_vllm_parity.py} \
+            ${PREPFUSE_TEST_MARK--m gpu} ${PREPFUSE_TEST_PATHS:-tests --ignore=tests/ops/test_vllm_parity.py --ignore=tests/ops/test_vllm_indexer_parity.py} \
             >"$OUT/tests.log" 2>&1 || status=1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -n 40 | tee -a "$log"
         ;;

@@ -121,16 +121,16 @@ def has_column(data: dict) -> bool:
     return any(r["impl"].startswith("vllm") for r in data.get("rows", []))
 
 
-def page_note(data: dict) -> list[str]:
-    """A page's line on the column: which ops it times, or why a run has none (nothing for
-    result files from before the column)."""
+def page_note(data: dict, what: str = "own CUDA ops from its op library", where: str = "bench/vllm_ops.py") -> list[str]:
+    """A page's line on the column: which of vLLM's kernels it times (``what``, loaded by
+    ``where``), or why a run has none (nothing for result files from before the column)."""
     info = data.get("vllm")
     if info is None:
         return []
     if "absent" in info:
         return [f"- **vLLM column:** absent from this run: {info['absent']}"]
-    return [f"- **vLLM column:** vLLM {info['version']}'s own CUDA ops from its op library, timed in this run by the "
-            "same method (`bench/vllm_ops.py`); `x vLLM` is vLLM's time over the fused op's."]
+    return [f"- **vLLM column:** vLLM {info['version']}'s {what}, timed in this run by the "
+            f"same method (`{where}`); `x vLLM` is vLLM's time over the fused op's."]
 
 
 # --------------------------------------------------------------------------------------

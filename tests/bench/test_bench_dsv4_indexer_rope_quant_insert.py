@@ -52,7 +52,7 @@ def test_command_line():
     parse = bench.build_parser().parse_args
     args = parse([])
     assert (args.tokens, args.formats, args.impls) == ([1, 8, 64, 512, 4096, 16384], ["fp8", "mxfp4"],
-                                                       ["fused", "eager", "compile", "prepfuse"])
+                                                       ["fused", "eager", "compile", "prepfuse", "fused-q", "vllm"])
     assert args.docs.endswith("docs/benchmarks_indexer.md") and args.target_ms == 60.0
     args = parse(["--tokens", "1,4096", "--formats", "mxfp4", "--impls", "fused,prepfuse", "--target-ms", "20"])
     assert (args.tokens, args.formats, args.impls) == ([1, 4096], ["mxfp4"], ["fused", "prepfuse"])
@@ -69,7 +69,18 @@ def test_compile_bound():
     many = {"differing": {"q_out": 101, "weights_out": 0, "k_cache": 0}, "written": written}
     assert all(bench.within_bound(impl, exact) for impl in bench.IMPLS)
     assert bench.within_bound("compile", some) and not bench.within_bound("compile", many)
-    assert not any(bench.within_bound(impl, some) for impl in ("fused", "eager", "prepfuse"))
+    assert not any(bench.within_bound(impl, some) for impl in ("fused", "fused-q", "eager", "prepfuse"))
+
+
+def test_vllm_bound():
+    """vLLM's rows: at most 20 in a million written values of each output apart (plus one)."""
+    written = {"q_out": 1_000_000, "weights_out": 10_000, "k_cache": 0}
+
+    def within(q_out, weights_out):
+        return bench.within_bound("vllm", {"differing": {"q_out": q_out, "weights_out": weights_out, "k_cache": 0},
+                                           "written": written})
+
+    assert within(21, 1) and not within(22, 0) and not within(0, 2)
 
 
 @pytest.mark.parametrize("fmt", bench.FORMATS)
@@ -122,8 +133,11 @@ def test_measuring_loop_on_cpu(small_cpu, monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "make_impl", make_impl)
     args = bench.build_parser().parse_args(["--tokens", "7", "--out-dir", str(tmp_path)])
     data = bench.run_benchmark(args)
-    assert data["status"] == "done" and len(data["rows"]) == 2 * 4
+    # no vLLM kernels on a CPU: its rows are left out, with the reason in the file
+    assert "CUDA device" in data["vllm"]["absent"]
+    assert data["status"] == "done" and len(data["rows"]) == 2 * 5
     by = {(r["format"], r["impl"], r["T"]): r for r in data["rows"]}
+    assert by[("fp8", "fused-q", 7)]["Tk"] == 0 and by[("fp8", "fused", 7)]["Tk"] == 1
     assert by[("mxfp4", "eager", 7)]["error"] == "RuntimeError: stub failure"
     for key, row in by.items():
         if key == ("mxfp4", "eager", 7):
@@ -147,6 +161,7 @@ def test_measuring_loop_on_cpu(small_cpu, monkeypatch, tmp_path):
     assert "## fp8 (`prepfuse::dsv4_indexer_rope_fp8_insert`)" in md and "## mxfp4" in md
     assert "| 7 | 1 |" in md and "ok/error/" in md
     assert "mxfp4 eager T=7: `RuntimeError: stub failure`" in md
+    assert "### mxfp4, q side alone against vLLM" in md and "| ok/- |" in md
     # the T=1 target line is there, judged against this run's floor, with no T=1 row to judge
     assert "- **T=1 target** (one tiny kernel in a graph, this run: 1.25 us, + 0.5: <= 1.75 us): no T=1 row" in md
 
@@ -155,10 +170,10 @@ def test_inputs_that_cannot_be_made_fail_their_rows(small_cpu, monkeypatch, tmp_
     _stub_timing(monkeypatch)
     real_make_inputs = bench.make_inputs
 
-    def make_inputs(fmt, num_tokens, *, skip_fraction):
+    def make_inputs(fmt, num_tokens, *, skip_fraction, num_k=None):
         if num_tokens == 16:
             raise RuntimeError("CUDA out of memory (stub)")
-        return real_make_inputs(fmt, num_tokens, skip_fraction=skip_fraction)
+        return real_make_inputs(fmt, num_tokens, skip_fraction=skip_fraction, num_k=num_k)
 
     monkeypatch.setattr(bench, "make_inputs", make_inputs)
     args = bench.build_parser().parse_args(["--tokens", "16,4", "--formats", "fp8", "--impls", "fused",
@@ -183,6 +198,18 @@ def _synthetic_row(fmt, impl, t, us, **extra):
     return row
 
 
+def _render(tmp_path, rows, spellings, date="2026-12-06T15:00:00+00:00", **extra):
+    """(the stored run, its JSON path, the page ``--from-json`` renders from it)."""
+    data = {"date": date, **FAKE_DEVICE, "H": 64, "head_dim": 128, "block_size": 64, "key_rows": "max(1, T // 4)",
+            "model_spellings": spellings, **extra, "copy_bandwidth": {"GBps": 4000.0, "method": "sm_kernel"},
+            "status": "done", "rows": rows}
+    json_path = tmp_path / "dsv4_indexer_rope_quant_insert_fake-gpu.json"
+    json_path.write_text(json.dumps(data))
+    docs = tmp_path / "page.md"
+    assert bench.main(["--from-json", str(json_path), "--docs", str(docs)]) == 0
+    return data, json_path, docs.read_text()
+
+
 def test_render_from_synthetic_json(tmp_path):
     """A stored run with a failed gate, a row that errored, an implementation left out
     and a cached compile renders without a GPU, page and plot."""
@@ -197,14 +224,8 @@ def test_render_from_synthetic_json(tmp_path):
                  "copies": 1, "l2": "warm", "error": "RuntimeError: out of resources"})
     rows.append(_synthetic_row("mxfp4", "prepfuse", 1, 3.0, fusion={"matched": 0, "patterns": {}, "ops_after": {},
                                                                    "cached": False, "graphs": 1}))
-    data = {"date": "2026-11-30T15:00:00+00:00", **FAKE_DEVICE, "H": 64, "head_dim": 128, "block_size": 64,
-            "key_rows": "max(1, T // 4)", "model_spellings": {"fp8": "slice-strided-view-bytes", "mxfp4": None},
-            "copy_bandwidth": {"GBps": 4000.0, "method": "sm_kernel"}, "status": "done", "rows": rows}
-    json_path = tmp_path / "dsv4_indexer_rope_quant_insert_fake-gpu.json"
-    json_path.write_text(json.dumps(data))
-    docs = tmp_path / "page.md"
-    assert bench.main(["--from-json", str(json_path), "--docs", str(docs)]) == 0
-    md = docs.read_text()
+    data, json_path, md = _render(tmp_path, rows, {"fp8": "slice-strided-view-bytes", "mxfp4": None},
+                                  date="2026-11-30T15:00:00+00:00")
     fp8_section, mxfp4_section = md.split("\n## ")[1:]
 
     def table_row(section: str, t: int) -> str:
@@ -222,3 +243,33 @@ def test_render_from_synthetic_json(tmp_path):
         ("fp8", "fused", 4096), ("mxfp4", "fused", 1), ("mxfp4", "prepfuse", 1)]
     pytest.importorskip("matplotlib")
     assert json_path.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_render_q_side_against_vllm(tmp_path):
+    """The q-side table: the op's and vLLM's rows at the same T, vLLM's time over the op's."""
+    def q_row(impl, t, us):
+        return _synthetic_row("mxfp4", impl, t, us, Tk=0, bytes=bench.indexer_bytes_moved(t, 0, 64, "mxfp4"))
+
+    rows = [_synthetic_row("mxfp4", "fused", 64, 3.0), q_row("fused-q", 64, 2.5), q_row("vllm", 64, 3.0),
+            q_row("fused-q", 4096, 30.0)]
+    _, _, md = _render(tmp_path, rows, {"fp8": None, "mxfp4": None}, vllm={"source": "/x/site", "version": "0.33.0"})
+    assert "vLLM 0.33.0's indexer q kernels" in md
+    table = md.split("### mxfp4, q side alone against vLLM")[1]
+    t64 = next(line for line in table.splitlines() if line.startswith("| 64 |"))
+    assert "| 2.50 |" in t64 and "| 3.00 |" in t64 and "| 1.20x | ok/ok |" in t64, t64
+    t4096 = next(line for line in table.splitlines() if line.startswith("| 4096 |"))
+    assert "| 30.00 |" in t4096 and t4096.endswith("| - | - | - | ok/- |"), t4096
+    # the main table keeps the full calls only
+    main = md.split("## mxfp4")[1].split("###")[0]
+    assert "| 4096 |" not in main
+
+
+def test_a_match_of_one_side_fails_the_row():
+    """A pass match that took the key side alone leaves q to Inductor: the row fails."""
+    both = {"matched": 1, "whole": 1, "cached": False}
+    k_only = {"matched": 1, "whole": 0, "cached": False}
+    assert bench.fused_whole(both) and not bench.fused_whole(k_only)
+    assert bench.fused_whole({**k_only, "cached": True}) and bench.fused_whole({"matched": 1, "cached": False})
+    rows = [_synthetic_row("fp8", "prepfuse", 8, 4.0, fusion={**k_only, "patterns": {"dsv4_indexer_k": 1},
+                                                             "ops_after": {}, "graphs": 1})]
+    assert bench.failed_rows({"rows": rows}) == rows and bench._fusion_cell(rows[0]) == "1 (!)"
