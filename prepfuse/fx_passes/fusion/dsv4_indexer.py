@@ -299,10 +299,24 @@ class _FuseDsv4IndexerPass(PrepfusePass):
                         k_positions=k_positions, cos_sin_cache=table, weights_scale=scale, block_size=block_size,
                         wrap_indices=True)
             new = emit.functional_call(fmt.op, args)
+            w_out = None
+            if weights is not None:
+                w_out = new["weights_out"]
+                if tuple(shape(w_out)) != tuple(shape(weights[0])):
+                    w_out = emit.node(aten.reshape.default, w_out, list(shape(weights[0])))
+            # FP8 folds each q row's power-of-two scale into its weight: a bf16 rounding the
+            # graph lost (torch 2.11's Inductor drops `.to(bf16).float()`) can move a row's amax
+            # across a power of two, and its codes and its weight move by 2 each way: the codes
+            # are compared as the logits kernel reads them, times their weight, and each weight
+            # within a power of two of the code's.
+            folded = fmt.weights_from_q and q is not None and w_out is not None
             if q is not None:
                 outs = {name: as_layout(emit, new[name], p.layout, p.node) for name, p in q.outputs.items()}
                 for name, p in q.outputs.items():
-                    if val(outs[name]).dtype != torch.uint8:
+                    if folded and name == "q_out":
+                        checked.append(Checked(name, p.node, outs[name], decode=_fp8_codes_by_weight,
+                                               scales=(weights[0], w_out)))
+                    elif val(outs[name]).dtype != torch.uint8:
                         checked.append(Checked(name, p.node, outs[name]))
                     elif name == "q_out":  # MXFP4 nibbles, read with their blocks' scale bytes
                         scales = (q.outputs["q_scale"].node, outs["q_scale"])
@@ -311,10 +325,10 @@ class _FuseDsv4IndexerPass(PrepfusePass):
                         checked.append(Checked(name, p.node, outs[name], decode=_block_scales))
                     written.append((p.node, outs[name]))
             if weights is not None:
-                w_out = new["weights_out"]
-                if tuple(shape(w_out)) != tuple(shape(weights[0])):
-                    w_out = emit.node(aten.reshape.default, w_out, list(shape(weights[0])))
-                checked.append(Checked("weights_out", weights[0], w_out))
+                if folded:
+                    checked.append(Checked("weights_out", weights[0], w_out, decode=_weights_by_row_scale))
+                else:
+                    checked.append(Checked("weights_out", weights[0], w_out))
                 written.append((weights[0], w_out))
             if k is not None:
                 checked.append(Checked("k_cache", k.after, new["k_cache"], decode=_cache_decoder(fmt, block_size)))
@@ -454,6 +468,44 @@ def _mxfp4_q(packed: torch.Tensor, scale_bytes: torch.Tensor) -> dict:
             "rotated values": _mxfp4_values(packed[..., nope:], scale_bytes[..., nope_blocks:])}
 
 
+def _fp8_scaled(codes: torch.Tensor, scale: torch.Tensor) -> Quantized:
+    """e4m3 ``codes`` [..., 128] times their row's ``scale`` [...], each with one e4m3 step at
+    that scale (the fp8 bound of ``compare``: an eighth of the value, at least 2^-9)."""
+    v = codes.float()
+    s = scale.float().unsqueeze(-1)
+    step = torch.maximum(v.abs() * 2**-3, torch.full_like(v, 2**-9))
+    return Quantized(v * s, step * s.abs())
+
+
+def _rows(q: torch.Tensor, per_row: torch.Tensor):
+    """``q`` as [rows, 128] and ``per_row`` as [rows], or None where they do not pair up."""
+    if q.numel() % HEAD_DIM or per_row.numel() != q.numel() // HEAD_DIM:
+        return None
+    if q.dtype == torch.uint8:  # the codes' bytes
+        q = q.view(torch.float8_e4m3fn)
+    return q.reshape(-1, HEAD_DIM), per_row.reshape(-1)
+
+
+def _fp8_codes_by_weight(q: torch.Tensor, weights: torch.Tensor):
+    """FP8 q codes as the logits kernel reads them: each row times its weight (which holds
+    the row's scale); the codes alone where the two do not pair up."""
+    rows = _rows(q, weights)
+    return {"codes times their weight": _fp8_scaled(*rows)} if rows else {"codes": q}
+
+
+def _scales_within_a_step(scales: torch.Tensor, what: str) -> dict:
+    """Per-row power-of-two scales (or weights holding one), each on its own (a trailing dim
+    of one: no slack from a larger neighbour) and allowed one power of two either way and no
+    further: half its magnitude, so that x2 and x1/2 pass and x4 does not (the codes,
+    compared times their scale, pay for the move)."""
+    one = scales.float().reshape(*scales.shape, 1) if scales.shape[-1:] != (1,) else scales.float()
+    return {what: Quantized(one, one.abs() / 2)}
+
+
+def _weights_by_row_scale(weights: torch.Tensor) -> dict:
+    return _scales_within_a_step(weights, "weights, a power of two apart at most")
+
+
 def _block_scales(scales: torch.Tensor) -> dict:
     """UE8M0 scale bytes of MXFP4 blocks: the unrotated blocks' bit for bit (their amax is
     the input's), the rotated ones' within one step."""
@@ -467,9 +519,10 @@ def _cache_decoder(fmt: IndexerFormat, block_size: int):
         data = cache[:, : block_size * fmt.data_bytes].reshape(nb, block_size, fmt.data_bytes)
         scales = cache[:, block_size * fmt.data_bytes: block_size * fmt.slot_bytes].reshape(nb, block_size, SCALE_BYTES)
         rest = cache[:, block_size * fmt.slot_bytes:].contiguous()
-        if fmt.name == "fp8":
-            return {"codes": data.contiguous().view(torch.float8_e4m3fn),
-                    "scales": scales.contiguous().view(torch.float32), "rest": rest}
+        if fmt.name == "fp8":  # a row's codes with its scale: a lost rounding moves both (q's note)
+            codes, row_scales = data.contiguous().view(torch.float8_e4m3fn), scales.contiguous().view(torch.float32)
+            return {"values": _fp8_scaled(codes, row_scales.squeeze(-1)),
+                    **_scales_within_a_step(row_scales, "scales, a power of two apart at most"), "rest": rest}
         data, scales = data.contiguous(), scales.contiguous()
         return {**{f"codes ({k})": v for k, v in _mxfp4_q(data, scales).items()},
                 **{f"scales ({k})": v for k, v in _block_scales(scales).items()}, "rest": rest}

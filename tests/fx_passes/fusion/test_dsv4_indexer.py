@@ -161,6 +161,34 @@ def test_quantising_the_unrounded_rotation_fuses_within_one_code():
     harness.assert_same_as_rounded_eager(r, model, spelling, inputs)
 
 
+def test_the_unrounded_rotation_at_64_heads_moves_some_scales_and_fuses():
+    """The same at DeepSeek-V4's 64 heads and T=1000 (64000 q rows, 250 key rows): there the
+    probes meet rows whose amax the op's bf16 rounding carries across a power of two, so the
+    row's codes and its weight (a key row's codes and its scale) are a power of two apart from
+    the graph's. This is every spelling's graph under torch 2.11, whose Inductor drops the round
+    trip: before the probes compared codes times their scale, q declined there (an H100 at T=8,
+    the CPU at T=1000) and only k fused."""
+    spelling = LOOKALIKES["no_bf16_round"]
+    inputs = make_dsv4_indexer_inputs("fp8", 1000, 64, 64, "cpu", num_k=250, skip_fraction=0.0,
+                                      generator=torch.Generator().manual_seed(0))
+    inputs = dataclasses.replace(inputs, k_cache=indexer_fp8_cache(inputs.k_cache.shape[0], 64))
+
+    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
+        out = model.indexer_q_prep(q, weights, positions, cos_sin_cache, SCALE, spelling)
+        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, 64, spelling)
+        return out
+
+    r = harness.run(fn, inputs, PASS)
+    assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q+k"], r.events("declined")
+    # the op's bytes are the rounded spelling's eager bytes
+    rounded = dataclasses.replace(spelling, bf16_round=True)
+    ref_cache = inputs.k_cache.clone()
+    want = model.indexer_q_prep(inputs.q, inputs.weights, inputs.positions, inputs.cos_sin_cache, SCALE, rounded)
+    model.indexer_k_insert(inputs.k, ref_cache, inputs.slot_mapping, inputs.k_positions, inputs.cos_sin_cache, 64,
+                           rounded)
+    harness.assert_same_as_eager(harness.Run(r.out, r.cache, want, ref_cache, None))
+
+
 def test_an_fp32_k_is_rounded_by_the_call():
     """k = norm(..).to(bf16) read only by the prep's k.float(): where Inductor drops that
     round trip the k side reads the fp32 norm output; emulated by handing the prep fp32 k.
@@ -197,3 +225,64 @@ def test_weights_scaled_twice_fuse_one_product_and_keep_the_other():
 def test_registered_before_defunctionalize():
     names = list(registered_passes())
     assert names.index(PASS) < names.index("defunctionalize")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 1000])
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_fuses_on_cuda(name, num_tokens):
+    """On CUDA the candidate calls the probes run are the Triton kernel, and the region's
+    values are eager CUDA's: q and k still become one call, at DeepSeek-V4's 64 heads. The
+    strided RoPE spellings are eager's bytes exactly; eager CUDA's complex multiply may
+    contract a product and a sum into an FMA, so those are held to the one-code bound."""
+    inputs = make_dsv4_indexer_inputs("fp8", num_tokens, 64, 64, "cpu", num_k=max(1, num_tokens // 4),
+                                      skip_fraction=0.0, generator=torch.Generator().manual_seed(0))
+    inputs = dataclasses.replace(inputs, k_cache=indexer_fp8_cache(inputs.k_cache.shape[0], 64))
+    inputs = dataclasses.replace(inputs, **{f: getattr(inputs, f).cuda() for f in (
+        "q", "weights", "k", "k_cache", "slot_mapping", "positions", "k_positions", "cos_sin_cache")})
+    spelling = SPELLINGS[name]
+
+    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
+        out = model.indexer_q_prep(q, weights, positions, cos_sin_cache, SCALE, spelling)
+        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, 64, spelling)
+        return out
+
+    r = harness.run(fn, inputs, PASS)
+    assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q+k"], r.events("declined")
+    if spelling.rope == "strided":
+        assert_same_as_eager(r)
+        return
+    got, want = r.out[0].view(torch.uint8).int(), r.ref_out[0].view(torch.uint8).int()
+    assert int(((got & 0x7F) - (want & 0x7F)).abs().max()) <= 1
+
+
+def test_a_row_scale_one_power_of_two_apart_is_the_same_math():
+    """A bf16 rounding the graph lost (torch 2.11's Inductor drops ``.to(bf16).float()``) may
+    move one row's amax across a power of two: its codes halve and its weight doubles. Codes
+    times their weight and each weight within a power of two agree then; a weight four times
+    off (another amax floor, another scale) does not."""
+    from prepfuse.fx_passes.fusion.dsv4_indexer import _fp8_codes_by_weight, _weights_by_row_scale
+    from prepfuse.fx_passes.rewrite.compare import Checked, Mismatch, compare
+
+    gen = torch.Generator().manual_seed(0)
+    y = (torch.randn(2, 3, 128, generator=gen) * 150).clamp(-448, 448)  # the code clamps before its cast
+    region_q, region_w = y.to(torch.float8_e4m3fn), torch.rand(2, 3, generator=gen) + 0.5
+    moved_q, moved_w = region_q.clone(), region_w.clone()
+    moved_q[1, 2] = (y[1, 2] / 2).to(torch.float8_e4m3fn)  # the call's scale one power of two up
+    moved_w[1, 2] *= 2
+    rq, cq, rw, cw = "region q", "call q", "region w", "call w"  # stand-ins for the graph's nodes
+
+    def check(q, w):
+        values, call_values = {rq: region_q, rw: region_w}, {cq: q, cw: w}
+        compare(Checked("q_out", rq, cq, decode=_fp8_codes_by_weight, scales=(rw, cw)), q, region_q, 0, values,
+                call_values)
+        compare(Checked("weights_out", rw, cw, decode=_weights_by_row_scale), w, region_w, 0, values)
+
+    check(moved_q, moved_w)
+    far_q, far_w = region_q.clone(), region_w.clone()
+    far_q[1, 2] = (y[1, 2] / 4).to(torch.float8_e4m3fn)  # two powers of two: the products agree,
+    far_w[1, 2] *= 4  # the weight does not
+    with pytest.raises(Mismatch, match="weights_out"):
+        check(far_q, far_w)
+    with pytest.raises(Mismatch, match="q_out"):  # the codes moved without their weight
+        check(moved_q, region_w)

@@ -96,6 +96,9 @@ def test_runs_in_place_after_defunctionalize():
     assert_same_as_eager(Run(out, cache, ref, ref_cache, None))
     (report,) = backend.reports
     assert report.matched_counts[PASS] == 1 and report.matched_counts["defunctionalize"] == 1
+    # one call of q and k together, not one side of them (the other left to Inductor)
+    assert [r.pattern for r in report.rewrites if r.pass_name == PASS and r.kind == "matched"] == [
+        "dsv4_indexer_mxfp4_q+k"], [(r.pattern, r.why) for r in report.rewrites if r.pass_name == PASS]
     assert sum(report.matched_counts.values()) == 2  # no other pass rewrote anything
     (FileCheck().check_count("torch.ops.prepfuse.dsv4_indexer_rope_mxfp4_insert.default(", 1, exactly=True)
      .check_not("copy_").check_not("clone").run(code))
@@ -268,6 +271,9 @@ def check_fused_on(device: str, spelling, v2: bool, num_tokens: int, num_heads: 
     ref = fn(inputs.q, inputs.weights, inputs.k, ref_cache, *rest)
     (report,) = backend.reports
     assert report.matched_counts[PASS] == 1 and report.matched_counts["defunctionalize"] == 1
+    # one call of q and k together, not one side of them (the other left to Inductor)
+    assert [r.pattern for r in report.rewrites if r.pass_name == PASS and r.kind == "matched"] == [
+        "dsv4_indexer_mxfp4_q+k"], [(r.pattern, r.why) for r in report.rewrites if r.pass_name == PASS]
     if spelling.rope == "strided" or device == "cpu":
         assert_same_as_eager(Run(out, cache, ref, ref_cache, None))
         return
