@@ -52,13 +52,14 @@ from prepfuse.fx_passes.matching.writes import (
 )
 from prepfuse.fx_passes.rewrite import REWRITE_MODULES
 from prepfuse.fx_passes.rewrite.cache_views import CacheView, cache_view, emit_slots, probe_roles
-from prepfuse.fx_passes.rewrite.compare import Checked
+from prepfuse.fx_passes.rewrite.compare import Checked, Quantized, e4m3_scaled, ue8m0
 from prepfuse.fx_passes.rewrite.emitter import Emitter, viewed_call
 from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
 from prepfuse.ops import DSV4_QNORM_ROPE_KV_FULL_ROW_INSERT, DSV4_QNORM_ROPE_KV_INSERT, SCRATCH
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
-    CACHE_ROW_BYTES, HEAD_DIM, MXFP8_SCALES, MXFP8_SLOT_BYTES, NOPE_DIM, ROPE_DIM, SCALE_BYTES, SLOT_BYTES,
+    CACHE_ROW_BYTES, HEAD_DIM, MXFP8_SCALES, MXFP8_SLOT_BYTES, N_QUANT_BLOCKS, NOPE_DIM, ROPE_DIM, SCALE_BYTES,
+    SLOT_BYTES,
 )
 
 FULL_ROW_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  # a full-row cache's rows, as the op writes them
@@ -431,26 +432,39 @@ def _pattern(q, kv) -> str:
     return sides + ("_full_row" if kv is not None and kv.full_row is not None else "")
 
 
+def _blocks_by_scale(codes: torch.Tensor, scale_bytes: torch.Tensor) -> Quantized:
+    """e4m3 codes ``[..., n * b]`` read with their n blocks' UE8M0 bytes ``[..., n]``: the values
+    they stand for (``compare.e4m3_scaled``: where the graph lost the code's bf16 rounding of
+    the row, a block's scale may sit one power of two off, its codes with it)."""
+    blocks = codes.unflatten(-1, (scale_bytes.shape[-1], -1))
+    return e4m3_scaled(blocks, ue8m0(scale_bytes).unsqueeze(-1))
+
+
 def _fp8_ds_mla(block_size: int):
-    """The decoder of an fp8_ds_mla cache ``[NB, S]`` for comparison: NoPE codes as e4m3
-    values, RoPE values as bf16, scale bytes and the rest as bytes."""
+    """The decoder of an fp8_ds_mla cache ``[NB, S]`` for comparison: NoPE codes as the values
+    they stand for with their blocks' scales, RoPE values as bf16, scale bytes (within one
+    step) and the rest as bytes."""
     def decode(cache: torch.Tensor) -> dict:
         nb = cache.shape[0]
         data = cache[:, : block_size * CACHE_ROW_BYTES].reshape(nb, block_size, CACHE_ROW_BYTES)
-        return {"NoPE codes": data[..., :NOPE_DIM].contiguous().view(torch.float8_e4m3fn),
+        scales = cache[:, block_size * CACHE_ROW_BYTES: block_size * SLOT_BYTES].reshape(nb, block_size, -1)
+        codes = data[..., :NOPE_DIM].contiguous().view(torch.float8_e4m3fn)
+        return {"NoPE values": _blocks_by_scale(codes, scales[..., :N_QUANT_BLOCKS].contiguous()),
                 "RoPE values": data[..., NOPE_DIM:].contiguous().view(torch.bfloat16),
                 "scale bytes": cache[:, block_size * CACHE_ROW_BYTES:].contiguous()}
     return decode
 
 
 def _mxfp8_records(block_size: int):
-    """The decoder of a cache of MXFP8 records ``[NB, S]`` for comparison: codes as e4m3
-    values, scale bytes and the rest as bytes."""
+    """The decoder of a cache of MXFP8 records ``[NB, S]`` for comparison: codes as the values
+    they stand for with their blocks' scales, scale bytes (within one step) and the rest as
+    bytes."""
     def decode(cache: torch.Tensor) -> dict:
         nb = cache.shape[0]
         records = cache[:, : block_size * MXFP8_SLOT_BYTES].reshape(nb, block_size, MXFP8_SLOT_BYTES)
-        return {"codes": records[..., :HEAD_DIM].contiguous().view(torch.float8_e4m3fn),
-                "scale bytes": records[..., HEAD_DIM:].contiguous(),
+        scales = records[..., HEAD_DIM:].contiguous()
+        return {"values": _blocks_by_scale(records[..., :HEAD_DIM].contiguous().view(torch.float8_e4m3fn), scales),
+                "scale bytes": scales,
                 "bytes past the records": cache[:, block_size * MXFP8_SLOT_BYTES:].contiguous()}
     return decode
 

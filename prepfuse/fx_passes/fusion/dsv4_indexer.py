@@ -45,7 +45,7 @@ from prepfuse.fx_passes.matching.writes import (
     ByteRows, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
 )
 from prepfuse.fx_passes.rewrite import REWRITE_MODULES
-from prepfuse.fx_passes.rewrite.compare import Checked, Exact, Quantized
+from prepfuse.fx_passes.rewrite.compare import Checked, Exact, Quantized, e4m3_scaled, ue8m0
 from prepfuse.fx_passes.rewrite.emitter import Emitter, as_layout
 from prepfuse.fx_passes.rewrite.probes import Probes
 from prepfuse.fx_passes.rewrite.search import Candidate, first_agreeing
@@ -452,8 +452,7 @@ def _mxfp4_values(packed: torch.Tensor, scale_bytes: torch.Tensor) -> Quantized:
     nibbles = nibbles.unflatten(-1, (scale_bytes.shape[-1], MXFP4_BLOCK))
     magnitude = nibbles & 7
     sign = 1.0 - 2.0 * (nibbles >> 3).float()
-    scale = torch.exp2(scale_bytes.float() - 127.0)
-    scale = torch.where(scale_bytes == 0xFF, torch.full_like(scale, float("nan")), scale).unsqueeze(-1)
+    scale = ue8m0(scale_bytes).unsqueeze(-1)
     values, steps = torch.tensor(_E2M1_VALUES), torch.tensor(_E2M1_STEPS)
     return Quantized(values[magnitude] * sign * scale, steps[magnitude] * scale)
 
@@ -469,12 +468,8 @@ def _mxfp4_q(packed: torch.Tensor, scale_bytes: torch.Tensor) -> dict:
 
 
 def _fp8_scaled(codes: torch.Tensor, scale: torch.Tensor) -> Quantized:
-    """e4m3 ``codes`` [..., 128] times their row's ``scale`` [...], each with one e4m3 step at
-    that scale (the fp8 bound of ``compare``: an eighth of the value, at least 2^-9)."""
-    v = codes.float()
-    s = scale.float().unsqueeze(-1)
-    step = torch.maximum(v.abs() * 2**-3, torch.full_like(v, 2**-9))
-    return Quantized(v * s, step * s.abs())
+    """e4m3 ``codes`` [..., 128] times their row's ``scale`` [...] (``compare.e4m3_scaled``)."""
+    return e4m3_scaled(codes, scale.unsqueeze(-1))
 
 
 def _rows(q: torch.Tensor, per_row: torch.Tensor):

@@ -40,7 +40,7 @@ import torch.fx
 
 from prepfuse.fx_passes.matching.nodes import NoMatch
 
-__all__ = ["Checked", "Exact", "Mismatch", "Quantized", "compare", "FLOAT_BOUND"]
+__all__ = ["Checked", "Exact", "Mismatch", "Quantized", "compare", "e4m3_scaled", "ue8m0", "FLOAT_BOUND"]
 
 FLOAT_BOUND = 2.0**-6
 
@@ -73,6 +73,24 @@ class Quantized:
 
     value: torch.Tensor
     step: torch.Tensor
+
+
+def e4m3_scaled(codes: torch.Tensor, scale: torch.Tensor) -> Quantized:
+    """e4m3 ``codes`` times their ``scale`` (broadcast against them: a row's, a block's), as
+    ``Quantized`` values, each with one e4m3 step at that scale (the fp8 bound's: an eighth of
+    the value, at least 2^-9). A bf16 rounding the graph lost can carry a row's or a block's
+    amax across a power of two: its power-of-two scale then moves and every code with it, and
+    compared this way the two agree."""
+    v = codes.float()
+    s = scale.float()
+    step = torch.maximum(v.abs() * 2**-3, torch.full_like(v, 2**-9))
+    return Quantized(v * s, step * s.abs())
+
+
+def ue8m0(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes as the powers of two they stand for (0xFF, a non-finite block's, NaN)."""
+    scale = torch.exp2(scale_bytes.float() - 127.0)
+    return torch.where(scale_bytes == 0xFF, torch.full_like(scale, float("nan")), scale)
 
 
 @dataclass(frozen=True)

@@ -453,3 +453,41 @@ def test_spelling_fuses_on_each_device(name, v2, device, num_tokens):
     eager = dataclasses.replace(inputs, q_out=r.ref_out, k_cache=r.ref_cache)
     cmp = compare_dsv4(eager, fused)
     assert cmp.within_spec(), cmp
+
+
+def test_a_block_scale_one_power_of_two_apart_is_the_same_math():
+    """Where the graph lost the code's bf16 rounding of kv (torch 2.11's Inductor drops
+    ``.to(bf16).float()``: a kv normed upstream, T=512 on the CPU), a NoPE block's amax may
+    sit across a power of two from the op's: its scale byte is one higher and its codes half.
+    The cache compares its codes as the values they stand for, so that agrees; a scale two
+    steps off does not (another amax floor, floor for ceil)."""
+    from prepfuse.fx_passes.fusion.dsv4 import _fp8_ds_mla, _mxfp8_records
+    from prepfuse.fx_passes.rewrite.compare import Checked, Mismatch, compare
+
+    bs, gen = 4, torch.Generator().manual_seed(0)
+    x = (torch.randn(bs, 448, generator=gen) * 100).clamp(-448, 448)
+    region = fp8_ds_mla_cache(1, bs)
+    row = region[0, : bs * 576].view(bs, 576)
+    row[:, :448] = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = region[0, bs * 576: bs * 584].view(bs, 8)
+    scales[:, :7] = 120
+
+    def moved(by: int) -> torch.Tensor:
+        cache = region.clone()
+        cache[0, 2 * 576 + 64: 2 * 576 + 128] = (x[2, 64:128] / 2**by).to(torch.float8_e4m3fn).view(torch.uint8)
+        cache[0, bs * 576 + 2 * 8 + 1] += by  # slot 2's second block
+        return cache
+
+    check = Checked("k_cache", "region", "call", decode=_fp8_ds_mla(bs))
+    compare(check, moved(1), region, 0, {})
+    with pytest.raises(Mismatch, match="scale bytes"):
+        compare(check, moved(2), region, 0, {})
+    # MXFP8 records read the same way: 16 blocks of 32, their scale bytes after the codes
+    records = torch.zeros(1, bs * 528, dtype=torch.uint8)
+    y = (torch.randn(bs, 512, generator=gen) * 100).clamp(-448, 448)
+    records.view(bs, 528)[:, :512] = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    records.view(bs, 528)[:, 512:] = 120
+    shifted = records.clone()
+    shifted.view(bs, 528)[1, 32:64] = (y[1, 32:64] / 2).to(torch.float8_e4m3fn).view(torch.uint8)
+    shifted.view(bs, 528)[1, 513] += 1
+    compare(Checked("k_cache", "region", "call", decode=_mxfp8_records(bs)), shifted, records, 0, {})
