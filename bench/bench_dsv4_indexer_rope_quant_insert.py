@@ -340,9 +340,10 @@ def run_benchmark(args) -> dict:
     print(f"one tiny kernel in a graph {data['tiny_graph']['us_median']:.2f} us", flush=True)
     for fmt in args.formats:
         impls = [i for i in args.impls if i in ("fused", *Q_SIDE) or fmt in MODEL_SPELLINGS]
-        if "vllm" in impls and vllm_indexer.load().missing_reason(fmt):
-            print(f"no vllm column for {fmt}: {vllm_indexer.load().missing_reason(fmt)}", flush=True)
-            data.setdefault("vllm_missing", {})[fmt] = vllm_indexer.load().missing_reason(fmt)
+        missing = vllm_indexer.load().missing_reason(fmt) if "vllm" in impls else ""
+        if missing:
+            print(f"no vllm column for {fmt}: {missing}", flush=True)
+            data.setdefault("vllm_missing", {})[fmt] = missing
             impls.remove("vllm")
         for t in sorted(args.tokens):
             line = []

@@ -15,13 +15,13 @@ import torch
 
 from prepfuse.ops import DSV4_INDEXER_ROPE_FP8_INSERT, DSV4_INDEXER_ROPE_MXFP4_INSERT
 from prepfuse.testing import make_dsv4_indexer_inputs, seeded_generator
+from tests.ops.test_vllm_parity import BETWEEN_TWO  # the spec's rate between two implementations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import vllm_indexer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 HEADS = 64  # DeepSeek-V4's indexer heads (vLLM's kernels tile 4 heads; any multiple of 4 runs)
-BETWEEN_TWO = 20.0  # values per million two implementations may differ in (test_vllm_parity.py's)
 
 
 @pytest.fixture(scope="module")

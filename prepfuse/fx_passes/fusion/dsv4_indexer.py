@@ -493,7 +493,7 @@ def _scales_within_a_step(scales: torch.Tensor, what: str) -> dict:
     of one: no slack from a larger neighbour) and allowed one power of two either way and no
     further: half its magnitude, so that x2 and x1/2 pass and x4 does not (the codes,
     compared times their scale, pay for the move)."""
-    one = scales.float().reshape(*scales.shape, 1) if scales.shape[-1:] != (1,) else scales.float()
+    one = scales.float().unsqueeze(-1)
     return {what: Quantized(one, one.abs() / 2)}
 
 

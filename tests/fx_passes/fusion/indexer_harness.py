@@ -16,11 +16,11 @@ from prepfuse.testing.passes import PassReportQueries, compile_beside_eager
 T, H, TK, BLOCK, SCALE = 7, 3, 5, 16, 0.01
 
 
-def prep(model, spelling):
+def prep(model, spelling, block_size: int = BLOCK):
     """The q side and the k side of one layer, returning the q side's outputs."""
     def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
         out = model.indexer_q_prep(q, weights, positions, cos_sin_cache, SCALE, spelling)
-        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, BLOCK, spelling)
+        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, block_size, spelling)
         return out
     return fn
 
@@ -71,11 +71,11 @@ def assert_same_as_eager(r: Run) -> None:
     assert torch.equal(r.cache, r.ref_cache), int((r.cache != r.ref_cache).sum())
 
 
-def assert_same_as_rounded_eager(r: Run, model, spelling, inputs) -> None:
+def assert_same_as_rounded_eager(r: Run, model, spelling, inputs, block_size: int = BLOCK) -> None:
     """``r``'s outputs and cache are, byte for byte, eager's for ``spelling`` with its bf16
     rounding of the rotation (what the op computes where the code quantised it unrounded)."""
     ref_cache = inputs.k_cache.clone()
     rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
-    ref_out = prep(model, dataclasses.replace(spelling, bf16_round=True))(inputs.q, inputs.weights, inputs.k,
-                                                                          ref_cache, *rest)
+    rounded = prep(model, dataclasses.replace(spelling, bf16_round=True), block_size)
+    ref_out = rounded(inputs.q, inputs.weights, inputs.k, ref_cache, *rest)
     assert_same_as_eager(Run(r.out, r.cache, ref_out, ref_cache, None))

@@ -62,6 +62,17 @@ def make_inputs(**kwargs):
     return dataclasses.replace(inputs, k_cache=indexer_fp8_cache(num_blocks, BLOCK))
 
 
+DEEPSEEK_HEADS, DEEPSEEK_BLOCK = 64, 64  # DeepSeek-V4's indexer heads and a vLLM cache block
+
+
+def deepseek_inputs(num_tokens: int):
+    """Seeded CPU inputs at DeepSeek-V4's sizes: 64 heads, block 64, a key row per 4 tokens."""
+    inputs = make_dsv4_indexer_inputs("fp8", num_tokens, DEEPSEEK_HEADS, DEEPSEEK_BLOCK, "cpu",
+                                      num_k=max(1, num_tokens // 4), skip_fraction=0.0,
+                                      generator=torch.Generator().manual_seed(0))
+    return dataclasses.replace(inputs, k_cache=indexer_fp8_cache(inputs.k_cache.shape[0], DEEPSEEK_BLOCK))
+
+
 def run(fn, inputs=None, *, passes=(PASS,), v2=True) -> Run:
     return harness.run(fn, make_inputs() if inputs is None else inputs, PASS, passes=passes, v2=v2)
 
@@ -162,31 +173,17 @@ def test_quantising_the_unrounded_rotation_fuses_within_one_code():
 
 
 def test_the_unrounded_rotation_at_64_heads_moves_some_scales_and_fuses():
-    """The same at DeepSeek-V4's 64 heads and T=1000 (64000 q rows, 250 key rows): there the
+    """The same at DeepSeek-V4's sizes and T=1000 (64000 q rows, 250 key rows): there the
     probes meet rows whose amax the op's bf16 rounding carries across a power of two, so the
     row's codes and its weight (a key row's codes and its scale) are a power of two apart from
     the graph's. This is every spelling's graph under torch 2.11, whose Inductor drops the round
     trip: before the probes compared codes times their scale, q declined there (an H100 at T=8,
     the CPU at T=1000) and only k fused."""
     spelling = LOOKALIKES["no_bf16_round"]
-    inputs = make_dsv4_indexer_inputs("fp8", 1000, 64, 64, "cpu", num_k=250, skip_fraction=0.0,
-                                      generator=torch.Generator().manual_seed(0))
-    inputs = dataclasses.replace(inputs, k_cache=indexer_fp8_cache(inputs.k_cache.shape[0], 64))
-
-    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
-        out = model.indexer_q_prep(q, weights, positions, cos_sin_cache, SCALE, spelling)
-        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, 64, spelling)
-        return out
-
-    r = harness.run(fn, inputs, PASS)
+    inputs = deepseek_inputs(1000)
+    r = harness.run(harness.prep(model, spelling, DEEPSEEK_BLOCK), inputs, PASS)
     assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q+k"], r.events("declined")
-    # the op's bytes are the rounded spelling's eager bytes
-    rounded = dataclasses.replace(spelling, bf16_round=True)
-    ref_cache = inputs.k_cache.clone()
-    want = model.indexer_q_prep(inputs.q, inputs.weights, inputs.positions, inputs.cos_sin_cache, SCALE, rounded)
-    model.indexer_k_insert(inputs.k, ref_cache, inputs.slot_mapping, inputs.k_positions, inputs.cos_sin_cache, 64,
-                           rounded)
-    harness.assert_same_as_eager(harness.Run(r.out, r.cache, want, ref_cache, None))
+    harness.assert_same_as_rounded_eager(r, model, spelling, inputs, DEEPSEEK_BLOCK)
 
 
 def test_an_fp32_k_is_rounded_by_the_call():
@@ -235,19 +232,11 @@ def test_spelling_fuses_on_cuda(name, num_tokens):
     values are eager CUDA's: q and k still become one call, at DeepSeek-V4's 64 heads. The
     strided RoPE spellings are eager's bytes exactly; eager CUDA's complex multiply may
     contract a product and a sum into an FMA, so those are held to the one-code bound."""
-    inputs = make_dsv4_indexer_inputs("fp8", num_tokens, 64, 64, "cpu", num_k=max(1, num_tokens // 4),
-                                      skip_fraction=0.0, generator=torch.Generator().manual_seed(0))
-    inputs = dataclasses.replace(inputs, k_cache=indexer_fp8_cache(inputs.k_cache.shape[0], 64))
+    inputs = deepseek_inputs(num_tokens)
     inputs = dataclasses.replace(inputs, **{f: getattr(inputs, f).cuda() for f in (
         "q", "weights", "k", "k_cache", "slot_mapping", "positions", "k_positions", "cos_sin_cache")})
     spelling = SPELLINGS[name]
-
-    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
-        out = model.indexer_q_prep(q, weights, positions, cos_sin_cache, SCALE, spelling)
-        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, 64, spelling)
-        return out
-
-    r = harness.run(fn, inputs, PASS)
+    r = harness.run(harness.prep(model, spelling, DEEPSEEK_BLOCK), inputs, PASS)
     assert r.matched == 1 and r.events("matched") == ["dsv4_indexer_q+k"], r.events("declined")
     if spelling.rope == "strided":
         assert_same_as_eager(r)

@@ -259,11 +259,7 @@ def check_fused_on(device: str, spelling, v2: bool, num_tokens: int, num_heads: 
                                             ("q", "weights", "k", "k_cache", "slot_mapping", "positions", "k_positions",
                                              "cos_sin_cache")})
     backend = PrepfuseBackend({"strict": True, "auto_functionalized_v2": v2})
-
-    def fn(q, weights, k, k_cache, slot_mapping, positions, k_positions, cos_sin_cache):
-        out = model.indexer_q_prep(q, weights, positions, cos_sin_cache, SCALE, spelling)
-        model.indexer_k_insert(k, k_cache, slot_mapping, k_positions, cos_sin_cache, block_size, spelling)
-        return out
+    fn = harness.prep(model, spelling, block_size)
 
     cache, ref_cache = inputs.k_cache.clone(), inputs.k_cache.clone()
     rest = (inputs.slot_mapping, inputs.positions, inputs.k_positions, inputs.cos_sin_cache)
