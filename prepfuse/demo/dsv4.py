@@ -59,14 +59,17 @@ def run_dsv4_op(device: torch.device, num_tokens: int, num_heads: int, block_siz
     return rows
 
 
-def run_dsv4_block(device: torch.device, num_layers: int = 3, *, seed: int = 0, verbose: bool = False) -> Row:
+def run_dsv4_block(device: torch.device, num_layers: int = 3, *, seed: int = 0, verbose: bool = False,
+                   timed: bool = True, sizes: tuple[int, int, int, int, int] | None = None) -> Row:
     """A DeepSeek-V4-style attention block (``prepfuse.models.dsv4.Dsv4AttentionBlock``: q/kv
     projections, q head RMSNorm + GPT-J RoPE + head padding, kv RoPE + UE8M0 FP8 quant +
     paged insert, an attention-like consumer) compiled with ``backend="prepfuse"``: the
-    layers' prep sequences fused, and the output and cache against eager."""
+    layers' prep sequences fused, and the output and cache against eager. ``sizes``:
+    (tokens, heads, padded heads, block size, model dim) in place of the device's; ``timed``:
+    time on a GPU beside ``torch.compile``'s default."""
     generator = torch.Generator().manual_seed(seed)
     on_gpu = device.type == "cuda"
-    tokens, heads, padded, block_size, dim = (512, 64, 64, 64, 1024) if on_gpu else (7, 3, 8, 16, 64)
+    tokens, heads, padded, block_size, dim = sizes or ((512, 64, 64, 64, 1024) if on_gpu else (7, 3, 8, 16, 64))
     block = Dsv4AttentionBlock(num_layers, dim, heads, padded, block_size=block_size, spelling=DSV4_SPELLINGS[0],
                                seed=seed).to(device)
     inputs = make_dsv4_inputs(tokens, heads, padded, block_size, device, generator=generator, skip_fraction=0.0)
@@ -104,6 +107,6 @@ def run_dsv4_block(device: torch.device, num_layers: int = 3, *, seed: int = 0, 
     # relative to an amax that scales into (224, 448]: 32/224 = 1/7 of the block's amax.
     bounds = (Bound("out err", out_err, 5e-2), Bound("cache err", max(cache_errs), 1 / 7))
     timing = ""
-    if on_gpu:
+    if on_gpu and timed:
         timing = time_beside_default(block, compiled, (*args, caches), (*args, [c.clone() for c in caches]))
     return Row("DeepSeek-V4 block", bounds, fused=(matched, num_layers), timing=timing)

@@ -35,7 +35,8 @@ def indexer_layers(num_layers: int, weights_scale: float, block_size: int):
     return step
 
 
-def run_dsv4_indexer(device: torch.device, num_layers: int = 3, *, seed: int = 0, verbose: bool = False) -> Row:
+def run_dsv4_indexer(device: torch.device, num_layers: int = 3, *, seed: int = 0, verbose: bool = False,
+                     timed: bool = True) -> Row:
     generator = torch.Generator().manual_seed(seed)
     on_gpu = device.type == "cuda"
     tokens, heads, block_size = (512, 64, 64) if on_gpu else (7, 4, 16)

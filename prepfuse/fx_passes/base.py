@@ -22,6 +22,44 @@ log = logging.getLogger("prepfuse.passes")
 _WARNED: set = set()
 
 
+def failure_anchor(err: Exception, graph: torch.fx.Graph, default: torch.fx.Node | None = None):
+    """The node of ``graph`` the pass was reading when ``err`` was raised: the innermost
+    frame's graph node among its locals (``default`` where no frame holds one)."""
+    tb, frames = err.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for name in ("node", "user", "n", "start", "source", "w", "write", "p", "point", "anchor", "q", "k", "kv"):
+            value = frame.f_locals.get(name)
+            for attr in ("node", "anchor", "start"):  # a side or match holding its node
+                if not isinstance(value, torch.fx.Node):
+                    value = getattr(value, attr, value)
+            value = getattr(value, "node", value) if not isinstance(value, torch.fx.Node) else value
+            if isinstance(value, torch.fx.Node) and value.graph is graph:
+                return value
+    return default
+
+
+def unreadable_step(node: torch.fx.Node | None) -> str:
+    """A decline for a step the pass could not read, in the user's terms: where the code
+    made it and what about its value stops the reading (no tokens, symbolic sizes)."""
+    from prepfuse.fx_passes.matching.nodes import where
+
+    if node is None:
+        return "prepfuse could not read this graph's preparation; the code is compiled as written"
+    v = node.meta.get("val")
+    what = ""
+    if isinstance(v, torch.Tensor):
+        sizes = [s for s in v.shape if not isinstance(s, int)]
+        if any(isinstance(s, int) and s == 0 for s in v.shape):
+            what = f": its value {list(v.shape)} holds no elements (no tokens)"
+        elif sizes:
+            what = (f": its sizes {list(v.shape)} are symbolic where the op needs numbers (mark that dim static, "
+                    "or compile with dynamic=False)")
+    return f"prepfuse could not read the step at {where(node)}{what}; the code is compiled as written"
+
+
 def _warn_once(pass_name: str, err: Exception) -> None:
     """Warn once per pass and error type; every time, the traceback at DEBUG (for a report)."""
     key = (pass_name, type(err).__name__)
@@ -85,8 +123,12 @@ class PrepfusePass(CustomGraphPass):
         try:
             self.matched_count = self.run(graph)
         except Exception as err:  # noqa: BLE001 - a pass's own failure must not fail the compile
-            # every rewrite is made whole or not at all (``attempt``), so the graph is valid here
+            # every rewrite is made whole or not at all (``attempt``), so the graph is valid here;
+            # the failure is a near miss at the step being read, in the user's terms
             _warn_once(self.name, err)
+            anchor = failure_anchor(err, graph, next(iter(graph.find_nodes(op="output")), None))
+            if anchor is not None:
+                self.declined_at(self.name, anchor, unreadable_step(failure_anchor(err, graph)))
             self.matched_count = sum(e.kind == "matched" for e in self.log.events)
         if self.matched_count:
             remove_dead([*self.replaced, *(n for n in graph.nodes if n.op in ("call_function", "get_attr") and not n.users)])
@@ -114,9 +156,21 @@ class PrepfusePass(CustomGraphPass):
             self.declined_at(pattern, anchor, str(err))
         except Exception as err:  # noqa: BLE001 - the pass's own failure must not fail the compile
             _warn_once(self.name, err)
-            self.declined_at(pattern, anchor, f"the pass failed here ({type(err).__name__}: {err}); "
-                                              "the code is compiled as written")
+            self.declined_at(pattern, anchor, unreadable_step(failure_anchor(err, anchor.graph, anchor)))
         return False
+
+    def scan(self, fn, pattern: str, graph: torch.fx.Graph, default):
+        """``fn()``, a search for one kind of side; where it fails unexpectedly, a near miss
+        at the step it was reading (``unreadable_step``) and ``default``, so the pass goes on
+        with its other sides instead of stopping."""
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - the pass's own failure must not fail the compile
+            _warn_once(self.name, err)
+            anchor = failure_anchor(err, graph)
+            if anchor is not None:
+                self.declined_at(pattern, anchor, unreadable_step(anchor))
+            return default
 
     def declined_at(self, pattern: str, anchor: torch.fx.Node, why: str) -> None:
         self.log.declined(self.name, pattern, anchor, why)

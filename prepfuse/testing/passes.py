@@ -17,11 +17,23 @@ by op) and mixes in :class:`PassReportQueries`.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from prepfuse.backend import PrepfuseBackend
 
-__all__ = ["PassReportQueries", "compile_beside_eager", "RECOMPILE_TOKEN_COUNTS"]
+__all__ = ["PassReportQueries", "compile_beside_eager", "RECOMPILE_TOKEN_COUNTS", "internal_error_named"]
+
+# Python's exception names: a near miss says what about the user's code stopped a rewrite,
+# never which error the pass met (``fx_passes.base.unreadable_step``)
+_INTERNAL_ERRORS = re.compile(r"\b(IndexError|TypeError|KeyError|AttributeError|RuntimeError|ValueError|"
+                              r"AssertionError|ZeroDivisionError|NotImplementedError)\b")
+
+
+def internal_error_named(why: str) -> bool:
+    """Whether a near miss's text names a Python exception (an internal error shown as a reason)."""
+    return _INTERNAL_ERRORS.search(why) is not None
 
 # The token counts a dynamic-shape test runs under ``fail_on_recompile`` after its warm-up:
 # every count to 17 (the 0/1 specialisation, small alignments), each side of every power of

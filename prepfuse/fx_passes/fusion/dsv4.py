@@ -46,7 +46,9 @@ from prepfuse.fx_passes.matching.nodes import (
 )
 from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, is_scale
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
-from prepfuse.fx_passes.matching.sources import prepared, projection_starts, row_sources, weight_like
+from prepfuse.fx_passes.matching.sources import (
+    prepared, projection_input, projection_starts, row_sources, weight_like,
+)
 from prepfuse.fx_passes.matching.writes import (
     ByteRows, RowsWrite, before_cast, byte_rows, first_rows, rows_writes, scale_partner, slot_of, slot_roles,
 )
@@ -132,16 +134,19 @@ class FuseDsv4PrepPass(PrepfusePass):
                 str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
-        kvs = self._kv_sides(graph)
+        kvs = self.scan(lambda: self._kv_sides(graph), "dsv4_kv", graph, [])
         kv_starts = {s for kv in kvs for s in kv.sources}
-        qs = self._q_sides(graph, kv_starts)
+        qs = self.scan(lambda: self._q_sides(graph, kv_starts), "dsv4_q", graph, [])
         matched = 0
         free = list(kvs)
         for q in qs:
+            q = self._unfused(q)
+            if q is None:
+                continue  # its heads are views of a q an earlier call already writes
             for kv in [kv for kv in free if any(same_size(_tokens(s), _tokens(q.start.node)) for s in kv.sources)]:
                 try:  # one call for both sides where one agrees; else each side alone, below
                     self._fuse(graph, q, kv)
-                except NoMatch:
+                except Exception:  # noqa: BLE001 - a decline or failure of both: each side alone says why, below
                     continue
                 free.remove(kv)
                 matched += 1
@@ -151,6 +156,16 @@ class FuseDsv4PrepPass(PrepfusePass):
         for kv in free:
             matched += self.attempt(lambda kv=kv: self._fuse(graph, None, kv), _pattern(None, kv), kv.anchor)
         return matched
+
+    def _unfused(self, q: QSide) -> QSide | None:
+        """``q`` without the candidates that now read an earlier call's output (another
+        start's view of a q already fused); None where none is left."""
+        made = set(self.replaced.values())
+        if not made:
+            return q
+        left = [p for p in q.candidates if p.node not in self.replaced
+                and not made.intersection(backward([p.node], cut={q.start.node}))]
+        return QSide(q.start, left, left[0].heads) if left else None
 
     # ----------------------------------------------------------------------------------
     def _kv_sides(self, graph) -> list[KvSide]:
@@ -219,12 +234,16 @@ class FuseDsv4PrepPass(PrepfusePass):
             return []  # a q side is a node of [.., heads, 512]: no graph without one has any
         found = []
         for start in projection_starts(graph, HEAD_DIM, (torch.bfloat16, torch.float16), avoid=kv_starts):
-            cands = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=Q_DTYPES)
-                     if per_token_operands(p.operands, weight_like) and len(shape(p.node)) >= 3
-                     and shape(p.node)[-1] == HEAD_DIM]
+            heads = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=(*Q_DTYPES, torch.float32),
+                                         tails=True) if len(shape(p.node)) >= 3 and shape(p.node)[-1] == HEAD_DIM]
+            # heads made of what a kv side writes are that kv as attention reads it, not a q
+            heads = [p for p in heads if not kv_starts.intersection(backward([p.node], cut={start.node}))]
+            cands = [p for p in heads if val(p.node).dtype in Q_DTYPES and per_token_operands(p.operands, weight_like)]
             if cands:
                 found.append(QSide(start, cands, cands[0].heads))
-        return found
+            elif heads and heads[0].operands:  # heads of 512 prepared for a reader, but not as the op does: say why
+                self.declined_at("dsv4_q", heads[0].node, _not_prepared(heads[0]))
+        return _before_attention(found)
 
     # ----------------------------------------------------------------------------------
     def _fuse(self, graph, q: QSide | None, kv: KvSide | None) -> None:
@@ -337,6 +356,41 @@ class FuseDsv4PrepPass(PrepfusePass):
                 written.append((kv.after, new_cache))
             return checked, written
         return emit_it
+
+
+def _before_attention(sides: list[QSide]) -> list[QSide]:
+    """The q sides whose start is a projection or reads no other side's q: an attention output that the model
+    rotates back before its output projection (DeepSeek-V4's inverse RoPE of ``o``) holds heads
+    of 512 too, but it is what attention made of a q."""
+    qs = {p.node for side in sides for p in side.candidates}
+    return [side for side in sides if projection_input(side.start.node) is not None
+            or not _reads_any(side.start.node, qs.difference(p.node for p in side.candidates))]
+
+
+def _reads_any(node: torch.fx.Node, targets: set) -> bool:
+    """Whether ``node`` is computed from any of ``targets``, through any steps (attention's too)."""
+    if not targets:
+        return False
+    order = graph_order(node.graph)
+    floor = min(order[t] for t in targets)
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen or order[n] < floor:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _not_prepared(p) -> str:
+    """Why heads of 512 a later step reads are not a q the op prepares."""
+    if val(p.node).dtype not in Q_DTYPES:
+        return (f"q: the heads read at {where(p.node)} are {val(p.node).dtype}; the op writes q as bfloat16 "
+                "(or e4m3 beside a full-row cache): round it before attention reads it")
+    return f"q: the heads read at {where(p.node)} mix in no per-token cos/sin (no RoPE the op could apply)"
 
 
 def _as_prepared(emit, q_view, p):

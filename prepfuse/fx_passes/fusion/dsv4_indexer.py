@@ -124,15 +124,15 @@ class _FuseDsv4IndexerPass(PrepfusePass):
         return (str(self.fmt.op._schema), str(SCRATCH._schema))
 
     def run(self, graph: torch.fx.Graph) -> int:
-        ks = self._k_sides(graph)
-        qs = self._q_sides(graph, {s for k in ks for s in k.sources})
+        ks = self.scan(lambda: self._k_sides(graph), "dsv4_indexer_k", graph, [])
+        qs = self.scan(lambda: self._q_sides(graph, {s for k in ks for s in k.sources}), "dsv4_indexer_q", graph, [])
         claimed: set = set()
         matched, free = 0, list(ks)
         for q in qs:
             for k in free:
                 try:  # one call of both sides where one agrees; else q alone
                     self._fuse(graph, q, k, claimed)
-                except NoMatch:
+                except Exception:  # noqa: BLE001 - a decline or failure of both: each side alone says why, below
                     continue
                 free.remove(k)
                 matched += 1

@@ -110,7 +110,7 @@ class FuseGqaPrepPass(PrepfusePass):
     def run(self, graph: torch.fx.Graph) -> int:
         lifted = engine_writes.lift(graph, lambda node, why: self.log.declined(self.name, PATTERN, node, why))
         try:
-            copies = self._head_copies(graph)
+            copies = self.scan(lambda: self._head_copies(graph), PATTERN, graph, [])
             try:
                 return self._run(graph)
             finally:
@@ -133,12 +133,14 @@ class FuseGqaPrepPass(PrepfusePass):
     def _head_copies(self, graph) -> list:
         """Copies of heads laid out strided apart in a projection (GPT-NeoX's per-head q|k|v),
         for each head dim a cache write takes (``head_copies``)."""
-        dims = {shape(w.values)[-1] for w in rows_writes(graph).values() if not isinstance(w, NoMatch)}
+        # a symbolic width is no head dim the op takes (and a SymInt is not hashable)
+        dims = {shape(w.values)[-1] for w in rows_writes(graph).values()
+                if not isinstance(w, NoMatch) and isinstance(shape(w.values)[-1], int)}
         sources = _float_sources(graph)
         return [c for d in sorted(dims) if d in HEAD_DIMS for c in head_copies.copy_strided_heads(graph, sources, d)]
 
     def _run(self, graph: torch.fx.Graph) -> int:
-        writes = self._kv_writes(graph)
+        writes = self.scan(lambda: self._kv_writes(graph), PATTERN, graph, [])
         ks, vs = [w for w in writes if w.rotated], [w for w in writes if not w.rotated]
         matched, used = 0, set()
         for k in ks:

@@ -238,6 +238,17 @@ def _dims_acted_on(node: torch.fx.Node) -> list[int] | None:
     return []  # view_as_complex / view_as_real / view.dtype / real / imag: the last dims only
 
 
+def _grows_a_unit_dim(node: torch.fx.Node, acted: list[int]) -> bool:
+    """Whether ``node`` makes a dim of one of its input more than one (a pad, expand or
+    repeat of it): the one head of ``[T, 1, D]`` padded to ``[T, HP, D]`` is then new heads,
+    not values within the head, whatever the layout counts the dim of one as."""
+    out, source = val(node), node.args[0]
+    if not isinstance(out, torch.Tensor) or not isinstance(source, torch.fx.Node) or \
+            len(shape(source)) != out.dim():
+        return False
+    return any(same_size(shape(source)[d], 1) and not same_size(out.shape[d], 1) for d in acted)
+
+
 def _made_from(start: torch.fx.Node, order: dict):
     """``made(node)``: whether ``node`` reads ``start``'s values, through any steps (a search
     back that stops at nodes before ``start``, remembering the nodes that do not)."""
@@ -299,7 +310,7 @@ def _step(node: torch.fx.Node, found: dict, head_dim, foreign, own) -> Layout | 
     if node.target in _REDUCTIONS or node.target in _TAIL_STEPS:
         k = lead_count(first, head_dim)
         acted = _dims_acted_on(node)
-        if k is None or acted is None or any(d < k for d in acted):
+        if k is None or acted is None or any(d < k for d in acted) or _grows_a_unit_dim(node, acted):
             return None
         if any(lead_count(x, head_dim) != k or x.dims[:k] != first.dims[:k] for x in layouts):
             return None

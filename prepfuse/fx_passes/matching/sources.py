@@ -94,6 +94,8 @@ def column_starts(source: torch.fx.Node, head_dim=None, views: bool = False) -> 
                 if dim % len(shape(node)) != len(shape(node)) - 1:
                     continue
                 sizes = list(user.args[1]) if user.target is aten.split_with_sizes.default else None
+                if not all(isinstance(x, int) for x in (sizes if sizes is not None else [user.args[1]])):
+                    continue  # a split of symbolic sizes: no column range known at compile time
                 for piece in user.users:
                     index = piece.args[1]
                     first = sum(sizes[:index]) if sizes else index * user.args[1]

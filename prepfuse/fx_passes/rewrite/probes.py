@@ -38,7 +38,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from prepfuse.fx_passes.rewrite.compare import Checked, Mismatch, compare
-from prepfuse.fx_passes.matching.nodes import NoMatch, aten, concrete, is_op, shape, val
+from prepfuse.fx_passes.matching.nodes import NoMatch, aten, concrete, is_op, shape, val, where
 from prepfuse.fx_passes.matching.regions import backward, leaves
 from prepfuse.ops import SCRATCH
 
@@ -435,7 +435,9 @@ def _run(nodes: list[torch.fx.Node], known: dict, what: str) -> dict:
                 raise
             except Exception as err:  # the probes are outside what this step accepts
                 first = str(err).splitlines()[0] if str(err) else ""
-                raise NoMatch(f"{what} did not run on a probe: {type(err).__name__}: {first}") from None
+                # said as the step of the code that refused the probe inputs, not as the error's type
+                raise NoMatch(f"{what} did not run on the probe inputs at {where(node)}"
+                              + (f" ({first})" if first else "")) from None
     return env
 
 

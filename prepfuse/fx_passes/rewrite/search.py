@@ -94,7 +94,7 @@ def _emitted(candidate: Candidate, make_emitter: Callable[[], Emitter], probes: 
         try:
             checked, result = candidate.emit(emit)
         except (RuntimeError, ValueError, TypeError, IndexError) as err:  # the call's fake impl refuses it
-            raise NoMatch(f"the call cannot be made: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+            raise NoMatch("the call cannot be made" + (f": {str(err).splitlines()[0]}" if str(err) else ""))
         emit.inputs_in_order()
         run, inexact = probes.check(emit.emitted, checked, beat) if probes is not None else (0, ())
         return Agreed(candidate, emit, checked, result, run, inexact)

@@ -37,7 +37,7 @@ from prepfuse.models.dsv4 import DSV4_LOOKALIKES, DSV4_SPELLINGS, Dsv4AttentionB
 from prepfuse.testing import compare_dsv4, compare_dsv4_q, make_dsv4_inputs, max_row_rel_diff
 from prepfuse.models import dsv4_prep_unfused
 from prepfuse.testing.golden import GoldenFiles
-from prepfuse.testing.passes import PassReportQueries, compile_beside_eager
+from prepfuse.testing.passes import PassReportQueries, compile_beside_eager, internal_error_named
 
 GOLDEN = GoldenFiles.beside(__file__)
 
@@ -287,6 +287,7 @@ def test_lookalike_is_left_alone(name, code, declined, why, caplog):
     assert r.matched == 0 and not r.report.ops_after  # no prepfuse op in the compiled graph
     assert [p for p, _ in r.events("declined")] == declined, r.events("declined")
     assert all(w in reason for w, (_, reason) in zip(why, r.events("declined"))), r.events("declined")
+    assert not any(internal_error_named(reason) for _, reason in r.events("declined")), r.events("declined")
     assert any("declined" in rec.getMessage() and why[0] in rec.getMessage() for rec in caplog.records)
     assert_unfused_close_to_eager(r)
 

@@ -37,7 +37,7 @@ from prepfuse.models import gqa as model
 from prepfuse.models.gqa import GQA_LOOKALIKES, GQA_SPELLINGS, GqaAttentionBlock, GqaSpelling
 from prepfuse.testing import CACHE_POISON, bf16_rope_pair_bound, e4m3_code_diff, make_gqa_inputs
 from prepfuse.testing.golden import GoldenFiles
-from prepfuse.testing.passes import PassReportQueries, compile_beside_eager
+from prepfuse.testing.passes import PassReportQueries, compile_beside_eager, internal_error_named
 
 GOLDEN = GoldenFiles.beside(__file__)
 
@@ -507,6 +507,7 @@ def test_lookalike_is_left_alone(name, declined, why, caplog):
     assert r.matched == 0 and not r.report.ops_after  # no prepfuse op in the compiled graph
     events = r.events("declined")
     assert len(events) == declined and all(p == "gqa" and why in reason for p, reason in events), events
+    assert not any(internal_error_named(reason) for _, reason in events), events
     assert any("declined" in rec.getMessage() and why in rec.getMessage() for rec in caplog.records)
 
     q_in, k_in = rope_inputs(r.case)
