@@ -32,10 +32,9 @@ def failure_anchor(err: Exception, graph: torch.fx.Graph, default: torch.fx.Node
     for frame in reversed(frames):
         for name in ("node", "user", "n", "start", "source", "w", "write", "p", "point", "anchor", "q", "k", "kv"):
             value = frame.f_locals.get(name)
-            for attr in ("node", "anchor", "start"):  # a side or match holding its node
+            for attr in ("node", "anchor", "start", "node"):  # a side or match holding its node
                 if not isinstance(value, torch.fx.Node):
                     value = getattr(value, attr, value)
-            value = getattr(value, "node", value) if not isinstance(value, torch.fx.Node) else value
             if isinstance(value, torch.fx.Node) and value.graph is graph:
                 return value
     return default
@@ -46,7 +45,7 @@ def unreadable_step(node: torch.fx.Node | None) -> str:
     made it and what about its value stops the reading (no tokens, symbolic sizes)."""
     from prepfuse.fx_passes.matching.nodes import where
 
-    if node is None:
+    if node is None or node.op == "output":  # no step of the code to name
         return "prepfuse could not read this graph's preparation; the code is compiled as written"
     v = node.meta.get("val")
     what = ""
@@ -125,10 +124,7 @@ class PrepfusePass(CustomGraphPass):
         except Exception as err:  # noqa: BLE001 - a pass's own failure must not fail the compile
             # every rewrite is made whole or not at all (``attempt``), so the graph is valid here;
             # the failure is a near miss at the step being read, in the user's terms
-            _warn_once(self.name, err)
-            anchor = failure_anchor(err, graph, next(iter(graph.find_nodes(op="output")), None))
-            if anchor is not None:
-                self.declined_at(self.name, anchor, unreadable_step(failure_anchor(err, graph)))
+            self._unreadable(err, self.name, graph, next(iter(graph.find_nodes(op="output")), None))
             self.matched_count = sum(e.kind == "matched" for e in self.log.events)
         if self.matched_count:
             remove_dead([*self.replaced, *(n for n in graph.nodes if n.op in ("call_function", "get_attr") and not n.users)])
@@ -155,8 +151,7 @@ class PrepfusePass(CustomGraphPass):
         except NoMatch as err:
             self.declined_at(pattern, anchor, str(err))
         except Exception as err:  # noqa: BLE001 - the pass's own failure must not fail the compile
-            _warn_once(self.name, err)
-            self.declined_at(pattern, anchor, unreadable_step(failure_anchor(err, anchor.graph, anchor)))
+            self._unreadable(err, pattern, anchor.graph, anchor)
         return False
 
     def scan(self, fn, pattern: str, graph: torch.fx.Graph, default):
@@ -166,11 +161,16 @@ class PrepfusePass(CustomGraphPass):
         try:
             return fn()
         except Exception as err:  # noqa: BLE001 - the pass's own failure must not fail the compile
-            _warn_once(self.name, err)
-            anchor = failure_anchor(err, graph)
-            if anchor is not None:
-                self.declined_at(pattern, anchor, unreadable_step(anchor))
+            self._unreadable(err, pattern, graph)
             return default
+
+    def _unreadable(self, err: Exception, pattern: str, graph: torch.fx.Graph, fallback=None) -> None:
+        """An unexpected ``err``: warned once, and a near miss at the step being read (where no
+        step is found, at ``fallback``, if given)."""
+        _warn_once(self.name, err)
+        step = failure_anchor(err, graph, fallback)
+        if step is not None:
+            self.declined_at(pattern, step, unreadable_step(step))
 
     def declined_at(self, pattern: str, anchor: torch.fx.Node, why: str) -> None:
         self.log.declined(self.name, pattern, anchor, why)

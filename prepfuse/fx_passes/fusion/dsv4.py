@@ -40,7 +40,7 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.fusion import dsv4_padding
 from prepfuse.fx_passes.fusion.dsv4_padding import head_padding
 from prepfuse.fx_passes.matching import MATCHING_MODULES
-from prepfuse.fx_passes.matching.axes import base_columns
+from prepfuse.fx_passes.matching.axes import base_columns, made_from
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, concrete, expect, graph_order, prims, same_size, shape, val, where,
 )
@@ -140,9 +140,6 @@ class FuseDsv4PrepPass(PrepfusePass):
         matched = 0
         free = list(kvs)
         for q in qs:
-            q = self._unfused(q)
-            if q is None:
-                continue  # its heads are views of a q an earlier call already writes
             for kv in [kv for kv in free if any(same_size(_tokens(s), _tokens(q.start.node)) for s in kv.sources)]:
                 try:  # one call for both sides where one agrees; else each side alone, below
                     self._fuse(graph, q, kv)
@@ -156,16 +153,6 @@ class FuseDsv4PrepPass(PrepfusePass):
         for kv in free:
             matched += self.attempt(lambda kv=kv: self._fuse(graph, None, kv), _pattern(None, kv), kv.anchor)
         return matched
-
-    def _unfused(self, q: QSide) -> QSide | None:
-        """``q`` without the candidates that now read an earlier call's output (another
-        start's view of a q already fused); None where none is left."""
-        made = set(self.replaced.values())
-        if not made:
-            return q
-        left = [p for p in q.candidates if p.node not in self.replaced
-                and not made.intersection(backward([p.node], cut={q.start.node}))]
-        return QSide(q.start, left, left[0].heads) if left else None
 
     # ----------------------------------------------------------------------------------
     def _kv_sides(self, graph) -> list[KvSide]:
@@ -236,8 +223,6 @@ class FuseDsv4PrepPass(PrepfusePass):
         for start in projection_starts(graph, HEAD_DIM, (torch.bfloat16, torch.float16), avoid=kv_starts):
             heads = [p for p in prepared(start, HEAD_DIM, _tokens(start.source), dtypes=(*Q_DTYPES, torch.float32),
                                          tails=True) if len(shape(p.node)) >= 3 and shape(p.node)[-1] == HEAD_DIM]
-            # heads made of what a kv side writes are that kv as attention reads it, not a q
-            heads = [p for p in heads if not kv_starts.intersection(backward([p.node], cut={start.node}))]
             cands = [p for p in heads if val(p.node).dtype in Q_DTYPES and per_token_operands(p.operands, weight_like)]
             if cands:
                 found.append(QSide(start, cands, cands[0].heads))
@@ -359,30 +344,15 @@ class FuseDsv4PrepPass(PrepfusePass):
 
 
 def _before_attention(sides: list[QSide]) -> list[QSide]:
-    """The q sides whose start is a projection or reads no other side's q: an attention output that the model
-    rotates back before its output projection (DeepSeek-V4's inverse RoPE of ``o``) holds heads
-    of 512 too, but it is what attention made of a q."""
+    """The q sides whose start is a projection or reads no other side's q: an attention output
+    that the model rotates back before its output projection (DeepSeek-V4's inverse RoPE of
+    ``o``) holds heads of 512 too, but it is what attention made of a q."""
+    if len(sides) < 2:
+        return sides
+    order = graph_order(sides[0].start.node.graph)
     qs = {p.node for side in sides for p in side.candidates}
-    return [side for side in sides if projection_input(side.start.node) is not None
-            or not _reads_any(side.start.node, qs.difference(p.node for p in side.candidates))]
-
-
-def _reads_any(node: torch.fx.Node, targets: set) -> bool:
-    """Whether ``node`` is computed from any of ``targets``, through any steps (attention's too)."""
-    if not targets:
-        return False
-    order = graph_order(node.graph)
-    floor = min(order[t] for t in targets)
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in targets:
-            return True
-        if n in seen or order[n] < floor:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
+    return [side for side in sides if projection_input(side.start.node) is not None or not any(
+        made_from(other, order)(side.start.node) for other in qs.difference(p.node for p in side.candidates))]
 
 
 def _not_prepared(p) -> str:
