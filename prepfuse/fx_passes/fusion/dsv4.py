@@ -351,8 +351,8 @@ def _before_attention(sides: list[QSide]) -> list[QSide]:
         return sides
     order = graph_order(sides[0].start.node.graph)
     qs = {p.node for side in sides for p in side.candidates}
-    return [side for side in sides if projection_input(side.start.node) is not None or not any(
-        made_from(other, order)(side.start.node) for other in qs.difference(p.node for p in side.candidates))]
+    return [side for side in sides if projection_input(side.start.node) is not None
+            or not made_from(qs.difference(p.node for p in side.candidates), order)(side.start.node)]
 
 
 def _not_prepared(p) -> str:

@@ -171,7 +171,7 @@ def carry(start: torch.fx.Node, layout: Layout, head_dim, foreign) -> dict[torch
     order = graph_order(start.graph)
     frontier = sorted(start.users, key=order.__getitem__)
     pending = set(frontier)
-    own = made_from(start, order)
+    own = made_from([start], order)
     while frontier:
         node = frontier.pop(0)
         pending.discard(node)
@@ -249,11 +249,15 @@ def _grows_a_unit_dim(node: torch.fx.Node, acted: list[int]) -> bool:
     return any(same_size(shape(source)[d], 1) and not same_size(out.shape[d], 1) for d in acted)
 
 
-def made_from(start: torch.fx.Node, order: dict):
-    """``made(node)``: whether ``node`` reads ``start``'s values, through any steps (a search
-    back that stops at nodes before ``start``, remembering the nodes that do not)."""
-    known = {start: True}
-    floor = order[start]
+def made_from(starts, order: dict):
+    """``made(node)``: whether ``node`` reads the values of any of ``starts`` (nodes), through
+    any steps (a search back that stops at nodes before the earliest of them, remembering the
+    nodes that do not). One search serves several starts: asking start by start walks the
+    graph back once per start."""
+    known = dict.fromkeys(starts, True)
+    if not known:
+        return lambda node: False
+    floor = min(order[s] for s in known)
 
     def made(node: torch.fx.Node) -> bool:
         if node in known:
