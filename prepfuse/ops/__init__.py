@@ -6,7 +6,7 @@ constants below are what passes and tests refer to. ``SCRATCH`` is no fused op: 
 the graph node through which passes take output buffers from the scratch arena.
 """
 
-from prepfuse.ops._library import NAMESPACE, registered_ops
+from prepfuse.ops._library import NAMESPACE, TENSOR_FLOATS, floats_as_tensors, registered_ops, tensor_floats_overload
 from prepfuse.ops.dsv4_qnorm_rope_kv_insert import (
     DSV4_QNORM_ROPE_KV_INSERT,
     dsv4_qnorm_rope_kv_insert_reference,
@@ -43,6 +43,9 @@ from prepfuse.ops.scratch import SCRATCH
 __all__ = [
     "NAMESPACE",
     "registered_ops",
+    "TENSOR_FLOATS",
+    "tensor_floats_overload",
+    "floats_as_tensors",
     "DSV4_QNORM_ROPE_KV_INSERT",
     "dsv4_qnorm_rope_kv_insert_reference",
     "dsv4_qnorm_rope_kv_insert_triton",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +20,9 @@ from prepfuse._compat import has_triton
 from prepfuse.ops._checks import check_written_apart
 
 NAMESPACE = "prepfuse"
+# the overload of an op with ``float`` arguments that takes each as a one-value CPU tensor
+TENSOR_FLOATS = "tensor_floats"
+_FLOAT_TYPES = ("float", "Optional[float]")
 log = logging.getLogger("prepfuse.ops")
 
 # One fragment per namespace (prepfuse's own, and an engine integration's); ops add their
@@ -100,7 +104,73 @@ def define_op(
             _reference_with_warning(qualname, checked_reference)
         lib.impl(name, cuda, "CUDA")
     torch.library.register_fake(qualname, fake, lib=lib)
+    floats = [a.name for a in parsed if str(a.type) in _FLOAT_TYPES]
+    if floats:
+        _define_tensor_floats(lib, schema, qualname, floats, fake)
     return DefinedOp(packet(), checked_reference, fake)
+
+
+def _define_tensor_floats(lib, schema: str, qualname: str, floats: list[str], fake: Callable) -> None:
+    """``<op>.tensor_floats``: the op's schema with each ``float`` a ``Tensor`` (a one-value
+    float tensor on the CPU, read on the host when the op runs), forwarding to the default
+    overload. A Python float that ``torch.compile(dynamic=True)`` made a graph input (an eps,
+    under Dynamo's default ``specialize_float=False``) is such a tensor: a fused call reads
+    it at run time instead of taking the value it had when traced."""
+    name, rest = schema.split("(", 1)
+    if re.search(r"\bfloat\??\s+\w+=(?!None)", rest):
+        raise TypeError(f"{qualname}: a float argument with a default other than None has no tensor form")
+    rest = re.sub(r"\bfloat(\??)\s+(\w+)", r"Tensor\1 \2", rest)
+    overload = f"{name}.{TENSOR_FLOATS}"
+    lib.define(f"{overload}({rest}")
+    arg_names = [a.name for a in torch._C.parse_schema(f"x::{overload}({rest}").arguments]
+    namespace, op_name = qualname.split("::")
+
+    def default_op():
+        return getattr(getattr(torch.ops, namespace), op_name).default
+
+    def on_host(args, kwargs, read: bool) -> dict:
+        named = dict(zip(arg_names, args), **kwargs)
+        for arg in floats:
+            value = named.get(arg)
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.dtype.is_floating_point \
+                    or value.device.type != "cpu":
+                got = (f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+                       if isinstance(value, torch.Tensor) else type(value).__name__)
+                raise ValueError(f"{arg}: {qualname}.{TENSOR_FLOATS} takes it as a one-value float tensor on the "
+                                 f"CPU, got {got}")
+            # the fake impl cannot read a value: the checks see 0.0, the run checks the real one
+            named[arg] = float(value) if read else 0.0
+        return named
+
+    lib.impl(overload, lambda *args, **kwargs: default_op()(**on_host(args, kwargs, read=True)),
+             "CompositeExplicitAutograd")
+    lib.impl(overload, _not_differentiable(qualname, arg_names, TENSOR_FLOATS), "Autograd")
+    torch.library.register_fake(f"{qualname}.{TENSOR_FLOATS}",
+                                lambda *args, **kwargs: fake(**on_host(args, kwargs, read=False)), lib=lib)
+
+
+def float_args(op: torch._ops.OpOverload) -> list[str]:
+    """The names of ``op``'s ``float`` and ``float?`` arguments, in schema order."""
+    return [a.name for a in op._schema.arguments if str(a.type) in _FLOAT_TYPES]
+
+
+def tensor_floats_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``op``'s ``tensor_floats`` overload (its floats taken as one-value CPU tensors), or None
+    where the op has no float argument."""
+    packet = op.overloadpacket
+    return getattr(packet, TENSOR_FLOATS) if TENSOR_FLOATS in packet.overloads() else None
+
+
+def floats_as_tensors(op: torch._ops.OpOverload, args: tuple) -> tuple:
+    """``args`` of ``op`` (positional) as its ``tensor_floats`` overload takes them: each float
+    a 0-d float64 CPU tensor, as ``torch.compile(dynamic=True)`` makes a Python float a graph
+    input. Why: tests and engine kits sample the overload from the default's inputs."""
+    floats = set(float_args(op))
+    names = [a.name for a in op._schema.arguments]
+    return tuple(torch.tensor(a, dtype=torch.float64) if i < len(names) and names[i] in floats and a is not None
+                 else a for i, a in enumerate(args))
 
 
 def _checked(qualname: str, arg_names: list[str], check: Callable | None, index_check: Callable | None,
@@ -137,7 +207,7 @@ def _checked(qualname: str, arg_names: list[str], check: Callable | None, index_
     return run
 
 
-def _not_differentiable(qualname: str, arg_names: list[str]) -> Callable:
+def _not_differentiable(qualname: str, arg_names: list[str], overload: str = "default") -> Callable:
     """The ops' autograd kernel, one for every device: an inference op writes its outputs in
     place and has no backward, so a call that autograd would have to record (grad mode on,
     an input that requires grad) is a RuntimeError naming that input; any other call goes on
@@ -157,7 +227,8 @@ def _not_differentiable(qualname: str, arg_names: list[str]) -> Callable:
                         "torch.inference_mode(), or pass detached tensors")
         if packet is None:
             namespace, name = qualname.split("::")
-            packet = getattr(getattr(torch.ops, namespace), name).default
+            packet = getattr(getattr(torch.ops, namespace), name)
+            packet = getattr(packet, overload)
         with torch._C._AutoDispatchBelowAutograd():
             return packet(*args, **kwargs)
 

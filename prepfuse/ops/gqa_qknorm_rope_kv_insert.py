@@ -16,6 +16,7 @@ and ``Hkv`` heads, head size ``D`` in {64, 128, 256}, rotary dim ``R``::
 Q and K, per token and head (x: the head's D values in fp32)::
 
     bf16 weight:   x = bf16(w * bf16(x * rstd)),  rstd = 1/sqrt(mean(x^2) + eps) correctly rounded
+                   (k's rows: k_eps in place of eps where it is given)
     fp32 weight:   x = bf16((x * rstd) * w)
     RoPE on [0, R): NeoX pairs (i, i + R/2), GPT-J (2i, 2i + 1); dims [R, D) pass through
         a' = a*cos - b*sin,  b' = b*cos + a*sin     (each product rounded: no FMA; one bf16 rounding)
@@ -70,7 +71,7 @@ SCHEMA = (
     "Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor? positions, "
     "Tensor? cos_sin_cache, Tensor? kv_scale, int num_q_heads, int num_kv_heads, bool is_neox, float eps, "
     "bool full_cos_sin=False, Tensor? cos=None, Tensor? sin=None, bool fp8_saturate=True, bool wrap_indices=False, "
-    "Tensor? v_scale=None) -> ()"
+    "Tensor? v_scale=None, float? k_eps=None) -> ()"
 )
 # the cos and sin operands' dtypes: read as fp32 (a bf16 value widens exactly)
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
@@ -537,7 +538,8 @@ if has_triton():
         stride_vh,  # elements between heads of v_cache
         stride_cos,  # elements between rows of the cos table
         stride_sin,  # elements between rows of the sin table
-        eps,  # RMSNorm epsilon
+        eps,  # RMSNorm epsilon of q (and of k unless k_eps is given)
+        k_eps,  # RMSNorm epsilon of k
         block_size,  # BS: slots per cache block
         HEAD_DIM: tl.constexpr,  # D
         ROT_DIM: tl.constexpr,  # R
@@ -639,7 +641,7 @@ if has_triton():
                         real, v, x, a, b = _load_kv_heads(k_src, v_src, heads, Hkv, HEAD_DIM, ROT_DIM, ROT_PAD,
                                                           IS_NEOX, LOAD_EVICTION)
                     _norm_rope_store_loaded(
-                        x, a, b, k_dst + heads * stride_kh, real, kh >= 0, k_w_ptr, kv_cos, kv_sin, eps,
+                        x, a, b, k_dst + heads * stride_kh, real, kh >= 0, k_w_ptr, kv_cos, kv_sin, k_eps,
                         kv_scale, HEAD_DIM, ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8,
                         KV_BLOCK, SOFT_ROUNDING, STORE_EVICTION,
                     )
@@ -658,7 +660,7 @@ if has_triton():
             _insert_kv_column(
                 col - Q_COLS, kv_hb, k_ptr + kv_t * stride_kt, v_ptr + kv_t * stride_vt, k_cache_ptr, v_cache_ptr,
                 slot, kv_live, kv_t, slot_ptr, n_insert, n_slots, block_size, stride_kb, stride_kr, stride_kh,
-                stride_vb, stride_vr, stride_vh, k_w_ptr, kv_cos, kv_sin, Hkv, eps, scale_ptr, v_scale_ptr, HEAD_DIM,
+                stride_vb, stride_vr, stride_vh, k_w_ptr, kv_cos, kv_sin, Hkv, k_eps, scale_ptr, v_scale_ptr, HEAD_DIM,
                 ROT_DIM, ROT_PAD, IS_NEOX, HAS_NORM, W_FP32, FULL_COS_SIN, CACHE_FP8, KV_BLOCK, TOKENS * KV_BLOCK,
                 KV_COLS, DEDUPE, SCAN, SLOTS_U32, SOFT_ROUNDING, LOAD_EVICTION, STORE_EVICTION, WRAP,
             )
@@ -744,7 +746,7 @@ def cos_sin_tables(cos_sin_cache, cos, sin, full_cos_sin) -> tuple[torch.Tensor,
 def launch_gqa_kernel(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
     kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, wrap_indices=False,
-    v_scale=None, *, launch_config: tuple[int, ...] | None = None, dedupe: str | None = None,
+    v_scale=None, k_eps=None, *, launch_config: tuple[int, ...] | None = None, dedupe: str | None = None,
     eviction: str | None = None, kv_first: bool = False,
 ) -> None:
     """The one launch of both GQA ops: q ``[T, Hq*D]``, k and v ``[T, Hkv*D]`` (column
@@ -802,7 +804,7 @@ def launch_gqa_kernel(
         q.stride(0) // unit, k.stride(0) // unit, v.stride(0) // unit, q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        cos.stride(0), sin.stride(0), eps, block_size,
+        cos.stride(0), sin.stride(0), eps, eps if k_eps is None else k_eps, block_size,
         HEAD_DIM=head_dim,
         ROT_DIM=rot_dim,
         ROT_PAD=triton.next_power_of_2(rot_dim),
@@ -891,7 +893,7 @@ def insert_cache_reference(cache: torch.Tensor, rows: torch.Tensor, slots: torch
 def sources_reference(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
     kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True, wrap_indices=False,
-    v_scale=None, *, as_baseline: bool = False,
+    v_scale=None, k_eps=None, *, as_baseline: bool = False,
 ) -> None:
     """Both GQA ops in plain PyTorch, unchecked (``define_op`` runs the checks first), from
     q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``: the separate op's reference as it stands, the
@@ -914,6 +916,7 @@ def sources_reference(
         q.unflatten(1, (-1, head_dim)), k.unflatten(1, (-1, head_dim)), v.unflatten(1, (-1, head_dim)),
         q_norm_weight, k_norm_weight, cos[positions].float(), sin[positions].float(), kv_scale,
         slot_mapping.shape[0], is_neox, eps, full_cos_sin=full_cos_sin, fp8_saturate=fp8_saturate, v_scale=v_scale,
+        k_eps=k_eps,
     )
     q_out.copy_(q_vals)
     insert_cache_reference(k_cache, k_rows, slot_mapping, as_baseline=as_baseline)
@@ -927,11 +930,11 @@ def on_qkv_columns(impl):
 
     def on_qkv(qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
                cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, cos=None,
-               sin=None, fp8_saturate=True, wrap_indices=False, v_scale=None, **options):
+               sin=None, fp8_saturate=True, wrap_indices=False, v_scale=None, k_eps=None, **options):
         q, k, v = split_qkv_columns(qkv, num_q_heads, num_kv_heads)
         impl(q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
              cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, wrap_indices, v_scale,
-             **options)
+             k_eps, **options)
 
     on_qkv.__name__ = on_qkv.__qualname__ = f"{impl.__name__}_on_qkv_columns"
     on_qkv.__doc__ = f"``{impl.__name__}`` on qkv's column ranges (``on_qkv_columns``); inputs are not checked here."
@@ -960,6 +963,7 @@ def prepared_heads_reference(
     full_cos_sin: bool = False,
     fp8_saturate: bool = True,
     v_scale: torch.Tensor | None = None,
+    k_eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_out values [T, Hq, D] bf16, k and v rows [T', Hkv, D] as the cache stores them)
     from heads ``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]`` and each token's fp32 ``cos`` and
@@ -967,7 +971,7 @@ def prepared_heads_reference(
     before the writes."""
     if q_norm_weight is not None:
         q = rms_norm_reference(q, q_norm_weight, eps)
-        k = rms_norm_reference(k, k_norm_weight, eps)
+        k = rms_norm_reference(k, k_norm_weight, eps if k_eps is None else k_eps)
     q = rope_reference(q, cos, sin, is_neox, full=full_cos_sin)
     k = rope_reference(k[:n_insert], cos[:n_insert], sin[:n_insert], is_neox, full=full_cos_sin)
     return (q, quantize_cache_reference(k, kv_scale, fp8_saturate),
@@ -980,7 +984,7 @@ def prepared_heads_reference(
 def check_inputs(
     qkv, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
     cos_sin_cache, kv_scale, num_q_heads, num_kv_heads, is_neox, eps, full_cos_sin=False, cos=None, sin=None,
-    fp8_saturate=True, wrap_indices=False, v_scale=None,
+    fp8_saturate=True, wrap_indices=False, v_scale=None, k_eps=None,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
@@ -1008,6 +1012,7 @@ def check_inputs(
                     num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
                     source="qkv")
     check_unit_last_stride("qkv", qkv)
+    check_k_eps(k_eps)
 
 
 def check_prep_args(
@@ -1080,6 +1085,12 @@ def check_prep_args(
             check_unit_last_stride(name, t)
     check_flag("is_neox", is_neox)
     check_fp32_scalar("eps", eps, at_least=0.0)
+
+
+def check_k_eps(k_eps) -> None:
+    """k's own RMSNorm epsilon, where the model's k norm has another than q's (None: q's ``eps``)."""
+    if k_eps is not None:
+        check_fp32_scalar("k_eps", k_eps, at_least=0.0)
 
 
 def check_cos_sin(cos_sin_cache, cos, sin, full_cos_sin, head_dim, device) -> tuple:

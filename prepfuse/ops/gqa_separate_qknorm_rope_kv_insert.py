@@ -33,6 +33,7 @@ from prepfuse.ops._library import define_op
 from prepfuse.ops.gqa_qknorm_rope_kv_insert import (
     HEAD_DIMS,
     check_index_values,
+    check_k_eps,
     check_prep_args,
     launch_gqa_kernel,
     sources_reference,
@@ -42,14 +43,15 @@ SCHEMA = (
     "gqa_separate_qknorm_rope_kv_insert(Tensor q, Tensor k, Tensor v, Tensor? q_norm_weight, "
     "Tensor? k_norm_weight, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
     "Tensor? positions, Tensor? cos_sin_cache, Tensor? kv_scale, bool is_neox, float eps, bool full_cos_sin=False, "
-    "Tensor? cos=None, Tensor? sin=None, bool fp8_saturate=True, bool wrap_indices=False, Tensor? v_scale=None) -> ()"
+    "Tensor? cos=None, Tensor? sin=None, bool fp8_saturate=True, bool wrap_indices=False, Tensor? v_scale=None, "
+    "float? k_eps=None) -> ()"
 )
 
 
 def check_separate_inputs(
     q, k, v, q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions,
     cos_sin_cache, kv_scale, is_neox, eps, full_cos_sin=False, cos=None, sin=None, fp8_saturate=True,
-    wrap_indices=False, v_scale=None,
+    wrap_indices=False, v_scale=None, k_eps=None,
 ) -> None:
     """Dtypes, shapes, devices and strides; raises ValueError naming the argument.
 
@@ -75,6 +77,7 @@ def check_separate_inputs(
         check_size(name, t, 1, num_kv_heads * head_dim, "Hkv * D, from k_cache's heads and q_out's head size")
         check_unit_last_stride(name, t)
     check_unit_last_stride("q", q)
+    check_k_eps(k_eps)
     check_prep_args(q_norm_weight, k_norm_weight, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin_cache,
                     kv_scale, is_neox, eps, full_cos_sin, cos, sin, fp8_saturate, wrap_indices, v_scale,
                     num_tokens=q.shape[0],

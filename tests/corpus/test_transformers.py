@@ -176,17 +176,26 @@ def test_every_batch_size_without_a_recompile(mode):
     assert len(backend.reports) == compiled_graphs
 
 
-def test_dynamic_true_eps_input_is_declined_by_name():
-    """``dynamic=True`` without ``specialize_float``: eps reaches the graph as a 0-d tensor;
-    the candidate is declined with that reason, and the code runs as Inductor compiles it."""
-    case = CASES["hf-qwen3"]
+@pytest.mark.parametrize("name", ["hf-qwen3", "hf-gemma3"])
+def test_dynamic_true_eps_input_is_read_when_the_graph_runs(name):
+    """``dynamic=True`` under torch's defaults (``specialize_float`` off): each norm's eps
+    reaches the graph as a 0-d tensor, and the fused call reads it when it runs (the op's
+    ``tensor_floats`` overload); the rows equal eager's."""
+    case = CASES[name]
+    torch._dynamo.reset()
     with torch._dynamo.config.patch(specialize_float=False):
         backend = PrepfuseBackend()
         model, args = build_client(case, seed=3)
+        caches = [tuple(c.clone() for c in pair) for pair in args[3]]
         with torch.no_grad():
-            torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(*args)
-    whys = [r.why for r in backend.reports.near_misses()]
-    assert whys and all("is a 0-d tensor the graph reads at run time" in why for why in whys), whys
+            torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(*args[:3], caches, *args[4:])
+            model(*args)
+    assert all(r.matched_counts.get(PASS, 0) == 2 * case.expected_fused for r in backend.reports), \
+        backend.reports.format(verbose=True)
+    notes = [m.why for r in backend.reports for m in r.matches() if m.pass_name == PASS]
+    assert notes and all("eps read when the graph runs" in n for n in notes), notes
+    for got, want in zip(caches, args[3]):
+        assert_rows_close(list(got), list(want), 2**-5)
 
 
 def test_layers_of_one_form_are_validated_once():

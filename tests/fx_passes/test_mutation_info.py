@@ -39,7 +39,9 @@ from prepfuse.ops import (
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
     GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER,
     SCRATCH,
+    floats_as_tensors,
     registered_ops,
+    tensor_floats_overload,
 )
 from prepfuse.ops.engine_caches import EngineCaches, register_resolver
 from prepfuse.testing import make_dsv4_full_row_inputs, make_dsv4_indexer_inputs, make_dsv4_inputs, make_gqa_inputs
@@ -61,6 +63,12 @@ REGISTERED_OP_INPUTS: dict[torch._ops.OpOverload, Callable[[], tuple]] = {
     DSV4_INDEXER_ROPE_FP8_INSERT: lambda: make_dsv4_indexer_inputs("fp8", 7, 3, 16, "cpu", num_k=5).args(),
     DSV4_INDEXER_ROPE_MXFP4_INSERT: lambda: make_dsv4_indexer_inputs("mxfp4", 7, 3, 16, "cpu", num_k=5).args(),
 }
+
+# each op's tensor_floats overload, sampled from its default's inputs
+REGISTERED_OP_INPUTS.update({
+    tensor_floats_overload(op): lambda op=op, sample=sample: floats_as_tensors(op, sample())
+    for op, sample in REGISTERED_OP_INPUTS.items() if tensor_floats_overload(op) is not None
+})
 
 
 def _by_layer_sample() -> tuple:

@@ -34,6 +34,8 @@ from prepfuse.ops import (
     GQA_SEPARATE_QKNORM_ROPE_KV_INSERT,
     NAMESPACE,
     SCRATCH,
+    floats_as_tensors,
+    tensor_floats_overload,
     registered_ops,
 )
 from prepfuse.ops.engine_caches import EngineCaches, register_resolver
@@ -235,6 +237,26 @@ OPCHECK_SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[tuple]]] = {
 }
 
 
+def _with_tensor_floats(samples: dict) -> dict:
+    """``samples`` and, for every op with a ``tensor_floats`` overload, the same samples for it."""
+    extended = dict(samples)
+    for op, sample in samples.items():
+        overload = tensor_floats_overload(op)
+        if overload is not None:
+            extended[overload] = lambda op=op, sample=sample: _converted(op, sample())
+    return extended
+
+
+def _converted(op, sample):
+    if isinstance(sample, list):  # opcheck's sample sets
+        return [floats_as_tensors(op, args) for args in sample]
+    good, bad, message = sample  # a bad-shape check
+    return floats_as_tensors(op, good), floats_as_tensors(op, bad), message
+
+
+OPCHECK_SAMPLES = _with_tensor_floats(OPCHECK_SAMPLES)
+
+
 @pytest.mark.parametrize("op", registered_ops(), ids=str)
 def test_opcheck(op):
     if op not in OPCHECK_SAMPLES:
@@ -326,6 +348,9 @@ FAKE_SHAPE_CHECKS: dict[torch._ops.OpOverload, Callable[[], tuple[tuple, tuple, 
     GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER: _gqa_by_layer_bad_shapes,
     SCRATCH: _scratch_bad_shapes,
 }
+
+
+FAKE_SHAPE_CHECKS = _with_tensor_floats(FAKE_SHAPE_CHECKS)
 
 
 @pytest.mark.parametrize("op", registered_ops(), ids=str)

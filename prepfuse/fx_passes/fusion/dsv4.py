@@ -44,7 +44,7 @@ from prepfuse.fx_passes.matching.axes import base_columns, made_from
 from prepfuse.fx_passes.matching.nodes import (
     NoMatch, aten, concrete, expect, graph_order, prims, same_size, shape, val, where,
 )
-from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, is_scale
+from prepfuse.fx_passes.matching.regions import backward, constants, eps_inputs, expect_no_runtime_floats, is_scale
 from prepfuse.fx_passes.matching.rope_operands import emit_table, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.sources import (
     prepared, projection_input, projection_starts, row_sources, weight_like,
@@ -274,9 +274,10 @@ class FuseDsv4PrepPass(PrepfusePass):
                    "this call writes none")
             # what the call computes must not read a float only the run knows (its fp8 range, eps)
             if q is not None:
-                expect_no_runtime_floats(backward([p.node], cut={q.start.node}), [q_scale])
+                expect_no_runtime_floats(backward([p.node], cut={q.start.node}), {q.start.node}, [q_scale],
+                                         [eps] if isinstance(eps, torch.fx.Node) else ())
             if kv is not None:
-                expect_no_runtime_floats(backward(kv.rows, cut={kv_src}), [kv.scale])
+                expect_no_runtime_floats(backward(kv.rows, cut={kv_src}), {kv_src}, [kv.scale])
             device = val(q.start.source if q else kv.rows[0]).device
             checked, written = [], []
             if q is not None:
@@ -410,13 +411,14 @@ def _byte_rows_written(data: ByteRows, scales: ByteRows | None) -> list:
     return [first_rows(data.write)] + ([scales.rows] if scales is not None else [])
 
 
-def _q_norms(q: QSide | None) -> list[tuple[bool, float]]:
+def _q_norms(q: QSide | None) -> list[tuple[bool, float | torch.fx.Node]]:
     """The q norms to try, as ``(apply_q_norm, eps)``: an RMSNorm with each eps-like constant
-    q's math holds, and none (DeepSeek-V4.1 norms before the q projection); without such a
+    q's math holds (or the run-time float it reads as its eps, ``regions.eps_inputs``), and none (DeepSeek-V4.1 norms before the q projection); without such a
     constant, none first, then a norm with eps 0."""
     if q is None:
         return [(True, 0.0)]  # the op's default: no q heads to norm
-    eps_values = [e for e in constants(backward([q.candidates[0].node]), {q.start.node}, {}) if 0 < e < 0.1]
+    region = backward([q.candidates[0].node], cut={q.start.node})
+    eps_values = eps_inputs(region) or [e for e in constants(region, {q.start.node}, {}) if 0 < e < 0.1]
     if eps_values:
         return [(True, e) for e in eps_values] + [(False, 0.0)]
     return [(False, 0.0), (True, 0.0)]
@@ -497,7 +499,8 @@ def _describe(q, kv, rope, norm, scaling=None, q_scaling=None) -> str:
     sides = "q and kv" if q and kv else ("q" if q else "kv")
     text = f"DeepSeek-V4 {sides}, GPT-J RoPE on {rope.describe()}"
     if q:
-        text += f", RMSNorm eps {norm[1]:g}" if norm[0] else ", no q norm"
+        text += (f", RMSNorm eps read when the graph runs ({where(norm[1])})" if isinstance(norm[1], torch.fx.Node)
+                 else f", RMSNorm eps {norm[1]:g}") if norm[0] else ", no q norm"
     text += ", MXFP8 records" if kv is not None and kv.mxfp8 else ""
     text += {None: "", "divide": ", e4m3 q / q_scale", "multiply": ", e4m3 q * a scale"}[q_scaling]
     return text + {None: "", "divide": ", e4m3 rows / kv_scale", "multiply": ", e4m3 rows * a scale"}[scaling]

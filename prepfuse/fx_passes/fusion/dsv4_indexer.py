@@ -215,7 +215,7 @@ class _FuseDsv4IndexerPass(PrepfusePass):
         expect(readers, "nothing reads what the preparation makes")
         sources = ({q.start.node} if q else set()) | (set(k.sources) if k else set()) | \
             ({weights[1]} if weights else set())
-        expect_no_runtime_floats(backward(outputs, cut=sources))  # the weights scale, the fp8 range: numbers
+        expect_no_runtime_floats(backward(outputs, cut=sources), sources)  # the weights scale, the fp8 range: numbers
         order = graph_order(graph)
         point = min(readers, key=order.__getitem__)
         roles = {}

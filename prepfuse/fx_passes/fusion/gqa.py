@@ -36,9 +36,10 @@ from prepfuse.fx_passes.fusion.gqa_calls import Math, math_candidates
 from prepfuse.fx_passes.matching import MATCHING_MODULES, engine_writes, head_copies
 from prepfuse.fx_passes.matching.layouts import Layout
 from prepfuse.fx_passes.matching.nodes import (
-    NoMatch, aten, expect, graph_order, is_op, prims, same_size, shape, slice_params, val, where,
+    NoMatch, aten, expect, graph_order, divides, is_op, prims, same_size, shape, slice_params, val, where,
 )
-from prepfuse.fx_passes.matching.regions import backward, constants, expect_no_runtime_floats, is_scale, operands
+from prepfuse.fx_passes.matching.regions import (backward, constants, eps_inputs, expect_no_runtime_floats,
+                                                  is_scale, operands)
 from prepfuse.fx_passes.matching.rope_operands import emit_rope, per_token_operands, rope_forms
 from prepfuse.fx_passes.matching.sources import (
     Start, Traced, column_starts, copy_start, dim_roles, heads_of, is_copy, prepared, projection_input, token_dims_order,
@@ -222,7 +223,7 @@ class FuseGqaPrepPass(PrepfusePass):
             # k from the model's copy: q from its own, if the projection's order is none
             copies = {n: s for n in graph.nodes if is_copy(n) for s in [copy_start(n, d, k.tokens)] if s is not None} \
                 if is_copy(k.start.source) else {}
-            sources = [n for n in _float_sources(graph) if shape(n)[-1] % d == 0 and same_size(_tokens(n), k.tokens)]
+            sources = [n for n in _float_sources(graph) if divides(d, shape(n)[-1]) and same_size(_tokens(n), k.tokens)]
             sources = [n for n in [*sources, *copies] if n is not k.start.source and n is not v.start.source]
             sources = _closest(sources, lambda n: n, k.start.source)
             starts = [copies[n] if n in copies else column_starts(n)[0] for n in sources]
@@ -267,7 +268,8 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(readers, "write: nothing reads the written cache or the prepared q")
         point = min(readers, key=order.__getitem__)
         scales = (_scale(k), _scale(v))
-        expect_no_runtime_floats(k.region, scales)  # k's math: its kv scales are the call's
+        k_eps = eps_inputs(k.region)  # the eps a norm reads when the graph runs: the call's too
+        expect_no_runtime_floats(k.region, {k.start.node}, scales, k_eps)  # its kv scales and eps: the call's
         probes_out = [k.write.after, v.write.after] if not shared else [shared[1]]
         probes = Probes(probes_out + [q.prepared for q in qs], **probe_roles(k.view), mode=self.validate, memo=self.memo)
         ropes = rope_forms(per_token_operands(k.operands, weight_like), k.tokens, k.head_dim, probes.equal_parts,
@@ -278,7 +280,7 @@ class FuseGqaPrepPass(PrepfusePass):
         expect(not fp8 or scales[0] is not None, "fp8: no one-value scale of the k rows")
         k_constants = constants(k.region, {k.start.node}, {})
         maths = math_candidates(ropes, val(weight).dtype if weight is not None else None, _reduces(k),
-                                k_constants, fp8, _gptj_hint(k), _q_factors(qs[0], k_constants) if q_factors else ())
+                                k_eps or k_constants, fp8, _gptj_hint(k), _q_factors(qs[0], k_constants) if q_factors else ())
         make = lambda: Emitter(graph, point, source=qs[0].prepared, readers=readers)  # noqa: E731
         checked_kv = lambda emit, outs: _kv_checked(k, v, shared, outs)  # noqa: E731
         if len(qs) == 1:  # one q: its call with each math, in one search
@@ -327,7 +329,11 @@ def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, check
             args["kv_scale"] = k_scale
             if v_scale is not None and scales[1] is not scales[0]:
                 args["v_scale"] = v_scale
-        args.update(is_neox=math.is_neox, eps=math.eps, wrap_indices=True)
+        q_eps = next(iter(eps_inputs(backward([q.prepared], cut={q.start.node}))), None) \
+            if math.norm != "none" else None
+        args.update(is_neox=math.is_neox, eps=math.eps if q_eps is None else q_eps, wrap_indices=True)
+        if q_eps is not None and q_eps is not math.eps:  # q's norm reads its own eps input
+            args["k_eps"] = math.eps
         if not math.saturate:
             args["fp8_saturate"] = False
         views = {}

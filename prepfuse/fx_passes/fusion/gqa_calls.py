@@ -13,7 +13,9 @@ import itertools
 from dataclasses import dataclass, replace
 
 import torch
+import torch.fx
 
+from prepfuse.fx_passes.matching.nodes import where
 from prepfuse.fx_passes.matching.rope_operands import RopeOperand
 
 __all__ = ["Math", "math_candidates"]
@@ -26,7 +28,7 @@ class Math:
     rope: RopeOperand
     is_neox: bool
     norm: str  # "none" | "bf16" (weight after the rounding) | "fp32" (weight before it) | "unweighted"
-    eps: float
+    eps: float | torch.fx.Node  # k's, and q's unless its norm reads its own; a node: read when the graph runs
     scale: str  # "none" | "divide" (rows / kv_scale) | "multiply" (rows * s: kv_scale = 1 / s)
     saturate: bool
     q_factor: float = 1.0  # q's normed values times a number before the rotation (q's weight carries it)
@@ -42,7 +44,8 @@ class Math:
                 "fp32": "q/k RMSNorm (weight applied in fp32)", "unweighted": "q/k RMSNorm without a weight"}[self.norm]
         text = f"{'NeoX' if self.is_neox else 'GPT-J'} RoPE on {self.rope.describe()}, {norm}"
         if self.norm != "none":
-            text += f", eps {self.eps:g}"
+            text += f", eps read when the graph runs ({where(self.eps)})" if isinstance(self.eps, torch.fx.Node) \
+                else f", eps {self.eps:g}"
         if self.scale != "none":
             text += f", fp8 rows {'/ kv_scale' if self.scale == 'divide' else '* a scale'}" + \
                 ("" if self.saturate else ", NaN past 464")
@@ -51,9 +54,10 @@ class Math:
         return text
 
 
-def math_candidates(ropes: list[RopeOperand], weight_dtype, has_reduction: bool, eps_values: list[float],
+def math_candidates(ropes: list[RopeOperand], weight_dtype, has_reduction: bool, eps_values: list,
                     fp8: bool, gptj_first: bool, q_factors: tuple = (), limit: int = 64) -> list[Math]:
-    """Every ``Math`` the region's operands allow, likeliest first. ``q_factors``: numbers
+    """Every ``Math`` the region's operands allow, likeliest first. ``eps_values``: k's eps
+    constants, or the run-time floats it reads as its eps (``regions.eps_inputs``). ``q_factors``: numbers
     only q's steps use (Muse's ``q_norm(q) * qk_scale_factor``), each offered as a factor of
     q's norm weight after every candidate without one."""
     styles = (False, True) if gptj_first else (True, False)
@@ -63,7 +67,7 @@ def math_candidates(ropes: list[RopeOperand], weight_dtype, has_reduction: bool,
         norms = ("fp32",)
     else:
         norms = ("unweighted", "none") if has_reduction else ("none",)
-    eps = [e for e in eps_values if 0 < e < 0.1] or [1e-6]
+    eps = [e for e in eps_values if isinstance(e, torch.fx.Node) or 0 < e < 0.1] or [1e-6]
     scales = ("divide", "multiply") if fp8 else ("none",)
     saturates = (True, False) if fp8 else (True,)
     found = []

@@ -25,7 +25,7 @@ WRITE_VIEWS = (*RESHAPES, aten.slice.Tensor, aten.as_strided.default, aten.selec
                aten.unsqueeze.default)
 INT_MAX = 2**63 - 1
 
-__all__ = ["NoMatch", "expect", "is_op", "val", "shape", "same_size", "same_shape", "scalar", "concrete", "where",
+__all__ = ["NoMatch", "expect", "is_op", "val", "shape", "same_size", "divides", "same_shape", "scalar", "concrete", "where",
            "aten", "prims", "RESHAPES", "CONVERTS", "VIEW_OPS", "WRITE_VIEWS", "INT_MAX", "view_chain",
            "scatter_back", "slice_params", "getitem_of", "graph_order", "remove_dead", "call_node"]
 
@@ -68,6 +68,13 @@ def same_size(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     return statically_known_true(a == b)
+
+
+def divides(d: int, size) -> bool:
+    """``size % d == 0`` certainly, without adding a guard (a dynamic size need not be)."""
+    if isinstance(size, int):
+        return size % d == 0
+    return statically_known_true(size % d == 0)
 
 
 def same_shape(a, b) -> bool:

@@ -25,10 +25,10 @@ import torch
 import torch.fx
 
 from prepfuse.fx_passes.matching.axes import ELEMENTWISE, _REDUCTIONS, _TAIL_STEPS
-from prepfuse.fx_passes.matching.nodes import VIEW_OPS, WRITE_VIEWS, NoMatch, aten, graph_order, prims, val, where
+from prepfuse.fx_passes.matching.nodes import CONVERTS, VIEW_OPS, WRITE_VIEWS, NoMatch, aten, graph_order, prims, val, where
 
 __all__ = ["PREP_STEPS", "is_leaf", "backward", "leaves", "depends_on", "operands", "constants", "is_scale",
-           "expect_no_runtime_floats"]
+           "is_runtime_float", "is_eps_input", "eps_inputs", "inductor_moves_floats", "expect_no_runtime_floats"]
 
 # steps a region may hold: elementwise math, per-head steps, views, gathers, writes, creation
 PREP_STEPS = frozenset({
@@ -144,21 +144,93 @@ def is_scale(node: torch.fx.Node) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.numel() == 1 and v.dim() <= 1
 
 
-def expect_no_runtime_floats(region: list[torch.fx.Node], scales=()) -> None:
-    """Decline where ``region`` reads a one-value float graph input other than the call's
-    ``scales`` (or what one is computed from, ``scale.reciprocal()`` of a 0-d input): a
-    Python float (eps, an fp8 range, a RoPE scaling) that ``dynamic=True`` made an input
-    (Dynamo's ``specialize_float`` off). The op would need it as a number, which only the
-    run knows; a probe value for it says nothing about the run's."""
-    allowed = {n for s in scales if s is not None for n in (s, *leaves(backward([s])))}
+def is_runtime_float(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a 0-d float graph input: a Python float (an eps, an fp8 range, a
+    RoPE scaling) that ``dynamic=True`` made an input (Dynamo's ``specialize_float`` off),
+    or a one-value tensor the model passes."""
+    v = val(node)
+    return node.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype.is_floating_point
+
+
+_MEANS = (aten.mean.dim, aten.mean.default, aten.sum.dim_IntList, aten.div.Tensor, aten.div.Scalar)
+
+
+def is_eps_input(node: torch.fx.Node) -> bool:
+    """Whether run-time float ``node`` is an RMSNorm's eps: added (through casts) to a mean
+    of squares (a mean, or a sum divided), the step a reciprocal square root reads."""
+    if not is_runtime_float(node):
+        return False
+    frontier = list(node.users)
+    while frontier:
+        user = frontier.pop()
+        if user.target in CONVERTS:
+            frontier += list(user.users)
+        elif user.target is aten.add.Tensor and len(user.args) == 2:
+            other = user.args[1] if user.args[0] is not node and _through_casts(user.args[0]) is node \
+                else user.args[0] if _through_casts(user.args[1]) is node else None
+            while isinstance(other, torch.fx.Node) and other.target in CONVERTS:
+                other = other.args[0]
+            if isinstance(other, torch.fx.Node) and other.target in _MEANS:
+                return True
+    return False
+
+
+def _through_casts_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The steps that read ``node``'s value, past casts of it."""
+    found, frontier = [], list(node.users)
+    while frontier:
+        user = frontier.pop()
+        if user.target in CONVERTS:
+            frontier += list(user.users)
+        else:
+            found.append(user)
+    return found
+
+
+def _through_casts(node):
+    while isinstance(node, torch.fx.Node) and node.target in CONVERTS:
+        node = node.args[0]
+    return node
+
+
+def eps_inputs(region: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The run-time floats ``region`` reads as an RMSNorm's eps (``is_eps_input``), in graph
+    order: a fused call takes each as its eps operand, read on the host when the op runs
+    (the ops' ``tensor_floats`` overload). None where Inductor captures CUDA graphs
+    (``inductor_moves_floats``)."""
+    if inductor_moves_floats(region):
+        return []
+    return [n for n in leaves(region) if is_eps_input(n)]
+
+
+def inductor_moves_floats(region: list[torch.fx.Node]) -> bool:
+    """Whether Inductor's CUDA graphs (``mode="reduce-overhead"``) hold ``region``'s device:
+    its graph partition then copies the 0-d CPU inputs to the device, and a call reading
+    one on the host would sync inside the capture."""
+    if not torch._inductor.config.triton.cudagraphs:
+        return False
+    return any(isinstance(val(n), torch.Tensor) and val(n).device.type == "cuda" for n in region)
+
+
+def expect_no_runtime_floats(region: list[torch.fx.Node], sources: set, scales=(), numbers=()) -> None:
+    """Decline where a step of ``region`` that the call replaces (one computed from
+    ``sources``) reads a run-time float (``is_runtime_float``) other than the call's
+    ``scales`` (or what one is computed from, ``scale.reciprocal()`` of a 0-d input) and
+    ``numbers``, the inputs the call takes as its float operands (an eps, by ``eps_inputs``).
+    Any other (an fp8 range, a factor on q) the op would need as a number it holds fixed,
+    which only the run knows. A float that only operands read (a RoPE scaling of cos/sin)
+    stays the graph's: the call reads the operand where the graph computes it."""
+    allowed = {n for s in scales if s is not None for n in (s, *leaves(backward([s])))} | set(numbers)
+    members, memo = set(region), {}
     for n in leaves(region):
-        v = val(n)
-        if n.op == "placeholder" and n not in allowed and isinstance(v, torch.Tensor) and v.dim() == 0 \
-                and v.dtype.is_floating_point:
+        replaced = any(u in members and depends_on(u, sources, memo) for u in _through_casts_users(n))
+        if n not in allowed and is_runtime_float(n) and replaced:
             reader, frontier = n, list(n.users)
             while frontier and not reader.meta.get("stack_trace"):  # the first reader with a source line
                 reader = frontier.pop(0)
                 frontier += list(reader.users)[:2]
+            why = "under Inductor's CUDA graphs it is copied to the device, where the op cannot read it " \
+                "without a sync" if is_eps_input(n) and inductor_moves_floats(region) else "the op holds that number fixed"
             raise NoMatch(f"a value at {where(reader)} is a 0-d tensor the graph reads at run time (dynamic=True "
                           "makes a Python float a graph input unless torch._dynamo.config.specialize_float is set); "
-                          "the op takes it as a number")
+                          f"{why}")

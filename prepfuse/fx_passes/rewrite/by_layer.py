@@ -29,7 +29,7 @@ def settle(graph: torch.fx.Graph, lifted: list[Lifted], declined: Callable[[Lift
     removed. Returns how many engine calls went."""
     done = 0
     for one in lifted:
-        calls = {u for i in one.inputs[:2] for u in i.users if functionalized_op(u) is GQA_QKNORM_ROPE_KV_INSERT}
+        calls = {u for i in one.inputs[:2] for u in i.users if _is_gqa_call(u)}
         if len(calls) == 1:
             _by_layer(graph, one, calls.pop())
             done += 1
@@ -39,6 +39,12 @@ def settle(graph: torch.fx.Graph, lifted: list[Lifted], declined: Callable[[Lift
             if n.graph is graph and not n.users:
                 graph.erase_node(n)
     return done
+
+
+def _is_gqa_call(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a GQA op call, either overload (floats as numbers or tensors)."""
+    op = functionalized_op(node)
+    return op is not None and op.overloadpacket is GQA_QKNORM_ROPE_KV_INSERT.overloadpacket
 
 
 def _by_layer(graph, one: Lifted, call: torch.fx.Node) -> None:

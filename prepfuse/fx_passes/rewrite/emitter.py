@@ -22,6 +22,7 @@ from prepfuse.fx_passes.matching.layouts import Layout, canonical_order
 from prepfuse.fx_passes.matching.nodes import NoMatch, aten, graph_order, prims, same_size, shape, val
 from prepfuse.fx_passes.rewrite.scratch_buffers import emit_scratch, scratch_buffer
 from prepfuse.ops import SCRATCH
+from prepfuse.ops._library import float_args, tensor_floats_overload
 
 __all__ = ["Emitter", "as_layout"]
 
@@ -98,9 +99,11 @@ class Emitter:
         """``auto_functionalized[_v2](op, ..)`` and a getitem per written argument, by name.
 
         The written arguments come from the schema (``mutation_info``); for v2 each is its
-        own base in ``_all_bases``.
+        own base in ``_all_bases``. A float operand given as a node (a run-time float the
+        graph reads, ``regions.eps_inputs``) makes the call the op's ``tensor_floats`` overload.
         """
         v1, v2 = auto_functionalized_ops()
+        op = _with_floats_of(op, kwargs)
         written = [arg.name for arg in mutated_args(op)]
         kwargs = self.dense_rows(kwargs, written)
         if v2 is not None and torch._inductor.config.enable_auto_functionalized_v2:
@@ -143,6 +146,20 @@ class Emitter:
             if not node.users:
                 self.graph.erase_node(node)
         self.emitted = [n for n in self.emitted if n.users]
+
+
+def _with_floats_of(op, kwargs: dict):
+    """``op``, or its ``tensor_floats`` overload where ``kwargs`` gives a float operand as a
+    graph node (every float operand then a node or None: the overload takes them as tensors)."""
+    floats = float_args(op)
+    nodes = [n for n in floats if isinstance(kwargs.get(n), torch.fx.Node)]
+    if not nodes:
+        return op
+    constants = [n for n in floats if n not in nodes and kwargs.get(n) is not None]
+    if constants:
+        raise NoMatch(f"{', '.join(nodes)} read when the graph runs and {', '.join(constants)} a constant: "
+                      "the op takes its floats one way")
+    return tensor_floats_overload(op)
 
 
 def _functional_value(target, args: tuple, kwargs: dict) -> tuple | None:
@@ -221,6 +238,7 @@ def viewed_call(emit: Emitter, op, args: dict, views: dict) -> tuple[dict, dict]
     values are scattered back. Returns ``({other written argument: its new value},
     {root: its new value})``."""
     v1, v2 = auto_functionalized_ops()
+    op = _with_floats_of(op, args)
     written = [a.name for a in mutated_args(op)]
     args = emit.dense_rows(args, written)
     roots = list(dict.fromkeys(root for root, _ in views.values()))

@@ -38,8 +38,8 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from prepfuse.fx_passes.rewrite.compare import Checked, Mismatch, compare
-from prepfuse.fx_passes.matching.nodes import NoMatch, aten, concrete, is_op, shape, val, where
-from prepfuse.fx_passes.matching.regions import backward, leaves
+from prepfuse.fx_passes.matching.nodes import CONVERTS, NoMatch, aten, concrete, is_op, shape, val, where
+from prepfuse.fx_passes.matching.regions import backward, is_eps_input, leaves
 from prepfuse.ops import SCRATCH
 
 __all__ = ["Probes", "Mismatch", "NUM_PROBES", "further"]
@@ -194,7 +194,7 @@ class Probes:
                     cache[node] = _probe_value(node, role, self.limits, probe, gen)
                     drawn_as_indices = (role or "").startswith(("slot", "sequence"))
                     if probe == 1 and self.limits.repeats and not drawn_as_indices \
-                            and role not in ("cache", "slots", "weight", "scale", "table"):
+                            and role not in ("cache", "slots", "weight", "scale", "eps", "table"):
                         cache[node] = _same_last_token(cache[node], self._inserted())
         return {n: cache[n] for n in nodes}
 
@@ -254,6 +254,8 @@ def _role(node: torch.fx.Node) -> str | None:
         size = _indexed_size(node)
         return f"index:{size}" if size is not None else "index:1024"
     if fake.dtype.is_floating_point:
+        if is_eps_input(node):
+            return "eps"
         if fake.numel() == 1:
             return "scale"
         if any(is_op(u, aten.index.Tensor, aten.index_select.default) and u.args[0] is node for u in node.users) \
@@ -280,14 +282,13 @@ def _indexed_size(node: torch.fx.Node) -> int | None:
             sizes.append(concrete(shape(user.args[0])[dim]))
         elif is_op(user, aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.expand.default,
                    aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.default, aten.permute.default,
-                   aten.clone.default, aten.alias.default, *_CASTS):  # a column of a metadata tensor too
+                   aten.clone.default, aten.alias.default, *CONVERTS):  # a column of a metadata tensor too
             inner = _indexed_size(user)
             if inner is not None:
                 sizes.append(inner)
     return min(sizes) if sizes else None
 
 
-_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 
 
 def _probe_value(node: torch.fx.Node, role: str | None, limits: _Limits, probe: int, gen: torch.Generator):
@@ -381,6 +382,9 @@ def _values(role, sizes, dtype, limits: _Limits, probe: int, gen) -> torch.Tenso
         return torch.randint(0, 16, sizes, generator=gen).to(dtype)
     if dtype == torch.uint8:
         return torch.randint(0, 256, sizes, generator=gen, dtype=torch.uint8)
+    if role == "eps":  # an eps the graph reads at run time: one the edge probe's 1e-3 rows feel, its own
+        # per input, so that a call reading another input's eps differs
+        return torch.full(sizes, 1e-6 * (1 + 9 * torch.rand((), generator=gen).item()), dtype=dtype)
     if role == "scale":  # the edge probe's small: rows divided by it overflow an fp8 cast (saturation vs NaN)
         return ((0.5 + 1.5 * torch.rand(sizes, generator=gen)) * (2.0**-4 if probe == 1 else 1.0)).to(dtype)
     if role == "table":

@@ -94,7 +94,9 @@ def _emitted(candidate: Candidate, make_emitter: Callable[[], Emitter], probes: 
         try:
             checked, result = candidate.emit(emit)
         except (RuntimeError, ValueError, TypeError, IndexError) as err:  # the call's fake impl refuses it
-            raise NoMatch("the call cannot be made" + (f": {str(err).splitlines()[0]}" if str(err) else ""))
+            refused = NoMatch("the call cannot be made" + (f": {str(err).splitlines()[0]}" if str(err) else ""))
+            refused.refused_call = True
+            raise refused
         emit.inputs_in_order()
         run, inexact = probes.check(emit.emitted, checked, beat) if probes is not None else (0, ())
         return Agreed(candidate, emit, checked, result, run, inexact)
@@ -105,7 +107,8 @@ def _emitted(candidate: Candidate, make_emitter: Callable[[], Emitter], probes: 
 
 def _search(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> Agreed:
     closest: tuple | None = None
-    structural: str | None = None
+    structural: str | None = None  # the first decline; one about the code beats a refused call
+    refused_only = True
     for i, candidate in enumerate(candidates):
         try:
             agreed = _emitted(candidate, make_emitter, probes)
@@ -113,7 +116,9 @@ def _search(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> 
             if closest is None or m.closeness() > closest[0]:
                 closest = (m.closeness(), candidate, m)
         except NoMatch as err:
-            structural = structural or f"{candidate.name}: {err}"
+            refused = getattr(err, "refused_call", False)
+            if structural is None or (refused_only and not refused):
+                structural, refused_only = f"{candidate.name}: {err}", refused
         else:
             return _closest_rounding(agreed, candidates[i + 1:], probes, make_emitter)
     if closest is not None:

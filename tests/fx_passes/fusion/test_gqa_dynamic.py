@@ -1,11 +1,9 @@
 """``torch.compile(dynamic=True)`` on the package's GQA example blocks
 (``prepfuse.models.gqa.EXAMPLE_MODELS``): one graph for every token count past 1, both layers
 fused, no recompile (``fail_on_recompile``), and the caches eager's. (Dynamo specializes a
-size of 1 into a graph of its own: ``test_single_token.py``.) ``specialize_float`` is set for
-the normed blocks: without it Dynamo makes the norms' eps a 0-d graph input, which the op
-cannot take as its constant, and those graphs decline by name
-(``tests/corpus/test_transformers.py::test_dynamic_true_eps_input_is_declined_by_name``); the
-Llama-style block has no eps and fuses either way."""
+size of 1 into a graph of its own: ``test_single_token.py``.) Under torch's defaults
+(``specialize_float`` off) Dynamo makes each norm's eps a 0-d graph input: the fused calls
+read it when they run (the op's ``tensor_floats`` overload, q's and k's eps apart)."""
 
 from __future__ import annotations
 
@@ -20,11 +18,11 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 HQ, HKV, D, DIM, BLOCK = 4, 2, 64, 64, 16
 
 
-def _call(compiled, block, spelling, t):
-    inputs = make_gqa_inputs(t, HQ, HKV, D, BLOCK, "cpu", cache_dtype=spelling.cache_dtype, skip_fraction=0.0,
+def _call(compiled, block, spelling, t, device="cpu"):
+    inputs = make_gqa_inputs(t, HQ, HKV, D, BLOCK, device, cache_dtype=spelling.cache_dtype, skip_fraction=0.0,
                              spare_slots=64 - t)
-    x = (torch.randn(t, DIM, generator=torch.Generator().manual_seed(t)) * 0.5).to(torch.bfloat16)
-    caches = [tuple(kv_cache(inputs.k_cache.shape[0], BLOCK, HKV, D, spelling, "cpu") for _ in range(2))
+    x = (torch.randn(t, DIM, generator=torch.Generator().manual_seed(t)) * 0.5).to(torch.bfloat16).to(device)
+    caches = [tuple(kv_cache(inputs.k_cache.shape[0], BLOCK, HKV, D, spelling, device) for _ in range(2))
               for _ in range(2)]
     ref = [tuple(c.clone() for c in pair) for pair in caches]
     args = (x, inputs.positions, inputs.slot_mapping, inputs.cos_sin_cache)
@@ -34,23 +32,43 @@ def _call(compiled, block, spelling, t):
     return caches, ref, inputs.slot_mapping
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("title", list(EXAMPLE_MODELS))
-@torch._dynamo.config.patch(specialize_float=True)
 @torch._inductor.config.patch(fx_graph_cache=False)
-def test_example_block_fuses_for_every_token_count(title):
+def test_example_block_fuses_for_every_token_count(title, device):
+    """Under torch's defaults: the norms' eps are graph inputs the fused calls read."""
     spelling = EXAMPLE_MODELS[title]
-    block = GqaAttentionBlock(2, DIM, HQ, HKV, D, spelling=spelling)
+    block = GqaAttentionBlock(2, DIM, HQ, HKV, D, spelling=spelling).to(device)
     backend = PrepfuseBackend()
     compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
-    _call(compiled, block, spelling, 7)  # no size of 1 or 2 (kv heads: duck sizing would tie them)
+    _call(compiled, block, spelling, 7, device)  # no size of 1 or 2 (kv heads: duck sizing would tie them)
     assert backend.reports and all(r.matched_counts.get("fuse_gqa_prep") == 2 for r in backend.reports), \
         backend.reports.format(verbose=True)
     graphs = len(backend.reports)
     with torch.compiler.set_stance("fail_on_recompile"):
-        for t in (3, 5, 9, 17):
-            caches, ref, slots = _call(compiled, block, spelling, t)
+        for t in (3, 5, 9, 17, 64):
+            caches, ref, slots = _call(compiled, block, spelling, t, device)
             for got, want in zip((c for p in caches for c in p), (c for p in ref for c in p)):
                 rows, want_rows = got.flatten(0, 1)[slots].float(), want.flatten(0, 1)[slots].float()
                 tol = 2**-3 if got.dtype == torch.float8_e4m3fn else 2**-5
                 assert ((rows - want_rows).abs() <= tol * want_rows.abs().amax(-1, keepdim=True) + 2**-9).all(), t
     assert len(backend.reports) == graphs
+
+
+@pytest.mark.gpu
+@torch._inductor.config.patch({"fx_graph_cache": False, "triton.cudagraphs": True})
+def test_under_inductor_cuda_graphs_a_run_time_eps_is_a_near_miss():
+    """Inductor's CUDA graphs copy a 0-d CPU input to the device for the captured partition,
+    where the op cannot read it on the host: the normed block declines naming that (and
+    ``specialize_float``), and runs as Inductor compiles it, equal to eager."""
+    spelling = EXAMPLE_MODELS["Qwen3-style (q/k RMSNorm, NeoX RoPE, bf16 cache)"]
+    block = GqaAttentionBlock(2, DIM, HQ, HKV, D, spelling=spelling).to("cuda")
+    backend = PrepfuseBackend()
+    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
+    for t in (7, 9):
+        caches, ref, slots = _call(compiled, block, spelling, t, "cuda")
+        for got, want in zip((c for p in caches for c in p), (c for p in ref for c in p)):
+            torch.testing.assert_close(got.flatten(0, 1)[slots].float(), want.flatten(0, 1)[slots].float(),
+                                       atol=2**-6, rtol=2**-5)
+    whys = [r.why for r in backend.reports.near_misses("fuse_gqa_prep")]
+    assert whys and all("CUDA graphs" in w and "specialize_float" in w for w in whys), whys
