@@ -179,6 +179,12 @@ class PrepfusePass(CustomGraphPass):
         """Anything besides source code that changes what the pass does."""
         return ()
 
+    def compile_state(self) -> tuple:
+        """What the pass reads from outside the graph and may differ between compiles of one
+        process (an engine's config), read each time a compile is keyed: the pass manager's
+        uuid, and with it Inductor's FX graph cache key, holds it."""
+        return ()
+
     def uuid(self) -> str:
         digest = hashlib.sha256()
         for obj in (type(self), inspect.getmodule(type(self)), *self.uuid_sources):

@@ -144,11 +144,13 @@ class PrepfusePassManager(CustomGraphPass):
             raise_on_problems(report.placement, problems, report.format(verbose=True))
 
     def uuid(self) -> str:
-        """Computed once per manager (its passes and settings are fixed when it is made): the
-        backend keys the compile's kept report by it and Inductor its cache."""
+        """The passes' sources and settings, hashed once per manager (fixed when it is made),
+        and each pass's ``compile_state()`` as it is now: the backend keys the compile's kept
+        report by it and Inductor its cache."""
         if self._uuid is None:
             self._uuid = self._compute_uuid()
-        return self._uuid
+        state = [(p.name, p.compile_state()) for p in self.passes if p.compile_state()]
+        return self._uuid if not state else hashlib.sha256(f"{self._uuid}{state!r}".encode()).hexdigest()
 
     def _compute_uuid(self) -> str:
         digest = hashlib.sha256()

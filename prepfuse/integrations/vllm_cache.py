@@ -19,6 +19,9 @@ the backend's ``do_kv_cache_update``. The declaration here gives the GQA family 
   quantises inside its write with the layer's ``_k_scale``, which the by-layer call does not
   read) leaves the call to vLLM, said in the report.
 
+A negative slot is skipped, as vLLM's ``reshape_and_cache_flash`` skips its ``PAD_SLOT_ID``
+(-1) in a batch padded to a CUDA graph's size (``negative_slots="skip"``).
+
 At run time the resolver reads the same forward context; a step without slots for the layer
 (vLLM's profiling run) writes q alone, as vLLM writes no cache row then.
 """
@@ -69,6 +72,16 @@ def _layout(node: torch.fx.Node) -> CacheLayout | str:
     return CacheLayout(torch.bfloat16)
 
 
+def _layout_key() -> tuple | None:
+    """What ``_layout`` reads of the current config: each attention layer's backend and cache
+    dtype (None without a config), so a compile for another config is keyed apart."""
+    layers = _attention_layers()
+    if layers is None:
+        return None
+    return tuple((name, layer.attn_backend.get_name(), layer.kv_cache_dtype, str(layer.kv_cache_torch_dtype))
+                 for name, layer in sorted(layers.items()))
+
+
 def _resolve(layer_name) -> EngineCaches | None:
     """This step's cache views and slots of the layer, read as vLLM's own write reads them."""
     name = _resolve_layer_name(layer_name)
@@ -86,7 +99,8 @@ def _resolve(layer_name) -> EngineCaches | None:
 def vllm_engine_write() -> EngineWrite:
     """The declaration of ``vllm::unified_kv_cache_update`` (registered on import)."""
     return EngineWrite(UNIFIED_KV_CACHE_UPDATE, key="key", value="value", layer="layer_name", layout=_layout,
-                       resolve=_resolve, by_layer_op=BY_LAYER_OP)
+                       resolve=_resolve, by_layer_op=BY_LAYER_OP, negative_slots="skip",
+                       layout_key=_layout_key)
 
 
 register_engine_write(vllm_engine_write())

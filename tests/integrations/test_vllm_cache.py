@@ -40,6 +40,7 @@ try:
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.utils.torch_utils import _encode_layer_name
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 
     from prepfuse.fx_passes.matching.engine_writes import register_engine_write, unregister_engine_write
     from prepfuse.integrations.vllm import PrepfuseVllmPass, vllm_engine_write
@@ -144,10 +145,15 @@ def step(backend, layers, caches, slots, fn, args, compiled: bool):
 
 
 SLOTS = (torch.tensor([5, 9, 17, 2, 30, 11, 40]), torch.tensor([3, 12, 63, 8, 20, 1]))
+# a batch of 4 tokens padded to a CUDA graph's 7 (layer 1's mapping of 6, as vLLM's may be shorter)
+PADDED = (torch.tensor([5, 9, 17, 2, PAD_SLOT_ID, PAD_SLOT_ID, PAD_SLOT_ID]) if Attention else None,
+          torch.tensor([3, 12, 63, 8, PAD_SLOT_ID, PAD_SLOT_ID]) if Attention else None)
 
 
-@pytest.mark.parametrize("slots", [SLOTS, (None, None)], ids=["slots", "profiling-run-no-slots"])
+@pytest.mark.parametrize("slots", [SLOTS, PADDED, (None, None)], ids=["slots", "padded-batch", "profiling-run-no-slots"])
 def test_vllms_cache_write_fuses_into_the_by_layer_call(slots):
+    """Both layers' writes fuse; every cache byte is vLLM's own write's: a padding slot
+    (``PAD_SLOT_ID``) leaves the cache as it was, the last slot included."""
     prepfuse_pass = PrepfuseVllmPass({"strict": True})
     backend, layers = vllm_model(prepfuse_pass)
     watch = backend.pass_manager.fix_functionalization = Watch(backend.pass_manager.fix_functionalization)

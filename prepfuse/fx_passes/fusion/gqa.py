@@ -108,6 +108,9 @@ class FuseGqaPrepPass(PrepfusePass):
         return (str(GQA_QKNORM_ROPE_KV_INSERT._schema), str(GQA_SEPARATE_QKNORM_ROPE_KV_INSERT._schema),
                 str(SCRATCH._schema), engine_writes.declarations())
 
+    def compile_state(self) -> tuple:
+        return engine_writes.layout_keys()
+
     def run(self, graph: torch.fx.Graph) -> int:
         lifted = engine_writes.lift(graph, lambda node, why: self.log.declined(self.name, PATTERN, node, why))
         try:

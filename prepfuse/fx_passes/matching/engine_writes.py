@@ -33,13 +33,14 @@ from prepfuse.fx_passes.matching.nodes import aten, call_node, concrete, shape, 
 from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER
 from prepfuse.ops.engine_caches import EngineCaches, register_resolver
 
-__all__ = ["CacheLayout", "EngineWrite", "Lifted", "register_engine_write", "unregister_engine_write",
-           "engine_write_of", "declarations", "lift"]
+__all__ = ["NEGATIVE_SLOTS", "CacheLayout", "EngineWrite", "Lifted", "register_engine_write", "unregister_engine_write",
+           "engine_write_of", "declarations", "layout_keys", "lift"]
 
 # the probe form's block size and token slots per block count: any would do, the call
 # reads the real ones when it runs
 PROBE_BLOCK_SIZE = 16
 _CACHE_DTYPES = (torch.bfloat16,)
+NEGATIVE_SLOTS = ("skip", "wrap")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,16 @@ class EngineWrite:
     and the sentence reported). ``resolve(key)`` runs when the fused call runs: the
     layer's ``EngineCaches``, or None where the engine writes nothing this step.
     ``by_layer_op``: the fused op taking the key, whose ``layer_name`` has the key's schema
-    type (``prepfuse.ops.define_by_layer_op``)."""
+    type (``prepfuse.ops.define_by_layer_op``). ``negative_slots``: what the engine's write
+    does with a negative slot, ``"skip"`` (no row written: vLLM's ``PAD_SLOT_ID`` of -1 in
+    a padded batch, as its ``reshape_and_cache_flash`` and SGLang's and TensorRT-LLM's
+    writes treat it; positive slots then given to one token each) or ``"wrap"`` (counted
+    from the cache's end, and a slot several tokens name holds the last one's row, as
+    PyTorch index assignment does); the fused call treats it the same way.
+    ``layout_key()``: what ``layout``'s answers depend on besides the call (the engine's
+    config: its attention backends, its cache dtype), read each time a compile is keyed, so
+    that Inductor's FX graph cache never serves a graph compiled for another answer; None
+    where ``layout`` reads the call alone."""
 
     op: torch._ops.OpOverload
     key: str
@@ -68,6 +78,12 @@ class EngineWrite:
     layout: Callable[[torch.fx.Node], CacheLayout | str]
     resolve: Callable[[object], EngineCaches | None]
     by_layer_op: torch._ops.OpOverload = GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER
+    negative_slots: str = "skip"
+    layout_key: Callable[[], object] | None = None
+
+    def __post_init__(self) -> None:
+        if self.negative_slots not in NEGATIVE_SLOTS:
+            raise ValueError(f"negative_slots: {self.negative_slots!r} is not one of {', '.join(NEGATIVE_SLOTS)}")
 
     @property
     def name(self) -> str:
@@ -84,18 +100,33 @@ class EngineWrite:
 _DECLARED: dict[torch._ops.OpOverload, EngineWrite] = {}
 
 
+_MARKED_EFFECTFUL: set = set()  # declared ops this module marked as writes for FX's dead-code elimination
+
+
 def register_engine_write(write: EngineWrite) -> None:
-    """Declare ``write.op`` an engine cache write (a second declaration replaces the first)."""
+    """Declare ``write.op`` an engine cache write (a second declaration replaces the first).
+
+    The op writes a cache the graph does not hold, so an op whose schema mutates nothing is
+    marked side-effectful for FX's dead-code elimination (``torch.fx.node.has_side_effect``):
+    a call whose return nothing reads stays in the graph, so the cache is written and the
+    call fuses as any other (without it, torch.compile drops such a call and the cache is
+    never written)."""
     names = [a.name for a in write.op._schema.arguments]
     for role in ("key", "value", "layer"):
         if getattr(write, role) not in names:
             raise ValueError(f"{role}: {getattr(write, role)!r} is not an argument of {write.op._schema}")
     _DECLARED[write.op] = write
     register_resolver(write.name, write.resolve)
+    if not write.op._schema.is_mutable and write.op not in torch.fx.node._side_effectful_functions:
+        torch.fx.node.has_side_effect(write.op)
+        _MARKED_EFFECTFUL.add(write.op)
 
 
 def unregister_engine_write(op: torch._ops.OpOverload) -> None:
     _DECLARED.pop(op, None)
+    if op in _MARKED_EFFECTFUL:
+        torch.fx.node._side_effectful_functions.discard(op)
+        _MARKED_EFFECTFUL.discard(op)
 
 
 def declarations() -> tuple:
@@ -107,8 +138,14 @@ def declarations() -> tuple:
         except (OSError, TypeError):  # a builtin or a lambda made at run time: its name
             return getattr(fn, "__qualname__", repr(fn))
 
-    return tuple(sorted((w.name, str(w.by_layer_op._schema), source(w.layout), source(w.resolve))
+    return tuple(sorted((w.name, str(w.by_layer_op._schema), w.negative_slots, source(w.layout), source(w.resolve))
                         for w in _DECLARED.values()))
+
+
+def layout_keys() -> tuple:
+    """Each declared write's ``layout_key()`` now, by engine name (the GQA pass's compile
+    state: ``PrepfusePass.compile_state``)."""
+    return tuple(sorted((w.name, repr(w.layout_key())) for w in _DECLARED.values() if w.layout_key is not None))
 
 
 def engine_write_of(node: torch.fx.Node) -> EngineWrite | None:

@@ -49,11 +49,14 @@ def _is_gqa_call(node: torch.fx.Node) -> bool:
 
 def _by_layer(graph, one: Lifted, call: torch.fx.Node) -> None:
     """``call`` (the GQA op on the lifted caches and slots) as ``by_layer_op`` on the engine
-    call's key, at ``call``'s place; the engine call's readers read its return."""
+    call's key, at ``call``'s place, reading negative slots as the engine does
+    (``EngineWrite.negative_slots``); the engine call's readers read its return."""
     op = one.engine.by_layer_op
     args = _plain_args(call)
     args = {a.name: args[a.name] for a in op._schema.arguments if a.name in args}
-    args.update(layer_name=one.engine.arg(one.node, one.engine.layer), engine=one.engine.name)
+    # the probe form's slots are index assignment's; the engine's own semantics goes in
+    args.update(layer_name=one.engine.arg(one.node, one.engine.layer), engine=one.engine.name,
+                wrap_indices=one.engine.negative_slots == "wrap")
     emit = Emitter(graph, call, source=call)
     outs = emit.functional_call(op, args)
     index = output_indices(call)
