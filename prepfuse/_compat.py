@@ -276,3 +276,15 @@ def post_grad_hook_takes_list() -> bool:
     from torch._inductor import custom_graph_pass
 
     return hasattr(custom_graph_pass, "get_custom_graph_passes")
+
+
+def compiling_a_training_graph() -> bool:
+    """Whether the graph being compiled belongs to a training step: AOTAutograd traced a
+    backward for it (grad mode on and an input or parameter requiring grad), read from the
+    compile's ``TracingContext`` (``fw_metadata.traced_tangents``, one per output a backward
+    reads). Why: the forward then saves activations for a backward the fused ops do not have."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    return bool(getattr(meta, "traced_tangents", None))

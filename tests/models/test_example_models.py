@@ -14,7 +14,10 @@ import torch
 
 from prepfuse.demo.dsv4 import run_dsv4_block
 from prepfuse.demo.dsv4_indexer import run_dsv4_indexer
+from prepfuse.backend import PrepfuseBackend
 from prepfuse.demo.gqa import run_gqa_models
+from prepfuse.models.gqa import EXAMPLE_MODELS, GqaAttentionBlock, kv_cache
+from prepfuse.testing import make_gqa_inputs
 
 LAYERS = 2
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -52,3 +55,33 @@ def test_gqa_models_fuse_every_layer(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_dsv4_indexer_fuses_every_layer_whole(device):
     _assert_whole(run_dsv4_indexer(torch.device(device), LAYERS, timed=False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_compiled_for_training_declines_naming_no_grad(device):
+    """Parameters requiring grad with grad mode on: AOTAutograd traces a backward, whose
+    forward saves what the fused ops would overwrite, so each layer's side declines naming
+    ``torch.no_grad()``; under ``torch.no_grad()`` the same model fuses every layer."""
+    spelling = EXAMPLE_MODELS["Qwen3-style (q/k RMSNorm, NeoX RoPE, bf16 cache)"]
+    block = GqaAttentionBlock(LAYERS, 256, 4, 2, 64, spelling=spelling).to(device)
+    for p in block.parameters():
+        p.requires_grad_(True)
+    inputs = make_gqa_inputs(7, 4, 2, 64, 16, device, cache_dtype=spelling.cache_dtype, skip_fraction=0.0)
+    x = (torch.randn(7, 256, generator=torch.Generator().manual_seed(0)) * 0.5).to(torch.bfloat16).to(device)
+
+    def compiled_run(backend):
+        caches = [tuple(kv_cache(inputs.k_cache.shape[0], 16, 2, 64, spelling, device) for _ in range(2))
+                  for _ in range(LAYERS)]
+        torch.compile(block, backend=backend, fullgraph=True)(
+            x, inputs.positions, inputs.slot_mapping, inputs.cos_sin_cache, caches, inputs.kv_scale)
+
+    training = PrepfuseBackend()
+    compiled_run(training)
+    whys = [r.why for r in training.reports.near_misses("fuse_gqa_prep")]
+    assert not training.reports.matches("fuse_gqa_prep") and len(whys) == LAYERS, training.reports.format(verbose=True)
+    assert all("compiled for training" in w and "torch.no_grad()" in w for w in whys), whys
+    torch._dynamo.reset()
+    inference = PrepfuseBackend()
+    with torch.no_grad():
+        compiled_run(inference)
+    assert len(inference.reports.matches("fuse_gqa_prep")) == LAYERS, inference.reports.format(verbose=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from prepfuse._compat import compiling_a_training_graph
 from prepfuse.fx_passes.rewrite.emitter import Emitter
 from prepfuse.fx_passes.matching.nodes import NoMatch
 from prepfuse.fx_passes.rewrite.probes import Mismatch, Probes
@@ -65,6 +66,12 @@ class Agreed:
         return f"the same form as a region validated earlier in this graph: {what}"
 
 
+# why no call goes into a training step's graph (``_compat.compiling_a_training_graph``)
+TRAINING = ("the graph is compiled for training (grad mode is on and a parameter or input requires grad, so a "
+            "backward is traced); the fused ops are for inference and have no backward: run the model under "
+            "torch.no_grad() or torch.inference_mode()")
+
+
 def first_agreeing(probes: Probes, candidates, make_emitter: Callable[[], Emitter]) -> Agreed:
     """The first of ``candidates`` whose call computes the region (or a closer rounding of
     it: ``_closest_rounding``), its nodes left in the graph; or NoMatch naming the closest
@@ -73,7 +80,10 @@ def first_agreeing(probes: Probes, candidates, make_emitter: Callable[[], Emitte
     A region of the same form as one searched before in this graph (``Probes.form``: a
     model's next layer), with the same candidates, has the same outcome on the probes: the
     candidate that agreed there is emitted without running them again (a decline is
-    searched again, so that it names this region's code)."""
+    searched again, so that it names this region's code). A training step's graph gets no
+    call (``TRAINING``): its forward saves activations for a backward the ops do not have."""
+    if compiling_a_training_graph():
+        raise NoMatch(TRAINING)
     candidates = list(candidates)
     key = ("agreed", probes.form(), tuple(c.name for c in candidates))
     if key in probes.memo:
