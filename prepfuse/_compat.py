@@ -1,7 +1,7 @@
 """Everything that differs between the torch and triton versions prepfuse supports.
 
-prepfuse supports torch 2.11 through 2.14 (CI runs 2.13 on the CPU, the GPU machine
-2.11 with triton 3.6). Any API that moved between those versions is gated here, once,
+prepfuse supports torch 2.11 through 2.15 (CI runs 2.13, 2.14 and 2.15 on the CPU, the
+GPU machine 2.11 with triton 3.6). Any API that moved between those versions is gated here, once,
 so the rest of the package reads as if there were one torch.
 """
 

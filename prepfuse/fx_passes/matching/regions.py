@@ -175,18 +175,6 @@ def is_eps_input(node: torch.fx.Node) -> bool:
     return False
 
 
-def _through_casts_users(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The steps that read ``node``'s value, past casts of it."""
-    found, frontier = [], list(node.users)
-    while frontier:
-        user = frontier.pop()
-        if user.target in CONVERTS:
-            frontier += list(user.users)
-        else:
-            found.append(user)
-    return found
-
-
 def _through_casts(node):
     while isinstance(node, torch.fx.Node) and node.target in CONVERTS:
         node = node.args[0]
@@ -212,6 +200,30 @@ def inductor_moves_floats(region: list[torch.fx.Node]) -> bool:
     return any(isinstance(val(n), torch.Tensor) and val(n).device.type == "cuda" for n in region)
 
 
+def _read_as_a_number(node: torch.fx.Node, members: set, sources: set, memo: dict) -> bool:
+    """Whether a step of the region computed from ``sources`` reads ``node`` as a number: a
+    value of one element made from it by steps that are not (a cast, ``1 / x``), as
+    ``amax * (1 / FP8_MAX)`` reads it. A tensor of many values made from it (``cos *
+    attention_scaling``) is an operand the call reads where the graph computes it."""
+    frontier, seen = [node], set()
+    while frontier:
+        made = frontier.pop()
+        for user in made.users:
+            if user not in members or user in seen:
+                continue
+            seen.add(user)
+            if not depends_on(user, sources, memo):
+                frontier.append(user)
+            elif _one_value(made):
+                return True
+    return False
+
+
+def _one_value(node: torch.fx.Node) -> bool:
+    v = val(node)
+    return isinstance(v, torch.Tensor) and all(isinstance(s, int) and s == 1 for s in v.shape)
+
+
 def expect_no_runtime_floats(region: list[torch.fx.Node], sources: set, scales=(), numbers=()) -> None:
     """Decline where a step of ``region`` that the call replaces (one computed from
     ``sources``) reads a run-time float (``is_runtime_float``) other than the call's
@@ -223,8 +235,7 @@ def expect_no_runtime_floats(region: list[torch.fx.Node], sources: set, scales=(
     allowed = {n for s in scales if s is not None for n in (s, *leaves(backward([s])))} | set(numbers)
     members, memo = set(region), {}
     for n in leaves(region):
-        replaced = any(u in members and depends_on(u, sources, memo) for u in _through_casts_users(n))
-        if n not in allowed and is_runtime_float(n) and replaced:
+        if n not in allowed and is_runtime_float(n) and _read_as_a_number(n, members, sources, memo):
             reader, frontier = n, list(n.users)
             while frontier and not reader.meta.get("stack_trace"):  # the first reader with a source line
                 reader = frontier.pop(0)
