@@ -48,7 +48,9 @@ from prepfuse.fx_passes.base import PrepfusePass
 from prepfuse.fx_passes.graph_print import normalized_graph
 from prepfuse.fx_passes.placement import PlacementPolicy, placement_uuid, plan_and_check, raise_on_problems
 from prepfuse.fx_passes.matching import MATCHING_MODULES
+from prepfuse.fx_passes.matching import engine_writes
 from prepfuse.fx_passes.matching.canonical import canonicalize
+from prepfuse.fx_passes.matching.op_references import inline as inline_references, references, restore as restore_references
 from prepfuse.fx_passes.rewrite.scratch_buffers import returned_scratch, scratch_to_pool_buffers
 from prepfuse.fx_passes.report import GraphReport
 from prepfuse.ops import NAMESPACE
@@ -102,7 +104,10 @@ class PrepfusePassManager(CustomGraphPass):
         compile_id = current_compile_id() or "?"
         report = GraphReport(graph_id=f"{compile_id}#{len(self.reports)}", passes=self.pass_names)
         dump_to = self._dump_folder(report.graph_id) if self.debug_dir else None
+        inlined = []
         if any(p.canonical_graph for p in self.passes):
+            inlined = inline_references(graph)  # engine ops read through their references
+            report.note_opaque_ops(graph, engine_writes.is_declared)
             canonicalize(graph)  # one form per concept, before any family
         for i, p in enumerate(self.passes):
             stack_traces = {n.name: n.meta.get("stack_trace") for n in graph.nodes if n.meta.get("stack_trace")}
@@ -112,6 +117,8 @@ class PrepfusePassManager(CustomGraphPass):
             report.add_pass(p, stack_traces)
             if dump_to:
                 _write(os.path.join(dump_to, f"{i:02d}_{p.name}.after.py"), _graph_text(graph))
+        if inlined:  # an engine call back wherever its reference's values are still read
+            restore_references(graph, inlined)
         if self.graph_buffers:  # output_buffers="graph", or cudagraph trees' pool (piecewise)
             moved = scratch_to_pool_buffers(graph)
             if moved:
@@ -150,6 +157,8 @@ class PrepfusePassManager(CustomGraphPass):
         if self._uuid is None:
             self._uuid = self._compute_uuid()
         state = [(p.name, p.compile_state()) for p in self.passes if p.compile_state()]
+        if references() and any(p.canonical_graph for p in self.passes):
+            state.append(("references", references()))
         return self._uuid if not state else hashlib.sha256(f"{self._uuid}{state!r}".encode()).hexdigest()
 
     def _compute_uuid(self) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch.fx
 
@@ -64,6 +64,7 @@ class GraphReport:
     namespaces: tuple[str, ...] = (NAMESPACE,)  # what defunctionalize took: prepfuse's, then those it was given
     cached: bool = False  # served from Inductor's cache: no pass ran; what follows is the report of the compile
     # that wrote the cached code (``report_store``), if one was kept
+    opaque_ops: dict[str, int] = field(default_factory=dict)  # ops of other namespaces the families read as one step
     graph: str | None = None  # normalized post-pass graph, when the backend records graphs
     placement: PartitionPlan | None = None  # partitions, when splitting_ops or cudagraphs are set
 
@@ -72,6 +73,17 @@ class GraphReport:
         self.matched_counts[p.name] = self.matched_counts.get(p.name, 0) + p.matched_count
         for event in p.log.events:
             self.rewrites.append(_rewrite_from_event(event, stack_traces))
+
+    def note_opaque_ops(self, graph: torch.fx.Graph, readable: Callable[[torch._ops.OpOverload], bool]) -> None:
+        """Count the calls (or ``auto_functionalized`` calls) of ops outside aten, prims and
+        prepfuse that ``readable`` says no family reads: a model's engine ops, each one step
+        whose inside the passes cannot see (why a layer built from them may not fuse)."""
+        ops: Counter[str] = Counter()
+        for node in graph.nodes:
+            op = functionalized_op(node) or (node.target if isinstance(node.target, torch._ops.OpOverload) else None)
+            if op is not None and op.namespace not in ("aten", "prims", NAMESPACE) and not readable(op):
+                ops[target_name(op)] += 1
+        self.opaque_ops = dict(ops)
 
     def finish(self, graph: torch.fx.Graph, namespaces: tuple[str, ...] = (NAMESPACE,)) -> None:
         """Count what is left: the prepfuse ops called, and the ``auto_functionalized`` calls of
@@ -139,6 +151,10 @@ class GraphReport:
             ], indent=4)
         elif misses:
             lines.append(f"  near misses: {len(misses)} (format(verbose=True) or DEBUG logging lists them)")
+        if self.opaque_ops:
+            opaque = ", ".join(f"{op} x{n}" for op, n in sorted(self.opaque_ops.items()))
+            lines.append(f"  engine ops read as one opaque step: {opaque} (a reference makes one readable: "
+                         "docs/kit.md, engine ops read through a reference)")
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(self.ops_after.items())) or "none"
         lines.append(f"  prepfuse ops in the compiled graph: {ops}")
         lines.append(f"  auto_functionalized {_spoken_list(self.namespaces)} calls left: "

@@ -19,7 +19,8 @@ Inductor's cache key: hence this class.
 
 It runs after vLLM's own passes and before its cleanup, IR lowering and
 ``fix_functionalization`` (vLLM 0.33), so prepfuse reads the functional graph, with vLLM's IR
-ops not lowered yet: it fuses plain PyTorch math, not vLLM's own layers. Each op is
+ops not lowered yet: an IR op is read through its native implementation (below) and, where
+nothing fuses, left for vLLM to lower. Each op is
 defunctionalized once: prepfuse's ``defunctionalize`` takes the ``namespaces`` option's ops,
 vLLM's pass the rest. Under vLLM's ``auto_functionalized`` v1 a prepfuse call whose written
 arguments share storage is declined (left to Inductor; a ``strict`` compile fails).
@@ -29,7 +30,9 @@ Options are ``PrepfuseOptions`` less those that patch Inductor's config, which i
 served from vLLM's FX graph cache ran no pass and gets no report; reports stay in the process
 that compiles (vLLM's engine process): the pass crosses processes as its options alone.
 
-Importing this module also declares vLLM's cache write, ``vllm::unified_kv_cache_update(key,
+Importing this module also reads vLLM's IR ops (``vllm_ir::rms_norm`` ...) through their
+native PyTorch implementation (``prepfuse/integrations/vllm_ir.py``), so the q/k norms of
+vLLM's own ``RMSNorm`` fuse, and declares vLLM's cache write, ``vllm::unified_kv_cache_update(key,
 value, layer_name)``, an engine write (``prepfuse.fx_passes.matching.engine_writes``): a
 GQA preparation whose k and v go to it fuses into the by-layer op, which finds the layer's
 cache and slots in vLLM's forward context when it runs (``vllm_engine_write``).
@@ -55,6 +58,7 @@ except ModuleNotFoundError as err:
     raise ImportError("prepfuse.integrations.vllm needs vLLM (pip install vllm); prepfuse itself does not: "
                       "without vLLM use backend='prepfuse' or prepfuse.backend.post_grad_pass") from err
 
+from prepfuse.integrations import vllm_ir  # noqa: E402,F401 - needs vLLM; reads vLLM's IR ops through their native form
 from prepfuse.integrations.vllm_cache import BY_LAYER_OP, vllm_engine_write  # noqa: E402 - needs vLLM, checked above
 
 # the namespace of the by-layer op the integration emits, defunctionalized with prepfuse's own
@@ -95,7 +99,8 @@ class PrepfuseVllmPass(InductorPass):
     def uuid(self) -> str:
         return InductorPass.hash_dict({
             "integration": InductorPass.hash_source(inspect.getsource(sys.modules[__name__]),
-                                                    inspect.getsource(sys.modules[vllm_engine_write.__module__])),
+                                                    inspect.getsource(sys.modules[vllm_engine_write.__module__]),
+                                                    inspect.getsource(vllm_ir)),
             "prepfuse": self.manager.uuid(),
         })
 

@@ -38,6 +38,8 @@ try:
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.utils.torch_utils import _encode_layer_name
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.utils import PAD_SLOT_ID
@@ -201,3 +203,58 @@ def test_a_cache_the_op_cannot_write_stays_vllms():
     finally:
         register_engine_write(vllm_engine_write())
     assert targets == undeclared and plain.near_misses("fuse_gqa_prep") == []
+
+
+def vllm_modules(backend, seed: int):
+    """vLLM's own q/k ``RMSNorm`` (random bf16 weights) and ``get_rope``'s NeoX rotary
+    embedding, built under the config as a model builds them (custom ops ``none``, Inductor's
+    default: ``forward_native``, the norm an IR op)."""
+    gen = torch.Generator().manual_seed(seed)
+    with set_current_vllm_config(backend.vllm_config):
+        q_norm, k_norm = RMSNorm(D, eps=EPS, dtype=torch.bfloat16), RMSNorm(D, eps=EPS, dtype=torch.bfloat16)
+        rotary = get_rope(D, max_position=64, is_neox_style=True, dtype=torch.bfloat16)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (1 + 0.3 * torch.randn(D, generator=gen)).to(torch.bfloat16)
+    return q_norm, k_norm, rotary
+
+
+def qwen3_attention_prep(modules, qkv, positions, layer_name: str):
+    """``Qwen3Attention.forward`` between its qkv projection and its attention, as vLLM 0.33
+    writes it, k and v handed to vLLM's cache write as ``Attention.forward`` hands them."""
+    q_norm, k_norm, rotary = modules
+    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
+    q = q_norm(q.view(*q.shape[:-1], HQ, D)).view(q.shape)
+    k = k_norm(k.view(*k.shape[:-1], HKV, D)).view(k.shape)
+    q, k = rotary(positions, q, k)
+    dep = torch.ops.vllm.unified_kv_cache_update(k.view(-1, HKV, D), v.reshape(-1, HKV, D),
+                                                 _encode_layer_name(layer_name))
+    return q, dep
+
+
+def test_vllms_own_norm_and_rope_fuse_with_its_cache_write():
+    """vLLM's ``RMSNorm`` (the IR op ``vllm_ir::rms_norm``, read through its native
+    implementation) and ``get_rope``, two layers: each layer's q/k norm, RoPE and cache
+    write become one by-layer call, q and every cache byte as the same code in eager."""
+    prepfuse_pass = PrepfuseVllmPass({"strict": True})
+    backend, layers = vllm_model(prepfuse_pass)
+    modules = [vllm_modules(backend, seed) for seed in (0, 1)]
+    watch = backend.pass_manager.fix_functionalization = Watch(backend.pass_manager.fix_functionalization)
+
+    def model(qkv0, qkv1, table, positions):
+        q0, dep0 = qwen3_attention_prep(modules[0], qkv0, positions, LAYERS[0])
+        q1, dep1 = qwen3_attention_prep(modules[1], qkv1, positions, LAYERS[1])
+        return q0, q1, dep0, dep1
+
+    args = inputs(3)
+    compiled_caches, eager_caches = fresh_caches(layers, 4), fresh_caches(layers, 4)
+    with torch.no_grad():
+        out = step(backend, layers, compiled_caches, SLOTS, model, args, compiled=True)
+        ref = step(backend, layers, eager_caches, SLOTS, model, args, compiled=False)
+    (report,) = prepfuse_pass.reports
+    assert report.pattern_counts().get("gqa_qknorm_rope_kv") == 2, report.format(verbose=True)
+    assert watch.targets.count(BY_LAYER_OP) == 2 and UNIFIED_KV_CACHE_UPDATE not in watch.targets
+    assert not any("vllm_ir" in str(t) for t in watch.targets)  # both norms inside the fused calls
+    for got, want in zip(out[:2], ref[:2]):
+        torch.testing.assert_close(got, want, atol=2**-6, rtol=2**-6)
+    for got, want in zip(compiled_caches, eager_caches):
+        torch.testing.assert_close(got, want, atol=2**-6, rtol=2**-6)

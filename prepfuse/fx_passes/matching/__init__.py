@@ -19,11 +19,11 @@ uuids: editing one invalidates Inductor's cache for every pass that uses it.
 """
 
 from prepfuse.fx_passes.matching import (
-    axes, canonical, engine_writes, head_copies, layouts, nodes, regions, rope_operands, sources, writes,
-    written_pieces,
+    axes, canonical, engine_writes, head_copies, layouts, nodes, op_references, regions, rope_operands, sources,
+    writes, written_pieces,
 )
 
-MATCHING_MODULES = (nodes, canonical, writes, engine_writes, layouts, axes, regions, sources, head_copies,
-                    rope_operands, written_pieces)
+MATCHING_MODULES = (nodes, canonical, writes, engine_writes, op_references, layouts, axes, regions, sources,
+                    head_copies, rope_operands, written_pieces)
 
 __all__ = ["MATCHING_MODULES"]

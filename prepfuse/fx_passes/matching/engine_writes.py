@@ -34,7 +34,7 @@ from prepfuse.ops import GQA_QKNORM_ROPE_KV_INSERT_BY_LAYER
 from prepfuse.ops.engine_caches import EngineCaches, register_resolver
 
 __all__ = ["NEGATIVE_SLOTS", "CacheLayout", "EngineWrite", "Lifted", "register_engine_write", "unregister_engine_write",
-           "engine_write_of", "declarations", "layout_keys", "lift"]
+           "engine_write_of", "is_declared", "declarations", "layout_keys", "lift"]
 
 # the probe form's block size and token slots per block count: any would do, the call
 # reads the real ones when it runs
@@ -146,6 +146,11 @@ def layout_keys() -> tuple:
     """Each declared write's ``layout_key()`` now, by engine name (the GQA pass's compile
     state: ``PrepfusePass.compile_state``)."""
     return tuple(sorted((w.name, repr(w.layout_key())) for w in _DECLARED.values() if w.layout_key is not None))
+
+
+def is_declared(op) -> bool:
+    """Whether ``op`` is a declared engine write (the GQA family reads its calls)."""
+    return op in _DECLARED
 
 
 def engine_write_of(node: torch.fx.Node) -> EngineWrite | None:
