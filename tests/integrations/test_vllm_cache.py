@@ -38,7 +38,7 @@ try:
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.utils.torch_utils import _encode_layer_name
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
@@ -205,17 +205,20 @@ def test_a_cache_the_op_cannot_write_stays_vllms():
     assert targets == undeclared and plain.near_misses("fuse_gqa_prep") == []
 
 
-def vllm_modules(backend, seed: int):
-    """vLLM's own q/k ``RMSNorm`` (random bf16 weights) and ``get_rope``'s NeoX rotary
-    embedding, built under the config as a model builds them (custom ops ``none``, Inductor's
-    default: ``forward_native``, the norm an IR op)."""
+def vllm_modules(backend, seed: int, norm: str = "rms"):
+    """vLLM's own q/k norms and ``get_rope``'s NeoX rotary embedding, built under the config as
+    a model builds them (custom ops ``none``, Inductor's default: ``forward_native``, the norm
+    an IR op). ``norm``: ``RMSNorm`` with random bf16 weights near 1 (Qwen3), or
+    ``GemmaRMSNorm`` with fp32 weights near 0 applied as ``1 + w`` before the rounding (Gemma-3)."""
     gen = torch.Generator().manual_seed(seed)
     with set_current_vllm_config(backend.vllm_config):
-        q_norm, k_norm = RMSNorm(D, eps=EPS, dtype=torch.bfloat16), RMSNorm(D, eps=EPS, dtype=torch.bfloat16)
+        norms = [RMSNorm(D, eps=EPS, dtype=torch.bfloat16) if norm == "rms" else GemmaRMSNorm(D, eps=EPS)
+                 for _ in range(2)]
         rotary = get_rope(D, max_position=64, is_neox_style=True, dtype=torch.bfloat16)
-    for norm in (q_norm, k_norm):
-        norm.weight.data = (1 + 0.3 * torch.randn(D, generator=gen)).to(torch.bfloat16)
-    return q_norm, k_norm, rotary
+    for n in norms:
+        weight = 0.3 * torch.randn(D, generator=gen)
+        n.weight.data = (1 + weight).to(torch.bfloat16) if norm == "rms" else weight
+    return (*norms, rotary)
 
 
 def qwen3_attention_prep(modules, qkv, positions, layer_name: str):
@@ -231,13 +234,14 @@ def qwen3_attention_prep(modules, qkv, positions, layer_name: str):
     return q, dep
 
 
-def test_vllms_own_norm_and_rope_fuse_with_its_cache_write():
-    """vLLM's ``RMSNorm`` (the IR op ``vllm_ir::rms_norm``, read through its native
-    implementation) and ``get_rope``, two layers: each layer's q/k norm, RoPE and cache
-    write become one by-layer call, q and every cache byte as the same code in eager."""
+@pytest.mark.parametrize("norm", ["rms", "gemma"], ids=["RMSNorm", "GemmaRMSNorm"])
+def test_vllms_own_norm_and_rope_fuse_with_its_cache_write(norm):
+    """vLLM's ``RMSNorm`` or ``GemmaRMSNorm`` (the IR op ``vllm_ir::rms_norm``, read through
+    its native implementation) and ``get_rope``, two layers: each layer's q/k norm, RoPE and
+    cache write become one by-layer call, q and every cache byte as the same code in eager."""
     prepfuse_pass = PrepfuseVllmPass({"strict": True})
     backend, layers = vllm_model(prepfuse_pass)
-    modules = [vllm_modules(backend, seed) for seed in (0, 1)]
+    modules = [vllm_modules(backend, seed, norm) for seed in (0, 1)]
     watch = backend.pass_manager.fix_functionalization = Watch(backend.pass_manager.fix_functionalization)
 
     def model(qkv0, qkv1, table, positions):
