@@ -332,8 +332,10 @@ def _call(pass_, math: Math, q: Q, k: KvWrite, v: KvWrite, shared, scales, check
             args["kv_scale"] = k_scale
             if v_scale is not None and scales[1] is not scales[0]:
                 args["v_scale"] = v_scale
-        q_eps = next(iter(eps_inputs(backward([q.prepared], cut={q.start.node}))), None) \
-            if math.norm != "none" else None
+        q_region = backward([q.prepared], cut={q.start.node})
+        q_eps = next(iter(eps_inputs(q_region)), None) if math.norm != "none" else None
+        # q's math must not read a float only the run knows other than its eps, as k's (in _fuse)
+        expect_no_runtime_floats(q_region, {q.start.node}, (), [q_eps] if q_eps is not None else ())
         args.update(is_neox=math.is_neox, eps=math.eps if q_eps is None else q_eps, wrap_indices=True)
         if q_eps is not None and q_eps is not math.eps:  # q's norm reads its own eps input
             args["k_eps"] = math.eps

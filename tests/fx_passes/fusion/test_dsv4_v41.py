@@ -69,9 +69,10 @@ def inputs_and_copies():
     return seed, args, (inputs.q, inputs.kv, cache.clone(), *args[3:])
 
 
-def compiled_and_eager(fn, dynamic: bool = False):
+def compiled_and_eager(fn, dynamic: bool = False, inductor: bool = False):
     """``dynamic``: the token dim of q, kv, the slots and the positions marked dynamic (a model's
-    other sizes are its weights', static)."""
+    other sizes are its weights', static). ``inductor``: the reference compiled by plain
+    Inductor instead of eager (what a declined graph must equal)."""
     seed, args, eager_args = inputs_and_copies()
     backend = PrepfuseBackend({"passes": (PASS,)})
     if dynamic:
@@ -79,7 +80,7 @@ def compiled_and_eager(fn, dynamic: bool = False):
             torch._dynamo.mark_dynamic(t, 0)
     with torch.no_grad():
         out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
-        ref = fn(*eager_args)
+        ref = (torch.compile(fn, backend="inductor", fullgraph=True) if inductor else fn)(*eager_args)
     (report,) = backend.reports
     return seed, report, (out, args[2]), (ref, eager_args[2])
 
@@ -101,7 +102,9 @@ def test_v41_prep_fuses_into_one_call(whole, dynamic):
 def test_floored_scale_lookalike_declines():
     """The same bytes' layout with ``floor`` for ``ceil``: values past 448 would saturate; the
     probes tell, and the pass declines naming the kv write (no call)."""
-    seed, report, (out, cache), (ref, ref_cache) = compiled_and_eager(v41_prep(floor_scale=True))
+    # declined: the reference is the code as plain Inductor compiles it (past 448 its rounding and
+    # eager's may part: torch 2.15, 9 codes on one seed)
+    seed, report, (out, cache), (ref, ref_cache) = compiled_and_eager(v41_prep(floor_scale=True), inductor=True)
     assert not any(m.pattern.endswith("kv") for m in report.matches() if m.pass_name == PASS), \
         report.format(verbose=True)
     assert torch.equal(cache, ref_cache) or int(e4m3_code_diff(cache, ref_cache).max()) <= 1, f"seed={seed}"

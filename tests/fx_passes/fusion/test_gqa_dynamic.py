@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from prepfuse.backend import PrepfuseBackend
+from prepfuse.fx_passes.matching import regions
 from prepfuse.models.gqa import EXAMPLE_MODELS, GqaAttentionBlock, kv_cache
 from prepfuse.testing import make_gqa_inputs
 
@@ -70,10 +71,13 @@ def test_example_block_fuses_for_every_token_count(title, device):
 
 @pytest.mark.gpu
 @torch._inductor.config.patch({"fx_graph_cache": False, "triton.cudagraphs": True})
-def test_under_inductor_cuda_graphs_a_run_time_eps_is_a_near_miss():
-    """Inductor's CUDA graphs copy a 0-d CPU input to the device for the captured partition,
-    where the op cannot read it on the host: the normed block declines naming that (and
-    ``specialize_float``), and runs as Inductor compiles it, equal to eager."""
+def test_under_inductor_cuda_graphs_a_run_time_eps_is_read_or_named():
+    """Inductor's CUDA graphs on (``triton.cudagraphs``), dynamic=True defaults: the block runs
+    equal to eager, and a layer that does not fuse declines naming CUDA graphs and
+    ``specialize_float`` (Inductor copies 0-d CPU inputs to the device for a captured
+    partition, where the op cannot read them). On an H100 (torch 2.11) both layers fused:
+    the block writes its caches, inputs of the graph, so cudagraph trees skip the graph
+    ("mutated inputs") and the eps inputs stay on the host."""
     spelling = EXAMPLE_MODELS["Qwen3-style (q/k RMSNorm, NeoX RoPE, bf16 cache)"]
     block = GqaAttentionBlock(2, DIM, HQ, HKV, D, spelling=spelling).to("cuda")
     backend = PrepfuseBackend()
@@ -84,5 +88,21 @@ def test_under_inductor_cuda_graphs_a_run_time_eps_is_a_near_miss():
             torch.testing.assert_close(got.flatten(0, 1)[slots].float(), want.flatten(0, 1)[slots].float(),
                                        atol=2**-6, rtol=2**-5)
     whys = [r.why for r in backend.reports.near_misses("fuse_gqa_prep")]
-    assert whys and all("CUDA graphs" in w and "specialize_float" in w for w in whys), \
+    assert all("CUDA graphs" in w and "specialize_float" in w for w in whys), backend.reports.format(verbose=True)
+    assert len(backend.reports.matches("fuse_gqa_prep")) + len(whys) == 2 * len(backend.reports)
+
+
+@torch._inductor.config.patch(fx_graph_cache=False)
+def test_where_the_eps_input_moves_to_the_device_both_norms_decline_naming_it(monkeypatch):
+    """Where Inductor would copy the 0-d eps inputs to the device (its CUDA graphs: the
+    predicate ``regions.inductor_moves_floats``, made true here on the CPU), neither norm's
+    eps is the call's operand: q's as k's, the decline names the setting, not a false
+    "q_out differs"."""
+    monkeypatch.setattr(regions, "inductor_moves_floats", lambda region: True)
+    spelling = EXAMPLE_MODELS["Qwen3-style (q/k RMSNorm, NeoX RoPE, bf16 cache)"]
+    block = GqaAttentionBlock(2, DIM, HQ, HKV, D, spelling=spelling)
+    backend = PrepfuseBackend()
+    _call(torch.compile(block, backend=backend, fullgraph=True, dynamic=True), block, spelling, 7)
+    whys = [r.why for r in backend.reports.near_misses("fuse_gqa_prep")]
+    assert len(whys) == 2 and all("CUDA graphs" in w and "specialize_float" in w for w in whys), \
         backend.reports.format(verbose=True)
