@@ -242,6 +242,9 @@ def expect_no_runtime_floats(region: list[torch.fx.Node], sources: set, scales=(
                 frontier += list(reader.users)[:2]
             why = "under Inductor's CUDA graphs it is copied to the device, where the op cannot read it " \
                 "without a sync" if is_eps_input(n) and inductor_moves_floats(region) else "the op holds that number fixed"
-            raise NoMatch(f"a value at {where(reader)} is a 0-d tensor the graph reads at run time (dynamic=True "
-                          "makes a Python float a graph input unless torch._dynamo.config.specialize_float is set); "
-                          f"{why}")
+            v = val(n)
+            lifted = v.dtype == torch.float64 and v.device.type == "cpu"  # how Dynamo passes a Python float
+            what = ("a 0-d tensor the graph reads at run time (dynamic=True makes a Python float a graph input "
+                    "unless torch._dynamo.config.specialize_float is set)" if lifted else
+                    f"a one-value {v.dtype} tensor the code passes, read when the graph runs")
+            raise NoMatch(f"a value at {where(reader)} is {what}; {why}")
