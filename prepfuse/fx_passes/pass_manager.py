@@ -156,7 +156,7 @@ class PrepfusePassManager(CustomGraphPass):
         report by it and Inductor its cache."""
         if self._uuid is None:
             self._uuid = self._compute_uuid()
-        state = [(p.name, p.compile_state()) for p in self.passes if p.compile_state()]
+        state = [(name, now) for name, now in ((p.name, p.compile_state()) for p in self.passes) if now]
         if references() and any(p.canonical_graph for p in self.passes):
             state.append(("references", references()))
         return self._uuid if not state else hashlib.sha256(f"{self._uuid}{state!r}".encode()).hexdigest()

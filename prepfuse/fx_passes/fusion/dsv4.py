@@ -413,8 +413,9 @@ def _byte_rows_written(data: ByteRows, scales: ByteRows | None) -> list:
 
 def _q_norms(q: QSide | None) -> list[tuple[bool, float | torch.fx.Node]]:
     """The q norms to try, as ``(apply_q_norm, eps)``: an RMSNorm with each eps-like constant
-    q's math holds (or the run-time float it reads as its eps, ``regions.eps_inputs``), and none (DeepSeek-V4.1 norms before the q projection); without such a
-    constant, none first, then a norm with eps 0."""
+    q's math holds (or the run-time float it reads as its eps, ``regions.eps_inputs``), and
+    none (DeepSeek-V4.1 norms before the q projection); without such a constant, none first,
+    then a norm with eps 0."""
     if q is None:
         return [(True, 0.0)]  # the op's default: no q heads to norm
     region = backward([q.candidates[0].node], cut={q.start.node})

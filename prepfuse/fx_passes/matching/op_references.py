@@ -146,10 +146,9 @@ def _splice(graph: torch.fx.Graph, node: torch.fx.Node, traced: torch.fx.GraphMo
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env = dict(zip(placeholders, node.all_input_nodes))
     trace = node.meta.get("stack_trace")
-    before = set(graph.nodes)
     with graph.inserting_before(node):
-        out = graph.graph_copy(traced.graph, env)
-    new = [n for n in graph.nodes if n not in before]
+        out = graph.graph_copy(traced.graph, env)  # fills env with each traced node's copy
+    new = [env[n] for n in traced.graph.nodes if n.op not in ("placeholder", "output")]
     for n in new:
         if trace:
             n.meta["stack_trace"] = trace

@@ -168,8 +168,7 @@ def is_eps_input(node: torch.fx.Node) -> bool:
         elif user.target is aten.add.Tensor and len(user.args) == 2:
             other = user.args[1] if user.args[0] is not node and _through_casts(user.args[0]) is node \
                 else user.args[0] if _through_casts(user.args[1]) is node else None
-            while isinstance(other, torch.fx.Node) and other.target in CONVERTS:
-                other = other.args[0]
+            other = _through_casts(other)
             if isinstance(other, torch.fx.Node) and other.target in _MEANS:
                 return True
     return False

@@ -289,8 +289,6 @@ def _indexed_size(node: torch.fx.Node) -> int | None:
     return min(sizes) if sizes else None
 
 
-
-
 def _probe_value(node: torch.fx.Node, role: str | None, limits: _Limits, probe: int, gen: torch.Generator):
     if node.op == "get_attr":  # a constant of the graph: its real value
         return _attr(node)
